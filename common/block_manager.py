@@ -1,0 +1,161 @@
+"""Paged KV block allocation with hash-chained prefix caching.
+
+Owns the free list, ref counts and the hash -> block map. The scheduler asks it for
+blocks; it never touches these structures itself.
+
+Invariants:
+- every block is either in use (ref_count > 0) or in `_free` (ref_count == 0), never both;
+- a free block may still hold a cached hash; it is evicted (hash dropped) only when
+  the block is handed out again, oldest-freed first;
+- `_hash_to_block[h] == b` implies `blocks[b].hash == h`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from common.hashing import ROOT_HASH, cacheable_prefix_hashes, hash_block
+from common.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences and keeps a prefix cache of full blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is the eviction order: first freed, first reused.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._events: list[tuple[str, int]] = []  # ("stored" | "evicted", hash) for the router
+        self.num_cached_blocks_hit = 0  # counters for metrics
+        self.num_blocks_queried = 0
+
+    # ---- queries -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids` (never its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        for h in cacheable_prefix_hashes(token_ids, self.block_size):
+            b = self._hash_to_block.get(h)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def take_events(self) -> list[tuple[str, int]]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- mutation --------------------------------------------------------------
+    def can_admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        """Whether a waiting seq holding no blocks can take `cached` plus new blocks."""
+        in_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        total = -(-(len(cached) * self.block_size + num_new_tokens) // self.block_size)
+        return total - len(cached) + in_free <= len(self._free)
+
+    def admit(self, seq: Sequence, cached: list[int]) -> None:
+        """Give a waiting seq its cached prefix blocks (it must hold none)."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        for b in cached:
+            self._ref(b)
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+        seq.num_hashed_blocks = len(cached)
+        seq.block_hashes = [self.blocks[b].hash for b in cached]  # type: ignore[misc]
+        self.num_blocks_queried += (len(seq) - 1) // self.block_size
+        self.num_cached_blocks_hit += len(cached)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's block table to hold `num_new_tokens` more tokens; False if no room."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._pop_free())
+        return True
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """n fresh blocks not tied to a sequence (e.g. reserved for an incoming transfer)."""
+        if n > len(self._free):
+            return None
+        return [self._pop_free() for _ in range(n)]
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        n_full = seq.num_computed_tokens // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        for i in range(seq.num_hashed_blocks, n_full):
+            h = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(h)
+            parent = h
+            b = seq.block_table[i]
+            if h not in self._hash_to_block and self.blocks[b].hash is None:
+                self.blocks[b].hash = h
+                self._hash_to_block[h] = b
+                self._events.append(("stored", h))
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of seq's blocks; tail blocks are freed first so they are evicted first."""
+        for b in reversed(seq.block_table):
+            self.release(b)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+        seq.block_hashes = []
+
+    def release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
+    # ---- internals ------------------------------------------------------------
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict: its content is about to be overwritten
+            del self._hash_to_block[block.hash]
+            self._events.append(("evicted", block.hash))
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        for b in self.blocks:
+            assert (b.ref_count == 0) == (b.block_id in self._free), b
+            assert b.ref_count >= 0
+            if b.hash is not None:
+                assert self._hash_to_block[b.hash] == b.block_id
+        for h, bid in self._hash_to_block.items():
+            assert self.blocks[bid].hash == h

@@ -1,0 +1,105 @@
+"""`pdserve` command line: make-model, generate (offline), and the serving commands."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from common.config import ConfigError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from --memory-fraction)")
+    g.add_argument("--memory-fraction", type=float, default=0.2)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                dtype=args.dtype, device=args.device, num_threads=args.num_threads,
+                enable_prefix_caching=not args.no_prefix_caching)
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    from common.default_model import default_model_dir
+    return str(default_model_dir())
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from common.model_factory import make_model
+    out = make_model(args.dir, args.arch, args.size, args.seed)
+    print(f"wrote {args.arch}/{args.size} model (seed {args.seed}) to {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from common import LLM, SamplingParams
+    model = resolve_model(args.model)
+    llm = LLM(model, **engine_options(args))
+    prompts = args.prompt or ["The router sends the request to", "A prefill worker computes",
+                              "Hello, my name is", "Decode workers stream tokens"]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for prompt, out in zip(prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, **out}))
+        else:
+            print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
+    ntok = sum(len(o["token_ids"]) for o in outs)
+    print(f"model {model}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a random-weight HF-format model with a trained tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--arch", choices=["qwen3", "qwen2", "llama"], default="qwen3")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("generate", help="offline generation (default model when none is given)")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

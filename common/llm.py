@@ -1,0 +1,56 @@
+"""The offline API: `LLM(model_dir, **options).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from common.config import EngineConfig
+from common.engine import LLMEngine, RequestError
+from common.sampling_params import SamplingParams
+
+
+class LLM:
+    """An in-process engine. Options are those of `EngineConfig.build`: block_size,
+    num_kv_blocks, memory_fraction, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_chunked_prefill, enable_prefix_caching, dtype, device, num_threads, seed."""
+
+    def __init__(self, model_dir: str | Path, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.build(model_dir, **options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict[str, Any]]:
+        """One result dict per prompt, in order: text, token_ids, prompt_token_ids,
+        finish_reason, num_cached_tokens."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise RequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        # Validate everything before queueing anything, so a bad prompt changes nothing.
+        token_lists = [self.engine.validate_prompt(p) for p in prompts]
+        seqs = [self.engine.add_request(t, sp) for t, sp in zip(token_lists, sampling_params)]
+        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.engine.has_work():
+                done = sum(o.finished for o in self.engine.step())
+                bar.update(done)
+        except BaseException:
+            for seq in seqs:
+                self.engine.abort(seq)
+            raise
+        finally:
+            bar.close()
+        return [{
+            "text": self.engine.output_text(s),
+            "token_ids": s.output_token_ids,
+            "prompt_token_ids": s.token_ids[:s.num_prompt_tokens],
+            "finish_reason": s.finish_reason,
+            "num_cached_tokens": s.num_cached_tokens,
+        } for s in seqs]

@@ -1,0 +1,153 @@
+"""Runs the model on a scheduled batch: builds the flat inputs (input_ids, positions,
+slot_mapping, block tables), calls the forward pass and samples. Owns the model, the
+paged KV cache tensor and per-request sampling generators."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from common.attention import AttentionMetadata
+from common.config import ConfigError, EngineConfig
+from common.models import DecoderForCausalLM
+from common.sampler import Sampler, make_generator
+from common.scheduler import ScheduledBatch
+from common.sequence import Sequence
+from common.weights import load_weights
+
+
+def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
+    """[2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim]."""
+    m = config.model
+    return (2, m.num_layers, num_blocks, config.cache.block_size, m.num_kv_heads, m.head_dim)
+
+
+def bytes_per_block(config: EngineConfig) -> int:
+    shape = kv_cache_shape(config, 1)
+    return int(np.prod(shape)) * torch.empty((), dtype=config.device.torch_dtype).element_size()
+
+
+def decide_num_blocks(config: EngineConfig) -> int:
+    """Cache size in blocks: the configured count, else `memory_fraction` of device memory."""
+    if config.cache.num_blocks is not None:
+        n = config.cache.num_blocks
+    else:
+        if config.device.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(config.device.device))
+            budget = free * config.cache.memory_fraction
+        else:
+            budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * config.cache.memory_fraction
+        n = int(budget // bytes_per_block(config))
+    need = -(-config.scheduler.max_model_len // config.cache.block_size)
+    if n < need:
+        raise ConfigError(
+            f"KV cache of {n} blocks cannot hold one sequence of max_model_len "
+            f"{config.scheduler.max_model_len} ({need} blocks of {config.cache.block_size} tokens); "
+            f"raise num_kv_blocks or lower max_model_len")
+    return n
+
+
+class ModelRunner:
+    """Owns the model weights, the KV cache and sampling state of one engine."""
+
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
+        self.config = config
+        dev = config.device
+        if dev.num_threads:
+            torch.set_num_threads(dev.num_threads)
+        self.device = torch.device(dev.device)
+        self.block_size = config.cache.block_size
+        model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
+        load_weights(model, config.model.model_dir)
+        self.model = model.to(device=self.device, dtype=dev.torch_dtype).eval()
+        self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
+        if kv_cache is None:
+            self.num_blocks = decide_num_blocks(config)
+            kv_cache = torch.zeros(kv_cache_shape(config, self.num_blocks), dtype=dev.torch_dtype,
+                                   device=self.device)
+        else:
+            self.num_blocks = kv_cache.shape[2]
+        self.kv_cache = kv_cache
+        self.model.kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(config.model.num_layers)]
+        self.sampler = Sampler(config.seed, dev.device)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[int, int]:
+        """Run one step; returns {seq_id: sampled token} for seqs that completed all their tokens."""
+        order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)  # decode first
+        seqs = [batch.seqs[i] for i in order]
+        counts = [batch.num_tokens[i] for i in order]
+        input_ids, positions, meta, sample_idx, sample_seqs = self.prepare(seqs, counts)
+        hidden = self.model(input_ids, positions, meta)  # [N, hidden]
+        if not sample_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_idx])  # [S, V]
+        params = [s.sampling_params for s in sample_seqs]
+        gens = [self._generator(s) for s in sample_seqs]
+        tokens = self.sampler(logits, params, gens)
+        return {s.seq_id: t for s, t in zip(sample_seqs, tokens)}
+
+    def prepare(self, seqs: list[Sequence], counts: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        """Flatten a decode-first batch into model inputs and attention metadata."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        sample_idx: list[int] = []
+        sample_seqs: list[Sequence] = []
+        num_decode = sum(1 for n in counts if n == 1)
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        pre_q, pre_ctx, pre_tables = [], [], []
+        offset = 0
+        for seq, n in zip(seqs, counts):
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            pos_chunks.append(pos)
+            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+            else:
+                pre_q.append(n)
+                pre_ctx.append(end)
+                pre_tables.append(torch.from_numpy(table).to(self.device))
+            offset += n
+            if end == len(seq):
+                sample_idx.append(offset - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        tables = np.full((len(decode_tables), max_blocks), -1, dtype=np.int32)
+        for i, t in enumerate(decode_tables):
+            tables[i, :len(t)] = t
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            num_decode=num_decode,
+            decode_block_tables=torch.from_numpy(tables).to(dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            prefill_q_lens=pre_q,
+            prefill_context_lens=pre_ctx,
+            prefill_block_tables=pre_tables,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
+        return input_ids, positions, meta, torch.tensor(sample_idx, device=dev), sample_seqs
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None or seq.sampling_params.greedy:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = self._generators[seq.seq_id] = make_generator(seed, self.config.device.device)
+        return gen

@@ -1,0 +1,108 @@
+"""One decoder-only transformer covering Qwen3 (q/k norm), Qwen2 (qkv bias) and Llama
+(GQA, optional attention bias), reading HuggingFace weight names."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.attention import AttentionMetadata, attend
+from common.config import ModelConfig
+from common.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+# HF weight name fragment -> (our fused parameter fragment, shard index)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def mark_shards(linear: nn.Linear, sizes: tuple[int, ...]) -> None:
+    """Tag a fused projection's parameters with their row shards (q/k/v or gate/up)."""
+    for p in linear.parameters():
+        p.shard_sizes = sizes  # type: ignore[attr-defined]
+
+
+class SelfAttention(nn.Module):
+    """Owns the fused q/k/v projection, the output projection and (Qwen3) q/k norms."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        mark_shards(self.qkv_proj, (self.q_size, self.kv_size, self.kv_size))
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        mark_shards(self.mlp.gate_up_proj, (cfg.intermediate_size, cfg.intermediate_size))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The whole model. `kv_caches[i]` is layer i's (k_cache, v_cache) pair, each
+    [num_blocks, block_size, Hkv, D]; the runner binds them before the first forward."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [N] -> hidden states [N, hidden] (final norm applied)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, self.kv_caches):
+            x = layer(x, positions, self.model.rope, kv, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [B, V]

@@ -1,0 +1,118 @@
+"""What runs next: continuous batching with a token budget, chunked prefill and
+preemption by recompute. Owns the waiting and running queues; asks the BlockManager
+for blocks and never touches its free lists.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.block_manager import BlockManager
+from common.config import SchedulerConfig
+from common.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: each seq computes `num_tokens` tokens from its num_computed_tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    """Running sequences are served first (oldest first); waiting ones are admitted
+    FCFS while the budget, the sequence limit and free blocks allow. When a running
+    sequence cannot get a block, the newest running sequence is preempted: its blocks
+    are freed and it goes back to the front of the queue to be recomputed (its prefix
+    blocks usually survive in the prefix cache)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.allocate(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+                i += 1
+        if batch.preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq.token_ids)
+            n = len(seq) - len(cached) * bm.block_size
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.can_admit(seq, cached, n):
+                break
+            bm.admit(seq, cached)
+            allocated = bm.allocate(seq, n)
+            assert allocated, "can_admit promised room"
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Account a finished step; returns the seqs that now need a sampled token."""
+        ready = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == len(seq):
+                ready.append(seq)
+        return ready
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,71 @@
+"""One request's tokens, KV blocks and progress, as the scheduler and runner see it."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from common.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Owns a request's token ids (prompt + output) and its block table.
+
+    Invariant: tokens [0, num_computed_tokens) have their KV in the blocks of
+    `block_table`; the sequence samples a new token after a step that brings
+    num_computed_tokens up to len(token_ids).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the hashed blocks
+    finish_reason: str | None = None
+    stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+class SeqIdCounter:
+    """Hands out sequence ids; one per engine, not a class-level global."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._it = itertools.count(start)
+
+    def next(self) -> int:
+        return next(self._it)

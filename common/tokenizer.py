@@ -1,0 +1,111 @@
+"""Tokenizer loading (tokenizer.json via `tokenizers`, chat template via jinja2) and the
+offline training of the byte-level BPE tokenizer that `pdserve make-model` ships."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from common.config import ConfigError
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Word stock for the synthetic training corpus: enough variety for a few thousand merges.
+_WORDS = """the of and to in is was for on that with as by at from it an be this are or
+which have not has had but were their one all can more other been would its new also
+time first two into only after over most people some could system model serving request
+token cache prefill decode latency throughput batch queue worker router block memory
+transfer device kernel attention layer engine server client stream output input prompt
+sequence schedule policy metric goodput budget prefix hash load event handoff graph
+tensor weight value key query head dimension length rate second minute hour day week
+year city river mountain ocean forest garden house street market school library
+music story river light water fire stone cloud rain snow wind north south east west
+red green blue yellow black white small large long short early late fast slow quick
+bright dark warm cold happy quiet loud gentle simple clever careful strange ancient
+modern open close begin finish build write read send receive measure compare answer
+question explain describe remember imagine travel return follow lead carry hold""".split()
+
+
+def train_bpe_tokenizer(vocab_size: int, seed: int) -> HFTokenizer:
+    """A byte-level BPE trained on a deterministic synthetic corpus (no download)."""
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(4000):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 9999)))
+        sentence = " ".join(words)
+        corpus.append(sentence[0].upper() + sentence[1:] + rng.choice([".", "?", "!", ",", ":"]))
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: HFTokenizer, out_dir: Path, model_max_length: int) -> None:
+    tok.save(str(out_dir / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                       "normalized": False, "single_word": False}
+             for t in SPECIAL_TOKENS}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+
+
+class Tokenizer:
+    """Owns a model directory's tokenizer.json and chat template.
+
+    Loaded with `tokenizers` directly: AutoTokenizer picks the wrong class for some
+    Qwen2 folders."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{path} not found: the model directory needs a tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = Path(model_dir) / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        self._template = (jinja2.Environment(keep_trailing_newline=True).from_string(template)
+                          if template else None)
+        eos = cfg.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ConfigError("this model has no chat template (tokenizer_config.json chat_template)")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
