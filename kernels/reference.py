@@ -1,0 +1,172 @@
+"""Pure-torch reference implementations of the KV-cache kernels.
+
+These run on any device and are the implementations the CPU engine uses in its
+hot path, so they are vectorized (no per-token Python loops).
+
+KV cache layout (one layer): ``k_cache`` / ``v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous. A token's slot is
+``block_id * block_size + offset``; slot ``-1`` means "skip this token".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "gather_blocks",
+    "scatter_blocks",
+]
+
+
+def store_kv(
+    key: torch.Tensor,  # [N, Hkv, D]
+    value: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [N] int64 or int32, -1 = skip
+) -> None:
+    """Write ``key[i]`` / ``value[i]`` into the caches at ``slot_mapping[i]`` (in place).
+
+    Tokens whose slot is ``-1`` (or any negative value) are skipped.
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    _, _, hkv, d = k_cache.shape
+    slots = slot_mapping.to(torch.long)  # [N]
+    valid = slots >= 0  # [N]
+    if not bool(valid.all()):
+        slots = slots[valid]
+        key = key[valid]
+        value = value[valid]
+    k_flat = k_cache.view(-1, hkv, d)  # [num_blocks*block_size, Hkv, D]
+    v_flat = v_cache.view(-1, hkv, d)  # [num_blocks*block_size, Hkv, D]
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D], q.dtype
+    """Single-token (decode) attention over paged KV.
+
+    Query ``b`` attends to the first ``context_lens[b]`` tokens of its blocks
+    (its own K/V is already in the cache). GQA: ``Hq = Hkv * group``; query head
+    ``h`` uses kv head ``h // group``. Scores/softmax are computed in fp32.
+    Sequences with ``context_lens[b] == 0`` get an all-zero output.
+    """
+    b, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    if b == 0 or block_tables.shape[1] == 0:
+        return torch.zeros_like(q)
+    lens = context_lens.to(device=q.device, dtype=torch.long)  # [B]
+    # Only gather the blocks some sequence actually needs.
+    max_len = int(lens.max().item())
+    nblk = max(1, min(block_tables.shape[1], -(-max_len // block_size)))
+    bt = block_tables[:, :nblk].to(device=q.device, dtype=torch.long).clamp(min=0)  # [B, nblk]
+    length = nblk * block_size
+
+    k = k_cache[bt].view(b, length, hkv, d)  # [B, L, Hkv, D]
+    v = v_cache[bt].view(b, length, hkv, d)  # [B, L, Hkv, D]
+    k = k.permute(0, 2, 3, 1).float()  # [B, Hkv, D, L]
+    v = v.permute(0, 2, 1, 3).float()  # [B, Hkv, L, D]
+    qg = q.reshape(b, hkv, group, d).float()  # [B, Hkv, G, D]
+
+    scores = torch.matmul(qg, k)  # [B, Hkv, G, L]
+    scores.mul_(scale)
+    pos = torch.arange(length, device=q.device)  # [L]
+    masked = pos[None, :] >= lens[:, None]  # [B, L]
+    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, L]
+    out = torch.matmul(probs, v)  # [B, Hkv, G, D]
+    out = out.reshape(b, hq, d)  # [B, Hq, D]
+    out.masked_fill_((lens <= 0)[:, None, None], 0.0)  # empty context -> 0, not NaN
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [Ntok, Hq, D], packed tokens of B sequences
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32/int64, cumulative query lengths
+    context_lens: torch.Tensor,  # [B] int32, full context length incl. the new tokens
+    scale: float,
+) -> torch.Tensor:  # [Ntok, Hq, D], q.dtype
+    """Causal (chunked) prefill attention over paged KV.
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; these are
+    the LAST ``q_len`` tokens of its context of length ``context_lens[b]`` and their
+    K/V are already stored in the cache. The query at absolute position ``p``
+    attends to context positions ``<= p``. One SDPA call per sequence.
+    """
+    ntok, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    out = torch.zeros_like(q)  # rows not owned by any sequence stay 0
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    bt_all = block_tables.to(device=q.device, dtype=torch.long)  # [B, max_blocks]
+    for b, ctx in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        q_len = end - start
+        if q_len <= 0:
+            continue
+        if q_len > ctx:
+            raise ValueError(f"sequence {b}: q_len {q_len} > context_len {ctx}")
+        nblk = -(-ctx // block_size)
+        blocks = bt_all[b, :nblk].clamp(min=0)  # [nblk]
+        k = k_cache[blocks].reshape(nblk * block_size, hkv, d)[:ctx]  # [ctx, Hkv, D]
+        v = v_cache[blocks].reshape(nblk * block_size, hkv, d)[:ctx]  # [ctx, Hkv, D]
+        qb = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
+        kb = k.transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
+        vb = v.transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
+        if q_len == ctx:
+            # Square: top-left and bottom-right causal alignment coincide.
+            o = F.scaled_dot_product_attention(
+                qb, kb, vb, is_causal=True, scale=scale, enable_gqa=hkv != hq
+            )
+        elif q_len == 1:
+            # Last token sees the whole context: no mask needed.
+            o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=hkv != hq)
+        else:
+            qpos = torch.arange(ctx - q_len, ctx, device=q.device)  # [q_len]
+            kpos = torch.arange(ctx, device=q.device)  # [ctx]
+            mask = kpos[None, :] <= qpos[:, None]  # [q_len, ctx], True = attend
+            o = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=hkv != hq
+            )
+        out[start:end] = o.transpose(0, 1)  # [q_len, Hq, D]
+    return out
+
+
+def gather_blocks(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] (or any [num_blocks, ...])
+    block_ids: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [n, block_size, Hkv, D], contiguous
+    """Copy ``cache[block_ids[i]]`` into a new contiguous buffer ``buf[i]``."""
+    return cache.index_select(0, block_ids.to(device=cache.device, dtype=torch.long))
+
+
+def scatter_blocks(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] (or any [num_blocks, ...])
+    block_ids: torch.Tensor,  # [n] int64
+    buf: torch.Tensor,  # [n, block_size, Hkv, D]
+) -> None:
+    """Inverse of :func:`gather_blocks`: write ``buf[i]`` into ``cache[block_ids[i]]`` in place."""
+    if block_ids.numel() == 0:
+        return
+    cache.index_copy_(
+        0,
+        block_ids.to(device=cache.device, dtype=torch.long),
+        buf.to(device=cache.device, dtype=cache.dtype),
+    )
