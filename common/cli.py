@@ -66,6 +66,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """One worker process (normally started by `pdserve serve` or a test launcher)."""
+    from common.config import EngineConfig, WorkerConfig
+    engine_config = EngineConfig.build(resolve_model(args.model), **engine_options(args))
+    worker_config = WorkerConfig(
+        role=args.role, worker_id=args.worker_id or f"{args.role}-{__import__('os').getpid()}",
+        bind=args.bind, kv_transfer=args.kv_transfer, dist_init=args.dist_init, rank=args.rank,
+        world_size=args.world_size, prefill_peers=tuple(p for p in args.prefill_peers.split(",") if p),
+        report_to=args.report_to, ready_file=args.ready_file, peer_timeout_s=args.peer_timeout)
+    if args.role == "prefill":
+        from prefill_node.worker import serve
+    else:
+        from decode_node.worker import serve
+    serve(engine_config, worker_config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("worker", help="run one prefill, decode or colocated worker process")
+    p.add_argument("role", choices=["prefill", "decode", "colocated"])
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--bind", default="tcp://127.0.0.1:0")
+    p.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "cuda_ipc", "gloo", "nccl", "tcp"])
+    p.add_argument("--dist-init", default="", help="torch.distributed init method (gloo/nccl)")
+    p.add_argument("--rank", type=int, default=-1)
+    p.add_argument("--world-size", type=int, default=0)
+    p.add_argument("--prefill-peers", default="", help="decode: comma-separated prefill addresses to handshake with")
+    p.add_argument("--report-to", default="", help="router address for heartbeats")
+    p.add_argument("--ready-file", default="")
+    p.add_argument("--peer-timeout", type=float, default=10.0)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_worker)
     return parser
 
 

@@ -208,3 +208,31 @@ class EngineConfig:
             device=DeviceConfig(device=device, dtype=dtype, num_threads=num_threads),
             seed=seed,
         )
+
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process: its role, identity, sockets and KV transfer settings."""
+
+    role: str
+    worker_id: str
+    bind: str = "tcp://127.0.0.1:0"
+    kv_transfer: str = "auto"  # auto | shm | cuda_ipc | gloo | nccl | tcp
+    dist_init: str = ""  # torch.distributed init method for gloo/nccl, e.g. tcp://127.0.0.1:PORT
+    rank: int = -1
+    world_size: int = 0
+    prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers to handshake with at start
+    report_to: str = ""  # router address to push WorkerStatus heartbeats to
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 10.0
+    ready_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_transfer in ("gloo", "nccl") and self.role != "colocated":
+            if not self.dist_init or self.rank < 0 or self.world_size < 2:
+                raise ConfigError(f"kv transfer {self.kv_transfer!r} needs dist_init, rank and world_size >= 2")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.model_runner import ModelRunner
@@ -29,10 +31,10 @@ class StepOutput:
 class LLMEngine:
     """Owns the tokenizer, scheduler, block manager and model runner of one process."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model.model_dir)
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, kv_cache)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -62,10 +64,14 @@ class LLMEngine:
                                f"so a prompt may have at most {limit - 1}")
         return token_ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """A validated Sequence, not yet scheduled."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        seq = Sequence(self._ids.next(), self.validate_prompt(prompt), params)
+        return Sequence(self._ids.next(), self.validate_prompt(prompt), params)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = self.new_sequence(prompt, params)
         self.scheduler.add(seq)
         return seq
 

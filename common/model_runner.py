@@ -4,6 +4,7 @@ paged KV cache tensor and per-request sampling generators."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
         load_weights(model, config.model.model_dir)
-        self.model = model.to(device=self.device, dtype=dev.torch_dtype).eval()
+        self.model = model.to(device=self.device, dtype=dev.torch_dtype).eval().requires_grad_(False)
         self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
         if kv_cache is None:
             self.num_blocks = decide_num_blocks(config)
@@ -77,20 +78,24 @@ class ModelRunner:
         self._generators.pop(seq_id, None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[int, int]:
+    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None
+                ) -> dict[int, int]:
         """Run one step; returns {seq_id: sampled token} for seqs that completed all their tokens."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)  # decode first
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_tokens[i] for i in order]
         input_ids, positions, meta, sample_idx, sample_seqs = self.prepare(seqs, counts)
-        hidden = self.model(input_ids, positions, meta)  # [N, hidden]
+        hidden = self.model(input_ids, positions, meta, layer_hook)  # [N, hidden]
         if not sample_seqs:
             return {}
-        logits = self.model.compute_logits(hidden[sample_idx])  # [S, V]
-        params = [s.sampling_params for s in sample_seqs]
-        gens = [self._generator(s) for s in sample_seqs]
-        tokens = self.sampler(logits, params, gens)
-        return {s.seq_id: t for s, t in zip(sample_seqs, tokens)}
+        return self.sample(hidden[sample_idx], sample_seqs)
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
+        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
+        logits = self.model.compute_logits(hidden)  # [S, V]
+        tokens = self.sampler(logits, [s.sampling_params for s in seqs], [self._generator(s) for s in seqs])
+        return {s.seq_id: t for s, t in zip(seqs, tokens)}
 
     def prepare(self, seqs: list[Sequence], counts: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:

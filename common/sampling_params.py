@@ -43,3 +43,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def from_wire(sampling: object) -> SamplingParams:
+    """SamplingParams from a `messages.Sampling` (validated here: wire input is untrusted)."""
+    import dataclasses
+    return SamplingParams(**dataclasses.asdict(sampling))  # type: ignore[call-overload]
+
+
+def to_wire(params: SamplingParams):
+    from common.messages import Sampling
+    return Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                    max_tokens=params.max_tokens, stop=list(params.stop) if params.stop else None,
+                    seed=params.seed, ignore_eos=params.ignore_eos)

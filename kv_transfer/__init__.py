@@ -1,1 +1,57 @@
-"""kv_transfer package."""
+"""Moving KV blocks between workers: backends (shm, cuda_ipc, gloo, nccl, tcp) behind one
+sender/receiver interface, chosen by name or by device with `auto`."""
+from __future__ import annotations
+
+import torch
+
+from kv_transfer.base import KVReceiver, KVSender, TransferError, layout_mismatch, layout_of
+
+BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl", "tcp")
+
+__all__ = ["BACKENDS", "KVReceiver", "KVSender", "TransferError", "layout_mismatch", "layout_of",
+           "resolve_backend", "make_receiver", "make_sender"]
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """`auto` picks the same-host fast path for the device: cuda_ipc on GPU, shm on CPU."""
+    if name == "auto":
+        return "cuda_ipc" if device.startswith("cuda") else "shm"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kv transfer backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
+    gpu_only = {"cuda_ipc", "nccl"}
+    if name in gpu_only and not device.startswith("cuda"):
+        raise ValueError(f"kv transfer backend {name!r} needs a CUDA device, workers run on {device!r}")
+    if name == "shm" and device.startswith("cuda"):
+        raise ValueError("kv transfer backend 'shm' is for CPU workers; use cuda_ipc on GPUs")
+    return name
+
+
+def make_receiver(backend: str, shape: tuple[int, ...], dtype: torch.dtype, device: str,
+                  name_hint: str) -> KVReceiver:
+    """The decode side: allocates the KV cache where the backend needs it."""
+    if backend == "shm":
+        from kv_transfer.shm import ShmReceiver
+        return ShmReceiver(shape, dtype, name_hint)
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    if backend == "cuda_ipc":
+        from kv_transfer.cuda_ipc import CudaIpcReceiver
+        return CudaIpcReceiver(cache)
+    if backend in ("gloo", "nccl"):
+        from kv_transfer.torch_dist import DistReceiver
+        return DistReceiver(cache, backend)
+    from kv_transfer.tcp import TcpReceiver
+    return TcpReceiver(cache)
+
+
+def make_sender(backend: str, kv_cache: torch.Tensor, peer_info: dict) -> KVSender:
+    if backend == "shm":
+        from kv_transfer.shm import ShmSender
+        return ShmSender(kv_cache, peer_info)
+    if backend == "cuda_ipc":
+        from kv_transfer.cuda_ipc import CudaIpcSender
+        return CudaIpcSender(kv_cache, peer_info)
+    if backend in ("gloo", "nccl"):
+        from kv_transfer.torch_dist import DistSender
+        return DistSender(kv_cache, peer_info, backend)
+    from kv_transfer.tcp import TcpSender
+    return TcpSender(kv_cache, peer_info)

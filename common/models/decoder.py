@@ -2,6 +2,8 @@
 (GQA, optional attention bias), reading HuggingFace weight names."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -96,12 +98,15 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [N] -> hidden states [N, hidden] (final norm applied)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> hidden states [N, hidden] (final norm applied).
+        `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push)."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv in zip(self.model.layers, self.kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.model.layers, self.kv_caches)):
             x = layer(x, positions, self.model.rope, kv, meta)
+            if layer_hook is not None:
+                layer_hook(i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

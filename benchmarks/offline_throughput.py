@@ -1,0 +1,340 @@
+"""Offline throughput: our `LLM.generate` against transformers' batched `generate`,
+side by side in one run on the same prompts, plus the share of an engine step spent
+outside the model forward at batch 32.
+
+    python benchmarks/offline_throughput.py [--model DIR] [--num-prompts 64]
+        [--hf-batch-size 16] [--out results/offline_throughput.json] [--profile]
+
+Workload: `--num-prompts` prompts of random token ids in [3, vocab) (0-2 are special),
+input lengths uniform in [32, 512], output lengths uniform in [16, 256], fixed seed;
+greedy with ignore_eos, so every prompt yields exactly its output length.
+
+Counting. Ours: total generated tokens / wall time of one `generate` over all prompts
+(a 2-prompt warm-up runs first and is not counted). transformers: prompts are sorted by
+input length (longest first) and cut into batches of `--hf-batch-size`, so each batch
+holds similar lengths and little left padding -- the order most favourable to it. A
+batch runs `max_new_tokens = min_new_tokens =` its longest output length (static
+batching cannot stop a row early), and only the useful tokens, each prompt's own output
+length, count towards its tokens/s.
+
+Overhead at batch 32: 32 sequences are prefilled, then each `engine.step()` of pure
+decode is timed together with the time inside `runner.model.forward` (wrapped on the
+instance, no library edit); overhead share = 1 - forward_time / step_time. The same
+share with the lm_head (`compute_logits`) counted as model time is reported beside it.
+`--profile` then runs cProfile over further decode steps and prints the top functions.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a model hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
+
+from common import LLM, SamplingParams  # noqa: E402
+
+NUM_THREADS = 2
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024
+FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens
+TARGET_RATIO = 2.0
+TARGET_OVERHEAD = 0.10
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The prompts (token ids) and each prompt's exact output length."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def total_output(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+def make_workload(n: int, vocab: int, seed: int, in_range: tuple[int, int] = (32, 512),
+                  out_range: tuple[int, int] = (16, 256)) -> Workload:
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        prompts.append([rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(rng.randint(*in_range))])
+        outs.append(rng.randint(*out_range))
+    return Workload(prompts, outs)
+
+
+def ensure_model(model: str | None) -> Path:
+    """The given model dir, else the `small` qwen3 model, made once under results/models."""
+    if model is not None:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            sys.exit(f"--model {model}: no config.json there; pass a HuggingFace-format model directory")
+        return path
+    path = REPO / "results" / "models" / "qwen3-small"
+    if not (path / "model.safetensors").is_file():
+        from common.model_factory import make_model
+        print(f"making the small qwen3 model in {path}", flush=True)
+        make_model(path, "qwen3", "small", seed=0)
+    return path
+
+
+def kv_blocks_for(work: Workload) -> int:
+    """Blocks for every prompt at its full length at once: no preemption can occur."""
+    return sum(-(-(len(p) + o) // BLOCK_SIZE) for p, o in zip(work.prompts, work.output_lens)) + 1
+
+
+# ---- our engine ------------------------------------------------------------------
+def run_ours(llm: LLM, work: Workload) -> Throughput:
+    warm = [p[:64] for p in work.prompts[:2]]
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(work.prompts, params)
+    seconds = time.perf_counter() - t0
+    got = [len(o["token_ids"]) for o in outs]
+    if got != work.output_lens:
+        raise RuntimeError("our engine did not produce exactly max_tokens per prompt (ignore_eos)")
+    return Throughput(sum(got), seconds)
+
+
+class ForwardTimer:
+    """Wraps a bound method on its instance and accumulates its wall time (seconds)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name, self.seconds = owner, name, 0.0
+        inner: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        setattr(owner, name, timed)  # instance attribute shadows the class method
+
+    def remove(self) -> None:
+        delattr(self.owner, self.name)
+
+
+def measure_overhead(llm: LLM, work: Workload, batch: int, steps: int, profile_steps: int,
+                     profile_out: Path | None) -> dict[str, Any]:
+    """Time pure-decode steps with `batch` running sequences (see the module docstring)."""
+    engine = llm.engine
+    total = steps + profile_steps
+    prompts = work.prompts[:batch]
+    if len(prompts) < batch:
+        raise SystemExit(f"--num-prompts must be >= {batch} for the overhead phase")
+    # max_model_len bounds prompt + outputs; every seq must outlive the measured steps
+    if max(len(p) for p in prompts) + total + 2 > MAX_MODEL_LEN:
+        raise SystemExit("overhead phase: too many steps for max_model_len")
+    params = SamplingParams(temperature=0, max_tokens=total + 2, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):  # prefill all
+        engine.step()
+    fwd = ForwardTimer(engine.runner.model, "forward")
+    logits = ForwardTimer(engine.runner.model, "compute_logits")
+    step_s: list[float] = []
+    try:
+        for _ in tqdm(range(steps), desc=f"decode steps @ batch {batch}", dynamic_ncols=True):
+            t0 = time.perf_counter()
+            out = engine.step()
+            step_s.append(time.perf_counter() - t0)
+            if len(out) != batch:
+                raise RuntimeError(f"expected {batch} decode outputs per step, got {len(out)}")
+    finally:
+        fwd.remove()
+        logits.remove()
+    step_total = sum(step_s)
+    hotspots = profile_decode(engine, profile_steps, profile_out) if profile_steps else None
+    for s in seqs:
+        engine.abort(s)
+    return {
+        "batch": batch,
+        "steps": steps,
+        "step_ms_mean": 1e3 * step_total / steps,
+        "forward_ms_mean": 1e3 * fwd.seconds / steps,
+        "compute_logits_ms_mean": 1e3 * logits.seconds / steps,
+        "overhead_share": 1 - fwd.seconds / step_total,
+        "overhead_share_counting_lm_head_as_model": 1 - (fwd.seconds + logits.seconds) / step_total,
+        "profile_top": hotspots,
+    }
+
+
+def profile_decode(engine: Any, steps: int, out: Path | None, top: int = 25) -> list[dict[str, Any]]:
+    """cProfile `steps` decode steps; returns the top functions by own (tottime) time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    if out is not None:
+        prof.dump_stats(str(out))
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, fn), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{Path(file).name}:{line}({fn})", "ncalls": ncalls,
+                     "tottime_ms_per_step": 1e3 * tottime / steps, "cumtime_ms_per_step": 1e3 * cumtime / steps})
+    rows.sort(key=lambda r: -r["tottime_ms_per_step"])
+    return rows[:top]
+
+
+# ---- transformers baseline ---------------------------------------------------------
+def run_transformers(model_dir: Path, work: Workload, batch_size: int) -> Throughput:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.config.pad_token_id
+    if pad is None:
+        raise SystemExit(f"{model_dir}/config.json has no pad_token_id; transformers' batched generate needs one")
+    order = sorted(range(len(work.prompts)), key=lambda i: -len(work.prompts[i]))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+    def generate(rows: list[list[int]], new: int) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # left padding
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=pad)
+
+    generate([p[:64] for p in work.prompts[:2]], 8)  # warm-up, not counted
+    useful, seconds = 0, 0.0
+    for b in tqdm(batches, desc=f"transformers (batch {batch_size})", dynamic_ncols=True):
+        new = max(work.output_lens[i] for i in b)
+        t0 = time.perf_counter()
+        out = generate([work.prompts[i] for i in b], new)
+        seconds += time.perf_counter() - t0
+        if out.shape[1] - max(len(work.prompts[i]) for i in b) != new:
+            raise RuntimeError("transformers stopped before min_new_tokens")
+        useful += sum(work.output_lens[i] for i in b)
+    return Throughput(useful, seconds)
+
+
+# ---- report ------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads()}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    ours, hf, ov = report["ours"], report["transformers"], report["overhead_at_batch32"]
+    print()
+    print(f"{'engine':<14}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
+    for name, r in (("pdserve", ours), ("transformers", hf)):
+        print(f"{name:<14}{r['output_tokens']:>12}{r['seconds']:>10.2f}{r['tokens_per_s']:>10.1f}")
+    t = report["targets"]
+    print(f"ratio ours/transformers: {report['ratio']:.2f}x  (target >= {t['ratio']['target']}: "
+          f"{'met' if t['ratio']['met'] else 'NOT met'})")
+    print(f"step at batch {ov['batch']}: {ov['step_ms_mean']:.2f} ms, forward {ov['forward_ms_mean']:.2f} ms, "
+          f"lm_head {ov['compute_logits_ms_mean']:.2f} ms")
+    print(f"overhead share at batch {ov['batch']}: {ov['overhead_share']:.1%} "
+          f"(lm_head as model: {ov['overhead_share_counting_lm_head_as_model']:.1%})  "
+          f"(target <= {t['overhead_share']['target']:.0%}: {'met' if t['overhead_share']['met'] else 'NOT met'})")
+    if ov["profile_top"]:
+        print(f"\ncProfile, top functions by own time per decode step (batch {ov['batch']}):")
+        for r in ov["profile_top"][:15]:
+            print(f"  {r['tottime_ms_per_step']:7.3f} ms  {r['ncalls']:>7}  {r['function']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="HuggingFace-format model dir (default: make the small qwen3 model)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overhead-steps", type=int, default=64, help="timed decode steps at batch 32")
+    ap.add_argument("--profile", action="store_true", help="cProfile 32 more decode steps at batch 32")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline (no ratio)")
+    ap.add_argument("--out", default=str(REPO / "results" / "offline_throughput.json"))
+    args = ap.parse_args(argv)
+    if args.num_prompts < 32 or args.hf_batch_size < 1:
+        ap.error("--num-prompts must be >= 32 (the overhead phase runs 32) and --hf-batch-size >= 1")
+
+    torch.set_num_threads(NUM_THREADS)
+    model_dir = ensure_model(args.model)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    work = make_workload(args.num_prompts, vocab, args.seed)
+    config = {"model": str(model_dir), "num_prompts": args.num_prompts, "seed": args.seed,
+              "input_len_range": [32, 512], "output_len_range": [16, 256],
+              "total_input_tokens": sum(map(len, work.prompts)), "total_output_tokens": work.total_output,
+              "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
+              "block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks_for(work), "hf_batch_size": args.hf_batch_size,
+              "hf_batch_order": "sorted by input length, longest first; max/min_new_tokens = batch max",
+              "hf_counted_tokens": "useful only: sum of each prompt's own output length"}
+
+    llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=64, max_num_batched_tokens=2048,
+              block_size=BLOCK_SIZE, num_kv_blocks=config["num_kv_blocks"], num_threads=NUM_THREADS)
+    ours = run_ours(llm, work)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    prof_path = out_path.with_suffix(".prof") if args.profile else None
+    overhead = measure_overhead(llm, work, 32, args.overhead_steps, 32 if args.profile else 0, prof_path)
+    del llm
+    hf = None if args.skip_hf else run_transformers(model_dir, work, args.hf_batch_size)
+
+    ratio = ours.tokens_per_s / hf.tokens_per_s if hf else None
+    report = {
+        "config": config,
+        "ours": ours.as_dict(),
+        "transformers": hf.as_dict() if hf else None,
+        "ratio": ratio,
+        "overhead_share_at_batch32": overhead["overhead_share"],
+        "overhead_at_batch32": overhead,
+        "targets": {
+            "ratio": {"target": TARGET_RATIO, "met": ratio is not None and ratio >= TARGET_RATIO},
+            "overhead_share": {"target": TARGET_OVERHEAD, "met": overhead["overhead_share"] <= TARGET_OVERHEAD},
+        },
+        "torch_threads": torch.get_num_threads(),
+        "machine": machine_info(),
+    }
+    out_path.write_text(json.dumps(report, indent=2))
+    if hf:
+        print_table(report)
+    else:
+        print(json.dumps({k: report[k] for k in ("ours", "overhead_share_at_batch32")}, indent=2))
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

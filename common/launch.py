@@ -1,0 +1,100 @@
+"""Starting and stopping worker processes: each is `python -m pdserve-style worker` with a
+ready file it writes once its socket is bound; the launcher waits for every ready file and
+on stop terminates (then kills) every process it started, leaving no orphans."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """A worker exited or did not become ready; the message carries its stderr tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class WorkerProcess:
+    """A started worker: its process, its log file and (once ready) its ready info."""
+
+    name: str
+    proc: subprocess.Popen
+    ready_file: Path
+    log_path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.info["address"]
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Launcher:
+    """Owns the worker processes of one deployment (tests, `pdserve serve`)."""
+
+    def __init__(self, workdir: str | Path | None = None) -> None:
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workers: list[WorkerProcess] = []
+
+    def start(self, name: str, role: str, model_dir: str, options: list[str], env: dict | None = None
+              ) -> WorkerProcess:
+        ready = self.workdir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        log_path = self.workdir / f"{name}.log"
+        cmd = [sys.executable, "-m", "common.cli", "worker", role, model_dir, "--worker-id", name,
+               "--ready-file", str(ready), *options]
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True)  # its own group: Ctrl-C goes to us first
+        wp = WorkerProcess(name, proc, ready, log_path)
+        self.workers.append(wp)
+        return wp
+
+    def wait_ready(self, workers: list[WorkerProcess] | None = None, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        for wp in workers or self.workers:
+            while not wp.ready_file.exists():
+                if wp.proc.poll() is not None:
+                    raise LaunchError(f"worker {wp.name} exited with code {wp.proc.returncode}:\n{wp.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"worker {wp.name} not ready after {timeout:.0f} s:\n{wp.log_tail()}")
+                time.sleep(0.05)
+            wp.info = json.loads(wp.ready_file.read_text())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for wp in self.workers:
+            if wp.proc.poll() is None:
+                wp.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for wp in self.workers:
+            try:
+                wp.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(wp.proc.pid, signal.SIGKILL)
+                wp.proc.wait()
+        self.workers = []
+
+    def __enter__(self) -> "Launcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

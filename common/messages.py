@@ -1,0 +1,266 @@
+"""Every message that crosses a socket: typed, versioned dataclasses and one msgpack codec.
+
+Wire form: msgpack map {"v": PROTOCOL_VERSION, "type": <tag>, "data": {field: value}}.
+Raw tensor bytes (tcp KV transfer) travel as extra ZeroMQ frames after the message.
+Decoding rejects unknown versions, unknown types, unknown or missing fields and wrong
+field types with MessageError; a process answers that with an ErrorReply and goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
+
+
+class MessageError(ValueError):
+    """A received message is malformed; the text says what is wrong."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(tag: str):
+    """Register a dataclass as a wire message under `tag`."""
+    def wrap(cls):
+        cls = dataclass(cls)
+        cls.TYPE = tag
+        _REGISTRY[tag] = cls
+        return cls
+    return wrap
+
+
+# ---- nested structures ------------------------------------------------------------
+
+@message("sampling")
+class Sampling:
+    """Sampling parameters as they travel (mirrors common.sampling_params.SamplingParams)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@message("kv_layout")
+class KVLayout:
+    """What must agree between a prefill and a decode worker for KV to be portable."""
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+# ---- client / router <-> workers ----------------------------------------------------
+
+@message("generate")
+class GenerateRequest:
+    """Sent to a decode (or colocated) worker: serve this prompt. `prefill_addr` names
+    the prefill worker that computes the prompt; empty means compute it locally."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    prefill_addr: str = ""
+    return_timeline: bool = False
+    timeline: dict[str, float] = field(default_factory=dict)
+
+
+@message("abort")
+class AbortRequest:
+    request_id: str
+
+
+@message("token_output")
+class TokenOutput:
+    """New tokens of one request; the last one has finished=True."""
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    timeline: dict[str, float] | None = None
+
+
+@message("error")
+class ErrorReply:
+    request_id: str
+    message: str
+    code: str = "bad_request"
+
+
+@message("status_request")
+class StatusRequest:
+    pass
+
+
+@message("worker_status")
+class WorkerStatus:
+    """Load and counters of one worker; also its heartbeat."""
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    waiting: int
+    running: int
+    free_blocks: int
+    total_blocks: int
+    counters: dict[str, int] = field(default_factory=dict)
+    kv_stored: list[int] = field(default_factory=list)  # block hashes newly cached
+    kv_evicted: list[int] = field(default_factory=list)  # block hashes evicted
+
+
+# ---- prefill <-> decode handoff ----------------------------------------------------
+
+@message("kv_handshake")
+class KVHandshake:
+    """D -> P when they connect: D's KV layout and where/how P writes into D's cache."""
+    decode_id: str
+    decode_addr: str
+    layout: KVLayout
+    backend: str
+    backend_info: dict[str, Any] = field(default_factory=dict)
+
+
+@message("kv_handshake_reply")
+class KVHandshakeReply:
+    prefill_id: str
+    ok: bool
+    error: str = ""
+    layout: KVLayout | None = None
+    backend_info: dict[str, Any] = field(default_factory=dict)
+
+
+@message("prefill")
+class PrefillRequest:
+    """D -> P: prefill this prompt and write the KV of blocks [skip_blocks, ...) into
+    `dst_block_ids` (one per block from skip_blocks to the prompt's last block)."""
+    request_id: str
+    decode_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    skip_blocks: int
+    dst_block_ids: list[int]
+    timeline: dict[str, float] = field(default_factory=dict)
+
+
+@message("kv_ready")
+class KVReady:
+    """P -> D: the KV is in D's blocks (or follows: `num_frames` raw frames for tcp, or
+    a gloo/nccl send of `payload_shape`); the prompt's first sampled token."""
+    request_id: str
+    first_token: int
+    num_blocks: int
+    payload_shape: list[int] = field(default_factory=list)
+    payload_dtype: str = ""
+    num_frames: int = 0
+    timeline: dict[str, float] = field(default_factory=dict)
+
+
+@message("prefill_failed")
+class PrefillFailed:
+    """P -> D: the prefill could not be done; D releases the reservation and reports."""
+    request_id: str
+    message: str
+
+
+# ---- codec ---------------------------------------------------------------------------
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, "data": _to_wire(msg)},
+                         use_bin_type=True)
+
+
+def decode(raw: bytes) -> Any:
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(raw)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise MessageError(f"not a msgpack message: {e}") from None
+    if not isinstance(obj, dict) or set(obj) != {"v", "type", "data"}:
+        raise MessageError("a message must be a map with exactly the keys v, type, data")
+    if obj["v"] != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {obj['v']!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    cls = _REGISTRY.get(obj["type"]) if isinstance(obj["type"], str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {obj['type']!r}")
+    return _from_wire(cls, obj["data"], obj["type"])
+
+
+def _to_wire(msg: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(msg):
+        v = getattr(msg, f.name)
+        out[f.name] = _to_wire(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+def _from_wire(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise MessageError(f"{where}: expected a map, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise MessageError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{where}: missing field {name!r}")
+            continue
+        kwargs[name] = _check(hints[name], data[name], f"{where}.{name}")
+    return cls(**kwargs)
+
+
+def _check(tp: Any, v: Any, where: str) -> Any:
+    """Validate `v` against type hint `tp`; returns it (nested messages constructed)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return v
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _check(arg, v, where)
+            except MessageError as e:
+                errors.append(str(e))
+        raise MessageError(f"{where}: {v!r} matches none of {tp}")
+    if tp is type(None):
+        if v is not None:
+            raise MessageError(f"{where}: expected null")
+        return v
+    if origin is list:
+        if not isinstance(v, list):
+            raise MessageError(f"{where}: expected a list, got {type(v).__name__}")
+        (arg,) = typing.get_args(tp)
+        return [_check(arg, x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if origin is dict:
+        if not isinstance(v, dict):
+            raise MessageError(f"{where}: expected a map, got {type(v).__name__}")
+        karg, varg = typing.get_args(tp)
+        return {_check(karg, k, where): _check(varg, x, f"{where}[{k!r}]") for k, x in v.items()}
+    if dataclasses.is_dataclass(tp):
+        return _from_wire(tp, v, where)
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise MessageError(f"{where}: expected a number, got {type(v).__name__}")
+        return float(v)
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise MessageError(f"{where}: expected an integer, got {type(v).__name__}")
+        return v
+    if tp in (str, bool):
+        if not isinstance(v, tp):
+            raise MessageError(f"{where}: expected {tp.__name__}, got {type(v).__name__}")
+        return v
+    raise TypeError(f"unsupported field type {tp} at {where}")  # a bug in this module, not input

@@ -1,0 +1,145 @@
+"""What every worker process shares: the server socket, the poll loop, heartbeats to the
+router, the ready file the launcher waits for, and a clean stop on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from common.config import EngineConfig, WorkerConfig
+from common.messages import WorkerStatus
+from common.transport import Client, Incoming, Server
+
+
+class WorkerBase:
+    """Owns the ZeroMQ context, the server socket and the loop; subclasses own the engine."""
+
+    role = "worker"
+
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
+        self.config = engine_config
+        self.wconfig = worker_config
+        self.worker_id = worker_config.worker_id
+        self.ctx = zmq.Context()
+        self.server = Server(self.ctx, worker_config.bind)
+        self.poller = zmq.Poller()
+        self.poller.register(self.server.sock, zmq.POLLIN)
+        self.reporter = Client(self.ctx, worker_config.report_to) if worker_config.report_to else None
+        self.counters: dict[str, int] = {}
+        self._stop = False
+        self._last_heartbeat = 0.0
+        from kv_transfer import layout_of
+        self.layout = layout_of(engine_config)
+
+    # ---- hooks for subclasses ---------------------------------------------------------
+    def handle(self, inc: Incoming) -> None:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def idle(self) -> None:
+        """Called every loop turn (timeouts, background completions)."""
+
+    def on_socket(self, sock: zmq.Socket) -> None:
+        """A registered socket other than the server socket is readable."""
+
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) for status reports."""
+        raise NotImplementedError
+
+    # ---- shared machinery ---------------------------------------------------------------
+    def log(self, text: str) -> None:
+        print(f"[{self.role} {self.worker_id}] {text}", file=sys.stderr, flush=True)
+
+    def init_dist(self) -> None:
+        w = self.wconfig
+        if w.kv_transfer in ("gloo", "nccl"):
+            from kv_transfer.torch_dist import init_group
+            init_group(w.kv_transfer, w.dist_init, w.rank, w.world_size)
+
+    def dist_info(self) -> dict:
+        return {"rank": self.wconfig.rank} if self.wconfig.kv_transfer in ("gloo", "nccl") else {}
+
+    def status(self, with_events: bool = False) -> WorkerStatus:
+        bm = self.engine.block_manager  # type: ignore[attr-defined]
+        waiting, running = self.load()
+        stored, evicted = [], []
+        if with_events:
+            for kind, h in bm.take_events():
+                (stored if kind == "stored" else evicted).append(h)
+        counters = dict(self.counters, prefix_hit_blocks=bm.num_cached_blocks_hit,
+                        prefix_query_blocks=bm.num_blocks_queried)
+        return WorkerStatus(self.worker_id, self.role, waiting, running, bm.num_free_blocks, bm.num_blocks,
+                            counters, stored, evicted)
+
+    def write_ready_file(self, **extra) -> None:
+        if not self.wconfig.ready_file:
+            return
+        info = {"worker_id": self.worker_id, "role": self.role, "address": self.server.address,
+                "pid": os.getpid(), "num_blocks": self.engine.block_manager.num_blocks,  # type: ignore[attr-defined]
+                "block_size": self.config.cache.block_size, **extra}
+        path = Path(self.wconfig.ready_file)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.rename(path)
+
+    def request_stop(self, *_: object) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.write_ready_file()
+        self.log(f"ready on {self.server.address}")
+        try:
+            while not self._stop:
+                busy = self.has_work()
+                for sock, _ in self.poller.poll(0 if busy else 10):
+                    if sock is self.server.sock:
+                        self._drain_server()
+                    else:
+                        self.on_socket(sock)
+                self.idle()
+                if self.has_work():
+                    self.step()
+                self._heartbeat()
+        finally:
+            self.close()
+
+    def _drain_server(self) -> None:
+        while True:
+            try:
+                inc = self.server.recv()
+            except zmq.Again:
+                return
+            if inc is not None:
+                self.handle(inc)
+
+    def _heartbeat(self) -> None:
+        if self.reporter is None:
+            return
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.wconfig.heartbeat_s:
+            self._last_heartbeat = now
+            self.reporter.send(self.status(with_events=True))
+
+    def close(self) -> None:
+        self.server.close()
+        if self.reporter:
+            self.reporter.close()
+        self.ctx.term()
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass

@@ -1,0 +1,131 @@
+"""The transfer backend interface: a KVSender in the prefill worker writes or sends the
+KV of finished prompt blocks; a KVReceiver in the decode worker owns the destination
+cache and takes delivery. Both sides agree on a KVLayout at connect time."""
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from common.messages import KVLayout, KVReady
+
+
+class TransferError(RuntimeError):
+    """A transfer does not fit the reservation it claims (wrong size, shape or peer)."""
+
+
+def layout_of(config: EngineConfig) -> KVLayout:
+    m = config.model
+    cfg_text = (Path(m.model_dir) / "config.json").read_bytes()
+    weights = sorted(p.stat().st_size for p in Path(m.model_dir).glob("*.safetensors"))
+    fingerprint = hashlib.blake2b(cfg_text + json.dumps(weights).encode(), digest_size=8).hexdigest()
+    return KVLayout(model_fingerprint=fingerprint, dtype=config.device.dtype,
+                    block_size=config.cache.block_size, num_layers=m.num_layers,
+                    num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+
+def layout_mismatch(ours: KVLayout, theirs: KVLayout) -> str | None:
+    """A readable description of every field where two layouts differ, or None."""
+    diffs = [f"{name}: prefill has {getattr(ours, name)!r}, decode has {getattr(theirs, name)!r}"
+             for name in ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+             if getattr(ours, name) != getattr(theirs, name)]
+    return "; ".join(diffs) if diffs else None
+
+
+def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Coalesce a block mapping into (src_start, dst_start, length) runs of consecutive ids,
+    so large transfers become a few big copies instead of one copy per block."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """kv_cache [2, L, num_blocks, bs, H, D] -> contiguous [2, L, n, bs, H, D]."""
+    import kernels
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    two, layers = kv_cache.shape[:2]
+    buf = torch.empty((two, layers, len(block_ids), *kv_cache.shape[3:]), dtype=kv_cache.dtype,
+                      device=kv_cache.device)
+    for kv in range(two):
+        for layer in range(layers):
+            buf[kv, layer] = kernels.gather_blocks(kv_cache[kv, layer], ids)
+    return buf
+
+
+def scatter_kv(kv_cache: torch.Tensor, block_ids: list[int], buf: torch.Tensor) -> None:
+    """Inverse of gather_kv: buf [2, L, n, bs, H, D] into kv_cache's blocks `block_ids`."""
+    import kernels
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    for kv in range(kv_cache.shape[0]):
+        for layer in range(kv_cache.shape[1]):
+            kernels.scatter_blocks(kv_cache[kv, layer], ids, buf[kv, layer])
+
+
+def copy_blocks(dst_cache: torch.Tensor, src_cache: torch.Tensor, src: list[int], dst: list[int],
+                layer: int | None = None) -> None:
+    """Direct block copy between two mapped caches (shm, CUDA IPC), one layer or all."""
+    layers = range(src_cache.shape[1]) if layer is None else (layer,)
+    for s, d, n in runs(src, dst):
+        for l in layers:
+            dst_cache[:, l, d:d + n].copy_(src_cache[:, l, s:s + n])
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: owns the KV cache tensor that transfers land in."""
+
+    backend: str
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache  # [2, L, num_blocks, bs, H, D]
+
+    @abc.abstractmethod
+    def backend_info(self) -> dict:
+        """What a prefill worker needs to reach this cache (sent in the handshake)."""
+
+    def expected_shape(self, num_blocks: int) -> list[int]:
+        s = self.kv_cache.shape
+        return [s[0], s[1], num_blocks, *s[3:]]
+
+    def receive(self, ready: KVReady, frames: list[bytes], dst_blocks: list[int], peer: dict) -> None:
+        """Land the KV of `ready` in `dst_blocks`; TransferError if it does not fit."""
+        if ready.num_blocks != len(dst_blocks):
+            raise TransferError(f"request {ready.request_id}: transfer of {ready.num_blocks} blocks, "
+                                f"{len(dst_blocks)} were reserved")
+
+    def close(self) -> None:
+        pass
+
+
+class KVSender(abc.ABC):
+    """Prefill side, one per decode peer: moves blocks of P's cache into D's blocks."""
+
+    backend: str
+    layerwise = False  # True: write_layer is called after each layer's forward
+
+    def __init__(self, kv_cache: torch.Tensor, peer_info: dict) -> None:
+        self.kv_cache = kv_cache
+        self.peer_info = peer_info
+        self.bytes_sent = 0
+
+    def write_layer(self, layer: int, src: list[int], dst: list[int]) -> None:
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def send(self, ready: KVReady, src: list[int], dst: list[int]) -> list[bytes | memoryview]:
+        """Deliver all layers of `src` (if not already written layer by layer); fill in
+        `ready`'s payload fields; return raw frames to append to the KVReady message."""
+
+    def poll(self) -> None:
+        """Complete background sends (gloo/nccl)."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,63 @@
+"""Same-host GPU transfer: the decode worker exports its CUDA KV cache through CUDA IPC;
+the prefill worker opens the handle and copies blocks device to device, layer by layer.
+
+Written for GPUs and not run on this project's CPU-only machines; the handle
+(de)serialization and view reconstruction are unit-tested on CPU storages.
+"""
+from __future__ import annotations
+
+import torch
+
+from common.config import parse_dtype
+from common.messages import KVReady
+from kv_transfer.base import KVReceiver, KVSender, copy_blocks
+
+
+def export_handle(t: torch.Tensor) -> dict:
+    """A msgpack-able description of a CUDA tensor's storage for another process."""
+    storage = t.untyped_storage()
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    return {"device": device, "handle": handle, "size": size, "offset": offset,
+            "ref_handle": ref_handle, "ref_offset": ref_offset, "event_handle": event_handle,
+            "event_sync": event_sync, "shape": list(t.shape), "stride": list(t.stride()),
+            "storage_offset": t.storage_offset(), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def view_from_storage(storage: torch.UntypedStorage, info: dict) -> torch.Tensor:
+    """Rebuild the exported tensor's view (dtype, shape, strides) over an opened storage."""
+    dtype = parse_dtype(info["dtype"])
+    t = torch.empty(0, dtype=dtype, device=storage.device)
+    t.set_(storage, info["storage_offset"], info["shape"], info["stride"])
+    return t
+
+
+def open_handle(info: dict) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared_cuda(
+        info["device"], info["handle"], info["size"], info["offset"], info["ref_handle"],
+        info["ref_offset"], info["event_handle"], info["event_sync"])
+    return view_from_storage(storage, info)
+
+
+class CudaIpcReceiver(KVReceiver):
+    backend = "cuda_ipc"
+
+    def backend_info(self) -> dict:
+        return {"ipc": export_handle(self.kv_cache)}
+
+
+class CudaIpcSender(KVSender):
+    backend = "cuda_ipc"
+    layerwise = True
+
+    def __init__(self, kv_cache: torch.Tensor, peer_info: dict) -> None:
+        super().__init__(kv_cache, peer_info)
+        self.remote = open_handle(peer_info["ipc"])
+        self._layer_block_bytes = self.remote[:, 0, 0].numel() * self.remote.element_size()
+
+    def write_layer(self, layer: int, src: list[int], dst: list[int]) -> None:
+        copy_blocks(self.remote, self.kv_cache, src, dst, layer)
+        self.bytes_sent += len(src) * self._layer_block_bytes
+
+    def send(self, ready: KVReady, src: list[int], dst: list[int]) -> list:
+        torch.cuda.current_stream(self.kv_cache.device).synchronize()  # D reads after KVReady
+        return []
