@@ -83,6 +83,48 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _devices(spec: str | None, count: int, flag: str) -> tuple[str, ...]:
+    """`--prefill 2 --prefill-devices cuda:0,cuda:1`; cpu for all when no devices are given."""
+    if not spec:
+        return ("cpu",) * count
+    devs = tuple(d.strip() for d in spec.split(",") if d.strip())
+    if len(devs) != count:
+        raise ConfigError(f"{flag} lists {len(devs)} devices for {count} workers")
+    return devs
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from common.config import EngineConfig
+    from router.config import RouterConfig
+    from router.serve import Deployment, run
+    model = resolve_model(args.model)
+    engine = EngineConfig.build(model, **engine_options(args))  # validates the flags before anything starts
+    if args.colocated and (args.prefill or args.decode):
+        raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
+    if not args.colocated and (args.prefill < 1 or args.decode < 1):
+        raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
+    n_workers = args.colocated or (args.prefill + args.decode)
+    threads = args.num_threads or max(1, (__import__("os").cpu_count() or 1) // n_workers)
+    passthrough = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                   "--max-model-len", str(engine.scheduler.max_model_len), "--dtype", args.dtype,
+                   "--memory-fraction", str(args.memory_fraction)]
+    if args.num_kv_blocks:
+        passthrough += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.no_prefix_caching:
+        passthrough.append("--no-prefix-caching")
+    dep = Deployment(prefill_devices=() if args.colocated else _devices(args.prefill_devices, args.prefill, "--prefill-devices"),
+                     decode_devices=() if args.colocated else _devices(args.decode_devices, args.decode, "--decode-devices"),
+                     colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices") if args.colocated else (),
+                     kv_transfer=args.kv_transfer, threads_per_worker=threads, worker_options=tuple(passthrough))
+    config = RouterConfig(model_dir=model, model_name=args.served_model_name or __import__("pathlib").Path(model).name,
+                          host=args.host, http_port=args.http_port, zmq_port=args.zmq_port, routing=args.routing,
+                          max_model_len=engine.scheduler.max_model_len, block_size=args.block_size,
+                          enable_http=args.http_port >= 0)
+    run(config, dep, args.ready_file)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="start the router and workers (default model when none is given)")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--colocated", type=int, default=0, help="run K colocated workers instead of P/D")
+    p.add_argument("--prefill-devices", default=None, help="e.g. cuda:0,cuda:1 (default cpu)")
+    p.add_argument("--decode-devices", default=None)
+    p.add_argument("--colocated-devices", default=None)
+    p.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "cuda_ipc", "gloo", "nccl", "tcp"])
+    p.add_argument("--routing", default="prefix_load", choices=["prefix_load", "round_robin", "least_loaded"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--zmq-port", type=int, default=5555, help="0 picks a free port")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--ready-file", default="", help="write connection info as JSON here once ready")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="run one prefill, decode or colocated worker process")
     p.add_argument("role", choices=["prefill", "decode", "colocated"])

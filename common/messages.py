@@ -75,6 +75,31 @@ class GenerateRequest:
     timeline: dict[str, float] = field(default_factory=dict)
 
 
+@message("submit")
+class SubmitRequest:
+    """Client -> router: exactly one of prompt (text), prompt_token_ids or messages (chat,
+    rendered with the model's chat template)."""
+    request_id: str
+    sampling: Sampling
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    stream: bool = True
+    return_timeline: bool = False
+
+
+@message("worker_hello")
+class WorkerHello:
+    """Worker -> router on start: who it is and what it holds."""
+    worker_id: str
+    role: str
+    address: str
+    device: str
+    total_blocks: int
+    block_size: int
+    model_fingerprint: str
+
+
 @message("abort")
 class AbortRequest:
     request_id: str
@@ -82,9 +107,11 @@ class AbortRequest:
 
 @message("token_output")
 class TokenOutput:
-    """New tokens of one request; the last one has finished=True."""
+    """New tokens of one request; the last one has finished=True. `text` is the text
+    delta (filled by the router for clients; workers leave it empty)."""
     request_id: str
     token_ids: list[int]
+    text: str = ""
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0

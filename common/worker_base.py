@@ -99,6 +99,11 @@ class WorkerBase:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         self.write_ready_file()
+        if self.reporter is not None:
+            from common.messages import WorkerHello
+            self.reporter.send(WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
+                                           self.engine.block_manager.num_blocks,  # type: ignore[attr-defined]
+                                           self.config.cache.block_size, self.layout.model_fingerprint))
         self.log(f"ready on {self.server.address}")
         try:
             while not self._stop:

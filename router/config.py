@@ -1,0 +1,38 @@
+"""The router's frozen configuration; socket addresses derive from it in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import ConfigError
+from router.policy import POLICIES
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Where the router listens and how it routes."""
+
+    model_dir: str
+    model_name: str = "pdserve"
+    host: str = "127.0.0.1"
+    http_port: int = 8000  # 0 picks a free port
+    zmq_port: int = 5555  # client front end; 0 picks a free port
+    control_port: int = 0  # worker hello/heartbeats
+    routing: str = "prefix_load"
+    max_model_len: int = 2048
+    block_size: int = 16
+    stale_after_s: float = 3.0
+    seed: int = 0
+    enable_http: bool = True
+
+    def __post_init__(self) -> None:
+        if self.routing not in POLICIES:
+            raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
+        for name in ("http_port", "zmq_port", "control_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
+
+    def zmq_address(self) -> str:
+        return f"tcp://{self.host}:{self.zmq_port}"
+
+    def control_address(self) -> str:
+        return f"tcp://{self.host}:{self.control_port}"

@@ -1,0 +1,261 @@
+"""The router: tokenizes, hashes the prompt's blocks, picks workers, forwards the request
+to the decode (or colocated) worker and relays its token stream back to the caller.
+Runs on one asyncio loop shared with the ZeroMQ and HTTP front ends."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from common import messages
+from common.hashing import cacheable_prefix_hashes
+from common.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
+                             TokenOutput, WorkerHello, WorkerStatus)
+from common.sampling_params import SamplingParams, SamplingParamsError, from_wire
+from common.tokenizer import Tokenizer
+from common.transport import bind_address
+from router.config import RouterConfig
+from router.detokenizer import IncrementalDetokenizer
+from router.metrics import RouterMetrics
+from router.policy import choose_decode, choose_prefill
+from router.registry import WorkerEntry, WorkerRegistry
+
+
+class RouteError(ValueError):
+    """A request cannot be routed as given (bad input, or no live worker)."""
+
+    def __init__(self, message: str, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class InFlight:
+    """One request the router is relaying."""
+
+    request_id: str
+    queue: asyncio.Queue
+    decode: WorkerEntry
+    prefill: WorkerEntry | None
+    detok: IncrementalDetokenizer
+    num_prompt_tokens: int
+    sent_at: float
+    timeline: dict[str, float] = field(default_factory=dict)
+    first_token_at: float | None = None
+    num_output_tokens: int = 0
+
+
+class Router:
+    """Owns the worker registry, the sockets to workers and the requests in flight."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.registry = WorkerRegistry(config.stale_after_s)
+        self.metrics = RouterMetrics()
+        self.rng = random.Random(config.seed)
+        self._rr = itertools.count()
+        self.ctx = zmq.asyncio.Context()
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control_address = bind_address(self.control, config.control_address())
+        self.worker_socks: dict[str, zmq.asyncio.Socket] = {}
+        self.inflight: dict[str, InFlight] = {}
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._control_loop()))
+        self._tasks.append(asyncio.create_task(self._expire_loop()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for sock in self.worker_socks.values():
+            sock.close(0)
+        self.control.close(0)
+        self.ctx.term()
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}-{int(time.time() * 1000) % 100000}"
+
+    # ---- workers ----------------------------------------------------------------------
+    async def _control_loop(self) -> None:
+        while True:
+            parts = await self.control.recv_multipart()
+            try:
+                msg = messages.decode(parts[1])
+            except (MessageError, IndexError):
+                continue
+            now = time.monotonic()
+            if isinstance(msg, WorkerHello):
+                entry = self.registry.hello(msg, now)
+                if msg.role in ("decode", "colocated") and msg.worker_id not in self.worker_socks:
+                    self._connect_worker(entry)
+            elif isinstance(msg, WorkerStatus):
+                entry = self.registry.heartbeat(msg, now)
+                if entry:
+                    self.metrics.worker_status(msg)
+
+    def _connect_worker(self, entry: WorkerEntry) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(entry.hello.address)
+        self.worker_socks[entry.worker_id] = sock
+        self._tasks.append(asyncio.create_task(self._worker_loop(entry.worker_id, sock)))
+
+    async def _worker_loop(self, worker_id: str, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            parts = await sock.recv_multipart()
+            try:
+                msg = messages.decode(parts[0])
+            except MessageError:
+                continue
+            req = self.inflight.get(getattr(msg, "request_id", ""))
+            if req is not None:
+                req.queue.put_nowait(msg)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stale_after_s / 4)
+            for dead in self.registry.expire(time.monotonic()):
+                for req in list(self.inflight.values()):
+                    if req.decode is dead or (req.prefill is dead and req.first_token_at is None):
+                        req.queue.put_nowait(ErrorReply(req.request_id, f"{dead.role} worker {dead.worker_id} "
+                                                        f"stopped responding", "worker_failed"))
+
+    async def wait_for_workers(self, prefill: int, decode: int, colocated: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            have = {r: len(self.registry.live((r,))) for r in ("prefill", "decode", "colocated")}
+            if have["prefill"] >= prefill and have["decode"] >= decode and have["colocated"] >= colocated:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not registered after {timeout:.0f} s: have {have}")
+            await asyncio.sleep(0.05)
+
+    # ---- requests -----------------------------------------------------------------------
+    def prepare(self, sub: SubmitRequest) -> tuple[list[int], SamplingParams]:
+        """Validate and tokenize; RouteError names what is wrong."""
+        given = [x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)]
+        if sum(given) != 1:
+            raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
+        try:
+            params = from_wire(sub.sampling)
+        except SamplingParamsError as e:
+            raise RouteError(str(e)) from None
+        if sub.messages is not None:
+            for m in sub.messages:
+                if set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
+                    raise RouteError("each chat message needs 'role' and 'content'")
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(sub.messages))
+        elif sub.prompt is not None:
+            ids = self.tokenizer.encode(sub.prompt)
+        else:
+            ids = list(sub.prompt_token_ids or [])
+            vocab = self.tokenizer.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RouteError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise RouteError("prompt is empty: at least one token is needed")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise RouteError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, "
+                             f"so a prompt may have at most {limit - 1}")
+        return ids, params
+
+    def route(self, ids: list[int]) -> tuple[WorkerEntry, WorkerEntry | None]:
+        """(decode-or-colocated worker, prefill worker or None)."""
+        reg, policy = self.registry, self.config.routing
+        hashes = cacheable_prefix_hashes(ids, self.config.block_size)
+        prefills, decodes = reg.live(("prefill",)), reg.live(("decode",))
+        if prefills and decodes:
+            p_id = choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr))
+            d_id = choose_decode(reg.views(decodes), policy, self.rng, next(self._rr))
+            self.metrics.routed_prefix(hashes, reg.workers[p_id].cached)
+            return reg.workers[d_id], reg.workers[p_id]
+        colocated = reg.live(("colocated",))
+        if colocated:
+            c_id = choose_prefill(reg.views(colocated, hashes), policy, self.rng, next(self._rr))
+            self.metrics.routed_prefix(hashes, reg.workers[c_id].cached)
+            return reg.workers[c_id], None
+        raise RouteError("no live worker can serve this request (prefill+decode or colocated)", "unavailable")
+
+    async def generate(self, sub: SubmitRequest) -> AsyncIterator[TokenOutput | ErrorReply]:
+        """Route one request and yield its outputs (text deltas filled); the last has
+        finished=True or is an ErrorReply. Cancelling the iterator aborts the request."""
+        arrival = time.time()
+        try:
+            ids, params = self.prepare(sub)
+            decode, prefill = self.route(ids)
+        except RouteError as e:
+            self.metrics.request_done("error")
+            yield ErrorReply(sub.request_id, str(e), e.code)
+            return
+        if sub.request_id in self.inflight:
+            yield ErrorReply(sub.request_id, f"request id {sub.request_id!r} is already in flight")
+            return
+        req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill, IncrementalDetokenizer(self.tokenizer, params.stop),
+                       len(ids), time.monotonic())
+        self.inflight[req.request_id] = req
+        decode.inflight += 1
+        if prefill:
+            prefill.inflight += 1
+        timeline = {"arrival": arrival, "routed": time.time()}
+        msg = GenerateRequest(req.request_id, ids, sub.sampling, prefill.hello.address if prefill else "",
+                              sub.return_timeline, timeline)
+        finished = False
+        try:
+            await self.worker_socks[decode.worker_id].send_multipart([messages.encode(msg)])
+            while not finished:
+                out = await req.queue.get()
+                if isinstance(out, ErrorReply):
+                    finished = True
+                    self.metrics.request_done("error")
+                    yield out
+                    return
+                finished = out.finished
+                self._account(req, out)
+                out.text = req.detok.add(out.token_ids, out.finished)
+                if out.finished:
+                    out.num_prompt_tokens = len(ids)
+                    if out.timeline is not None:
+                        out.timeline["router_done"] = time.time()
+                yield out
+        finally:
+            self._release(req)
+            if not finished:  # the caller went away: stop the work
+                self.metrics.request_done("aborted")
+                sock = self.worker_socks.get(decode.worker_id)
+                if sock is not None:
+                    await sock.send_multipart([messages.encode(AbortRequest(req.request_id))])
+
+    def _account(self, req: InFlight, out: TokenOutput) -> None:
+        now = time.monotonic()
+        if out.token_ids and req.first_token_at is None:
+            req.first_token_at = now
+            if req.prefill:
+                req.prefill.inflight -= 1
+            self.metrics.ttft(now - req.sent_at)
+        req.num_output_tokens += len(out.token_ids)
+        if out.finished:
+            self.metrics.request_done(out.finish_reason or "stop")
+            self.metrics.e2e(now - req.sent_at)
+            if req.num_output_tokens > 1 and req.first_token_at is not None:
+                self.metrics.tpot((now - req.first_token_at) / (req.num_output_tokens - 1))
+            self.metrics.tokens(req.num_prompt_tokens, req.num_output_tokens)
+
+    def _release(self, req: InFlight) -> None:
+        if self.inflight.pop(req.request_id, None) is None:
+            return
+        req.decode.inflight -= 1
+        if req.prefill and req.first_token_at is None:
+            req.prefill.inflight -= 1

@@ -1,0 +1,173 @@
+"""The HTTP front end (FastAPI on uvicorn/uvloop) speaking the OpenAI API on top of the
+same Router core as the ZeroMQ front end."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.messages import ErrorReply, Sampling, SubmitRequest, TokenOutput
+from router.core import Router
+from router.http_api import ChatBody, CompletionBody
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                                   "param": param, "code": code}}, status_code=status)
+
+
+def _status_for(err: ErrorReply) -> int:
+    return {"unavailable": 503, "worker_failed": 502, "transfer_error": 502}.get(err.code, 400)
+
+
+def create_app(router: Router) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    model_name = router.config.model_name
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return error(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return error(400, f"malformed JSON: {msg}")
+        return error(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+    def submission(body, **prompt: Any) -> SubmitRequest | JSONResponse:
+        if body.n != 1:
+            return error(400, f"n={body.n} is not supported; only n=1", param="n")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                            max_tokens=16 if max_tokens is None else max_tokens, stop=stop, seed=body.seed,
+                            ignore_eos=body.ignore_eos)
+        return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
+                             return_timeline=body.return_timeline, **prompt)
+
+    async def collect(sub: SubmitRequest) -> tuple[dict | None, JSONResponse | None]:
+        tokens: list[int] = []
+        text, last = [], None
+        async for out in router.generate(sub):
+            if isinstance(out, ErrorReply):
+                return None, error(_status_for(out), out.message, code=out.code)
+            tokens += out.token_ids
+            text.append(out.text)
+            last = out
+        assert last is not None
+        return {"text": "".join(text), "token_ids": tokens, "finish_reason": last.finish_reason,
+                "usage": _usage(last.num_prompt_tokens, len(tokens)), "timeline": last.timeline}, None
+
+    async def sse(sub: SubmitRequest, chunk, include_usage: bool) -> AsyncIterator[str]:
+        n_out, n_prompt = 0, 0
+        async for out in router.generate(sub):
+            if isinstance(out, ErrorReply):
+                yield f"data: {json.dumps({'error': {'message': out.message, 'code': out.code}})}\n\n"
+                break
+            n_out += len(out.token_ids)
+            n_prompt = out.num_prompt_tokens or n_prompt
+            yield f"data: {json.dumps(chunk(out))}\n\n"
+            if out.finished and include_usage:
+                yield f"data: {json.dumps(chunk(None, usage=_usage(n_prompt, n_out)))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                return error(400, "a list of several prompts is not supported; send one", param="prompt")
+            prompt = prompt[0]
+        sub = submission(body, **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}))
+        if isinstance(sub, JSONResponse):
+            return sub
+        rid, created = f"cmpl-{sub.request_id}", int(time.time())
+
+        def chunk(out: TokenOutput | None, usage: dict | None = None) -> dict:
+            choices = [] if out is None else [{"index": 0, "text": out.text, "token_ids": out.token_ids,
+                                               "logprobs": None, "finish_reason": out.finish_reason}]
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": choices, **({"usage": usage} if usage else {})}
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(sub, chunk, include), media_type="text/event-stream")
+        res, err = await collect(sub)
+        if err:
+            return err
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+               "choices": [{"index": 0, "text": res["text"], "token_ids": res["token_ids"], "logprobs": None,
+                            "finish_reason": res["finish_reason"]}], "usage": res["usage"]}
+        if res["timeline"] is not None:
+            out["timeline"] = res["timeline"]
+        return out
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody):
+        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+        sub = submission(body, messages=msgs)
+        if isinstance(sub, JSONResponse):
+            return sub
+        rid, created = f"chatcmpl-{sub.request_id}", int(time.time())
+        first = [True]
+
+        def chunk(out: TokenOutput | None, usage: dict | None = None) -> dict:
+            choices = []
+            if out is not None:
+                delta: dict[str, Any] = {"content": out.text}
+                if first[0]:
+                    delta["role"] = "assistant"
+                    first[0] = False
+                choices = [{"index": 0, "delta": delta, "token_ids": out.token_ids, "logprobs": None,
+                            "finish_reason": out.finish_reason}]
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": choices, **({"usage": usage} if usage else {})}
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(sub, chunk, include), media_type="text/event-stream")
+        res, err = await collect(sub)
+        if err:
+            return err
+        out = {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": res["text"]},
+                            "token_ids": res["token_ids"], "logprobs": None, "finish_reason": res["finish_reason"]}],
+               "usage": res["usage"]}
+        if res["timeline"] is not None:
+            out["timeline"] = res["timeline"]
+        return out
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                                            "max_model_len": router.config.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        reg = router.registry
+        live = {r: len(reg.live((r,))) for r in ("prefill", "decode", "colocated")}
+        ok = (live["prefill"] and live["decode"]) or live["colocated"]
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

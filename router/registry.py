@@ -1,0 +1,74 @@
+"""The router's view of its workers: registration, heartbeats with load, liveness, and a
+per-worker prefix index fed by KV events (block hashes stored / evicted)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.messages import WorkerHello, WorkerStatus
+from router.policy import WorkerView, prefix_overlap
+
+
+@dataclass
+class WorkerEntry:
+    """Everything the router tracks for one worker."""
+
+    hello: WorkerHello
+    last_seen: float
+    status: WorkerStatus | None = None
+    cached: set[int] = field(default_factory=set)  # prefix index: block hashes it holds
+    inflight: int = 0  # requests routed to it, not yet done with its phase
+    alive: bool = True
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.hello.role
+
+
+class WorkerRegistry:
+    """Owns the worker table. Time is passed in (monotonic seconds), never read here."""
+
+    def __init__(self, stale_after_s: float = 3.0) -> None:
+        self.stale_after_s = stale_after_s
+        self.workers: dict[str, WorkerEntry] = {}
+
+    def hello(self, msg: WorkerHello, now: float) -> WorkerEntry:
+        entry = self.workers.get(msg.worker_id)
+        if entry is None or entry.hello.address != msg.address:  # new, or restarted elsewhere
+            entry = self.workers[msg.worker_id] = WorkerEntry(msg, now)
+        entry.last_seen, entry.alive = now, True
+        return entry
+
+    def heartbeat(self, msg: WorkerStatus, now: float) -> WorkerEntry | None:
+        entry = self.workers.get(msg.worker_id)
+        if entry is None:
+            return None  # heartbeat before hello: ignored until it says hello
+        entry.status, entry.last_seen, entry.alive = msg, now, True
+        entry.cached.update(msg.kv_stored)
+        entry.cached.difference_update(msg.kv_evicted)
+        return entry
+
+    def expire(self, now: float) -> list[WorkerEntry]:
+        """Take workers whose heartbeats stopped out of rotation; returns the newly dead."""
+        dead = []
+        for e in self.workers.values():
+            if e.alive and now - e.last_seen > self.stale_after_s:
+                e.alive = False
+                e.cached.clear()
+                dead.append(e)
+        return dead
+
+    def live(self, roles: tuple[str, ...]) -> list[WorkerEntry]:
+        return [e for e in self.workers.values() if e.alive and e.role in roles]
+
+    def views(self, entries: list[WorkerEntry], prompt_hashes: list[int] | None = None) -> list[WorkerView]:
+        out = []
+        for e in entries:
+            total = e.status.total_blocks if e.status else e.hello.total_blocks
+            free = e.status.free_blocks if e.status else total
+            overlap = prefix_overlap(prompt_hashes, e.cached) if prompt_hashes else 0
+            out.append(WorkerView(e.worker_id, e.inflight, free, total, overlap))
+        return out

@@ -1,0 +1,88 @@
+"""The client-facing ZeroMQ socket (ROUTER): msgpack SubmitRequest / AbortRequest in,
+TokenOutput stream / ErrorReply out, as documented in docs/protocol.md."""
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from common import messages
+from common.messages import AbortRequest, ErrorReply, MessageError, SubmitRequest
+from common.transport import bind_address
+from router.core import Router
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # hard cap enforced by libzmq; above decode()'s 16 MiB error reply
+
+
+class ZmqFrontend:
+    """Owns the client socket and one task per request being streamed."""
+
+    def __init__(self, router: Router, address: str) -> None:
+        self.router = router
+        self.sock = router.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.address = bind_address(self.sock, address)
+        self._streams: dict[tuple[bytes, str], asyncio.Task] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def _send(self, identity: bytes, msg) -> None:
+        await self.sock.send_multipart([identity, messages.encode(msg)])
+
+    async def _loop(self) -> None:
+        while True:
+            parts = await self.sock.recv_multipart()
+            identity = parts[0]
+            if len(parts) != 2:
+                await self._send(identity, ErrorReply("", "a request is exactly one msgpack frame", "malformed"))
+                continue
+            try:
+                msg = messages.decode(parts[1])
+            except MessageError as e:
+                await self._send(identity, ErrorReply("", str(e), "malformed"))
+                continue
+            if isinstance(msg, SubmitRequest):
+                key = (identity, msg.request_id)
+                if key in self._streams:
+                    await self._send(identity, ErrorReply(msg.request_id, "request id already in flight"))
+                    continue
+                self._streams[key] = asyncio.create_task(self._stream(identity, msg))
+            elif isinstance(msg, AbortRequest):
+                task = self._streams.get((identity, msg.request_id))
+                if task:
+                    task.cancel()
+            else:
+                await self._send(identity, ErrorReply(getattr(msg, "request_id", ""),
+                                                      f"clients may send 'submit' or 'abort', not {msg.TYPE!r}"))
+
+    async def _stream(self, identity: bytes, sub: SubmitRequest) -> None:
+        try:
+            pending = None
+            async for out in self.router.generate(sub):
+                if sub.stream or isinstance(out, ErrorReply):
+                    await self._send(identity, out)
+                elif pending is None:
+                    pending = out
+                else:  # non-streaming: merge into one final message
+                    pending.token_ids += out.token_ids
+                    pending.text += out.text
+                    pending.finished, pending.finish_reason = out.finished, out.finish_reason
+                    pending.num_prompt_tokens, pending.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+                    pending.timeline = out.timeline
+                if pending is not None and pending.finished:
+                    await self._send(identity, pending)
+        except asyncio.CancelledError:
+            await self._send(identity, ErrorReply(sub.request_id, "aborted by client", "aborted"))
+        finally:
+            self._streams.pop((identity, sub.request_id), None)
+
+    def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for t in self._streams.values():
+            t.cancel()
+        self.sock.close(0)
