@@ -1,0 +1,168 @@
+"""Python clients for the router's ZeroMQ front end: `Client` (blocking) and
+`AsyncClient` (asyncio), each with a one-shot `generate` and a streaming iterator.
+
+    with Client("tcp://127.0.0.1:5555") as c:
+        print(c.generate("Hello", max_tokens=16, temperature=0).text)
+        for out in c.stream("Hello", max_tokens=16):
+            print(out.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from common import messages as wire
+from common.messages import AbortRequest, ErrorReply, Sampling, SubmitRequest, TokenOutput
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error (bad request, no worker, aborted...)."""
+
+    def __init__(self, reply: ErrorReply) -> None:
+        super().__init__(reply.message)
+        self.code = reply.code
+        self.request_id = reply.request_id
+
+
+@dataclass
+class Completion:
+    """A finished request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    timeline: dict[str, float] | None = None
+    token_times: list[float] = field(default_factory=list)  # client clock, one per token
+
+
+def _submit(prompt: str | list[int] | None, messages_: list[dict[str, str]] | None, stream: bool,
+            return_timeline: bool, sampling: dict[str, Any]) -> SubmitRequest:
+    text = prompt if isinstance(prompt, str) else None
+    ids = prompt if isinstance(prompt, list) else None
+    return SubmitRequest(request_id=uuid.uuid4().hex, sampling=Sampling(**sampling), prompt=text,
+                         prompt_token_ids=ids, messages=messages_, stream=stream, return_timeline=return_timeline)
+
+
+def _merge(request_id: str, outs: list[TokenOutput], times: list[float]) -> Completion:
+    last = outs[-1]
+    return Completion(request_id, "".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
+                      last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, last.timeline, times)
+
+
+class Client:
+    """Blocking client; one DEALER socket, requests served one at a time."""
+
+    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+               return_timeline: bool = False, **sampling: Any) -> Iterator[TokenOutput]:
+        """Yield TokenOutput messages as tokens arrive; raises ServerError on an error reply."""
+        sub = _submit(prompt, messages, True, return_timeline, sampling)
+        self.sock.send(wire.encode(sub))
+        finished = False
+        try:
+            while not finished:
+                if not self.sock.poll(self.timeout_ms):
+                    raise TimeoutError(f"no reply for request {sub.request_id} in {self.timeout_ms} ms")
+                msg = wire.decode(self.sock.recv())
+                if getattr(msg, "request_id", None) not in (sub.request_id, ""):
+                    continue  # a late reply to an earlier, abandoned request
+                if isinstance(msg, ErrorReply):
+                    finished = True
+                    raise ServerError(msg)
+                finished = msg.finished
+                yield msg
+        finally:
+            if not finished:
+                self.sock.send(wire.encode(AbortRequest(sub.request_id)))
+
+    def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
+        import time
+        outs, times = [], []
+        for out in self.stream(prompt, **kwargs):
+            outs.append(out)
+            times += [time.perf_counter()] * len(out.token_ids)
+        return _merge(outs[-1].request_id, outs, times)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; many requests in flight over one socket, demultiplexed by id."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def _read(self) -> None:
+        while True:
+            msg = wire.decode(await self.sock.recv())
+            q = self._queues.get(getattr(msg, "request_id", ""))
+            if q is not None:
+                q.put_nowait(msg)
+
+    async def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+                     return_timeline: bool = False, **sampling: Any) -> AsyncIterator[TokenOutput]:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        sub = _submit(prompt, messages, True, return_timeline, sampling)
+        q = self._queues[sub.request_id] = asyncio.Queue()
+        finished = False
+        try:
+            await self.sock.send(wire.encode(sub))
+            while not finished:
+                msg = await q.get()
+                if isinstance(msg, ErrorReply):
+                    finished = True
+                    raise ServerError(msg)
+                finished = msg.finished
+                yield msg
+        finally:
+            self._queues.pop(sub.request_id, None)
+            if not finished:
+                await self.sock.send(wire.encode(AbortRequest(sub.request_id)))
+
+    async def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
+        import time
+        outs, times = [], []
+        async for out in self.stream(prompt, **kwargs):
+            outs.append(out)
+            times += [time.perf_counter()] * len(out.token_ids)
+        return _merge(outs[-1].request_id, outs, times)
+
+    async def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+        self.sock.close(0)
+        self.ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
