@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
+    from router.bench import cli as bench_cli
+    p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")
+    bench_cli.add_arguments(p)
+    p.set_defaults(func=bench_cli.main)
+    p = sub.add_parser("bench-plot", help="plot SLO attainment vs rate for several `pdserve bench` sweeps")
+    bench_cli.add_plot_arguments(p)
+    p.set_defaults(func=bench_cli.plot_main)
+
     p = sub.add_parser("worker", help="run one prefill, decode or colocated worker process")
     p.add_argument("role", choices=["prefill", "decode", "colocated"])
     p.add_argument("model", nargs="?", default=None)

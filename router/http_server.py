@@ -100,7 +100,8 @@ def create_app(router: Router) -> FastAPI:
             choices = [] if out is None else [{"index": 0, "text": out.text, "token_ids": out.token_ids,
                                                "logprobs": None, "finish_reason": out.finish_reason}]
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": choices, **({"usage": usage} if usage else {})}
+                    "choices": choices, **({"usage": usage} if usage else {}),
+                    **({"timeline": out.timeline} if out is not None and out.timeline else {})}
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -134,7 +135,8 @@ def create_app(router: Router) -> FastAPI:
                 choices = [{"index": 0, "delta": delta, "token_ids": out.token_ids, "logprobs": None,
                             "finish_reason": out.finish_reason}]
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": choices, **({"usage": usage} if usage else {})}
+                    "choices": choices, **({"usage": usage} if usage else {}),
+                    **({"timeline": out.timeline} if out is not None and out.timeline else {})}
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)

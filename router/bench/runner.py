@@ -1,0 +1,96 @@
+"""Sending a workload to a running server (HTTP or ZeroMQ) on an arrival schedule and
+recording every token's arrival time on the client clock."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from tqdm.auto import tqdm
+
+from router.bench.metrics import RequestRecord
+from router.bench.workloads import BenchRequest
+
+
+async def _one_zmq(client, req: BenchRequest, rec: RequestRecord, temperature: float, ignore_eos: bool,
+                   timeline: bool) -> None:
+    async for out in client.stream(req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt,
+                                   max_tokens=req.output_len, temperature=temperature, ignore_eos=ignore_eos,
+                                   return_timeline=timeline):
+        now = time.perf_counter()
+        rec.token_times += [now] * len(out.token_ids)
+        if out.finished:
+            rec.timeline = out.timeline
+
+
+async def _one_http(http, url: str, req: BenchRequest, rec: RequestRecord, temperature: float,
+                    ignore_eos: bool, timeline: bool) -> None:
+    body = {"model": "pdserve", "prompt": req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt,
+            "max_tokens": req.output_len, "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
+            "return_timeline": timeline}
+    async with http.stream("POST", f"{url}/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message", "server error"))
+            now = time.perf_counter()
+            for choice in chunk.get("choices", []):
+                rec.token_times += [now] * len(choice.get("token_ids", []))
+            if chunk.get("timeline"):
+                rec.timeline = chunk["timeline"]
+
+
+async def run_workload(reqs: list[BenchRequest], backend: str, url: str, send_times: list[float],
+                       max_concurrency: int | None = None, temperature: float = 0.0, ignore_eos: bool = True,
+                       return_timeline: bool = True, warmup: int = 0, progress: bool = True
+                       ) -> tuple[list[RequestRecord], float]:
+    """Send reqs[i] at send_times[i] seconds after start; returns records and the duration
+    from the first send to the last token."""
+    if backend == "zmq":
+        from router.client import AsyncClient
+        client = AsyncClient(url)
+        one = lambda r, rec: _one_zmq(client, r, rec, temperature, ignore_eos, return_timeline)  # noqa: E731
+    elif backend == "http":
+        import httpx
+        client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024))
+        one = lambda r, rec: _one_http(client, url.rstrip("/"), r, rec, temperature, ignore_eos, return_timeline)  # noqa: E731
+    else:
+        raise ValueError(f"backend must be 'zmq' or 'http', got {backend!r}")
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    try:
+        for r in reqs[:warmup]:  # warm-up, one at a time, not recorded
+            await one(r, RequestRecord(time.perf_counter()))
+        bar = tqdm(total=len(reqs), desc="bench", disable=not progress, dynamic_ncols=True)
+        records = [RequestRecord(0.0, prompt_len=r.prompt_len) for r in reqs]
+        start = time.perf_counter()
+
+        async def send(i: int) -> None:
+            delay = start + send_times[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem:
+                await sem.acquire()
+            rec = records[i]
+            rec.send_time = time.perf_counter()
+            try:
+                await one(reqs[i], rec)
+            except Exception as e:  # a failed request is recorded, not fatal to the run
+                rec.success, rec.error = False, f"{type(e).__name__}: {e}"
+            finally:
+                if sem:
+                    sem.release()
+                bar.update(1)
+
+        await asyncio.gather(*(send(i) for i in range(len(reqs))))
+        bar.close()
+        end = max((r.token_times[-1] for r in records if r.token_times), default=time.perf_counter())
+        return records, end - start
+    finally:
+        if backend == "zmq":
+            await client.close()
+        else:
+            await client.aclose()
