@@ -29,6 +29,17 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from a model file, or ConfigError naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
 def _rope_theta(cfg: dict) -> float:
     """transformers 4 writes `rope_theta`; transformers 5 writes `rope_parameters`."""
     params = cfg.get("rope_parameters") or {}
@@ -69,13 +80,14 @@ class ModelConfig:
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"{cfg_path} not found: a model directory needs config.json")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+        cfg = read_json(cfg_path)
         arch = cfg.get("model_type")
         if arch not in SUPPORTED_ARCHS:
             raise ConfigError(f"unknown arch {arch!r} in {cfg_path} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ConfigError(f"{cfg_path} lacks required field(s): {', '.join(missing)}")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -103,7 +115,7 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     """EOS ids as transformers' generate sees them: generation_config first, then config."""
     ids: list[int] = []
     gen_path = path / "generation_config.json"
-    sources = [json.loads(gen_path.read_text())] if gen_path.is_file() else []
+    sources = [read_json(gen_path)] if gen_path.is_file() else []
     sources.append(cfg)
     for src in sources:
         eos = src.get("eos_token_id")

@@ -27,9 +27,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
-        if self.temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (0 <= self.temperature < float("inf")):  # also rejects NaN
+            raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails this too
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise SamplingParamsError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")

@@ -10,7 +10,7 @@ import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from common.config import ConfigError
+from common.config import ConfigError, read_json
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
@@ -85,9 +85,12 @@ class Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise ConfigError(f"{path} not found: the model directory needs a tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ConfigError(f"cannot load tokenizer {path}: {e}") from None
         cfg_path = Path(model_dir) / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = read_json(cfg_path) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")
         self._template = (jinja2.Environment(keep_trailing_newline=True).from_string(template)
                           if template else None)

@@ -31,7 +31,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     expected = {(n, i) for n, p in params.items() for i in _shards(p)}
     if tied:
         expected.discard(("lm_head.weight", None))
-    missing = sorted(f"{n}[{i}]" if i is not None else n for n, i in expected - filled)
+    missing = sorted(_checkpoint_name(n, i) for n, i in expected - filled)
     if missing:
         raise ConfigError(f"weights missing from {model_dir}: {', '.join(missing[:8])}"
                           + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
@@ -62,6 +62,16 @@ def _load_one(params: dict[str, nn.Parameter], filled: set[tuple[str, int | None
         raise ConfigError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(data.shape)}")
     data.copy_(tensor.to(data.dtype))
     filled.add((target, shard))
+
+
+def _checkpoint_name(name: str, shard: int | None) -> str:
+    """The checkpoint's own tensor name for one shard of a fused parameter."""
+    if shard is None:
+        return name
+    for hf, (ours, i) in PACKED_MODULES.items():
+        if i == shard and f".{ours}." in name:
+            return name.replace(f".{ours}.", f".{hf}.")
+    return f"{name}[{shard}]"
 
 
 def _shards(param: nn.Parameter) -> list[int | None]:
