@@ -89,8 +89,9 @@ class BlockManager:
         need = self.blocks_needed(seq, num_new_tokens)
         if need > len(self._free):
             return False
-        for _ in range(need):
-            seq.block_table.append(self._pop_free())
+        # ascending ids keep a sequence's blocks in long consecutive runs (fewer, bigger copies
+        # when its KV is transferred); which of the n blocks is evicted first does not matter
+        seq.block_table.extend(sorted(self._pop_free() for _ in range(need)))
         return True
 
     def allocate_blocks(self, n: int) -> list[int] | None:

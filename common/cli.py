@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-peers", default="", help="decode: comma-separated prefill addresses to handshake with")
     p.add_argument("--report-to", default="", help="router address for heartbeats")
     p.add_argument("--ready-file", default="")
-    p.add_argument("--peer-timeout", type=float, default=10.0)
+    p.add_argument("--peer-timeout", type=float, default=30.0)
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)
     return parser

@@ -239,7 +239,7 @@ class WorkerConfig:
     prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers to handshake with at start
     report_to: str = ""  # router address to push WorkerStatus heartbeats to
     heartbeat_s: float = 0.5
-    peer_timeout_s: float = 10.0
+    peer_timeout_s: float = 30.0
     ready_file: str = ""
 
     def __post_init__(self) -> None:

@@ -77,12 +77,13 @@ class Client:
         return Incoming(None, messages.decode(parts[0]), parts[1:])
 
     def recv_nowait(self) -> Incoming | None:
+        """One message if one is waiting; raw frames come as zero-copy memoryviews."""
         try:
-            parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
         try:
-            return Incoming(None, messages.decode(parts[0]), parts[1:])
+            return Incoming(None, messages.decode(parts[0].bytes), [f.buffer for f in parts[1:]])
         except MessageError:
             return None
 

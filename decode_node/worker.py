@@ -4,6 +4,8 @@ the rest, and on KVReady adds the sequence to its continuous batch and streams t
 A request that cannot get blocks waits in FIFO order; it is never dropped."""
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -237,9 +239,14 @@ class DecodeWorker(WorkerBase):
         self.try_reserve()
         now = time.monotonic()
         for peer in list(self.peers.values()):
-            if now - peer.last_seen > self.wconfig.peer_timeout_s:
+            if self.backend in ("shm", "cuda_ipc") and peer.info.get("host") == socket.gethostname():
+                # P writes straight into our blocks: only a P whose process is gone is dead
+                # (a P busy with a long prefill is silent but may still be writing)
+                if not _pid_alive(peer.info.get("pid", 0)):
+                    self.drop_peer(peer, "its process exited")
+            elif now - peer.last_seen > self.wconfig.peer_timeout_s:
                 self.drop_peer(peer, f"no reply for {self.wconfig.peer_timeout_s:.0f} s")
-            elif now - peer.last_ping > self.wconfig.peer_timeout_s / 4:
+            if peer.address in self.peers and now - peer.last_ping > self.wconfig.peer_timeout_s / 4:
                 peer.last_ping = now
                 peer.client.send(StatusRequest())
 
@@ -256,8 +263,9 @@ class DecodeWorker(WorkerBase):
         seq = req.seq
         req.timeline["finish"] = time.time()
         self.server.send(req.identity, TokenOutput(
-            req.request_id, list(new_tokens), True, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-            req.timeline if req.return_timeline else None))
+            req.request_id, list(new_tokens), finished=True, finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            timeline=req.timeline if req.return_timeline else None))
         if scheduled and not seq.is_finished:
             self.engine.scheduler.finish(seq, reason)
         self.engine.runner.release(seq.seq_id)
@@ -292,6 +300,18 @@ class DecodeWorker(WorkerBase):
             self.engine.block_manager = None
             self.receiver.close()
         super().close()
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # unknown: assume alive rather than free blocks P may write
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _sampling(seq: Sequence):

@@ -20,9 +20,17 @@ class TransferError(RuntimeError):
 
 def layout_of(config: EngineConfig) -> KVLayout:
     m = config.model
-    cfg_text = (Path(m.model_dir) / "config.json").read_bytes()
-    weights = sorted(p.stat().st_size for p in Path(m.model_dir).glob("*.safetensors"))
-    fingerprint = hashlib.blake2b(cfg_text + json.dumps(weights).encode(), digest_size=8).hexdigest()
+    h = hashlib.blake2b((Path(m.model_dir) / "config.json").read_bytes(), digest_size=8)
+    for path in sorted(Path(m.model_dir).glob("*.safetensors")):
+        # size plus head (header + first tensors) and tail: cheap for big checkpoints,
+        # and different whenever the weights differ in practice
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            h.update(json.dumps([path.name, size]).encode())
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    fingerprint = h.hexdigest()
     return KVLayout(model_fingerprint=fingerprint, dtype=config.device.dtype,
                     block_size=config.cache.block_size, num_layers=m.num_layers,
                     num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
@@ -40,7 +48,7 @@ def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Coalesce a block mapping into (src_start, dst_start, length) runs of consecutive ids,
     so large transfers become a few big copies instead of one copy per block."""
     out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
+    for s, d in sorted(zip(src, dst)):  # copy order is free; sorting also merges descending runs
         if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:

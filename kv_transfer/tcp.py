@@ -3,6 +3,7 @@ one contiguous buffer and travel as a raw ZeroMQ frame behind the KVReady messag
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -28,8 +29,9 @@ class TcpReceiver(KVReceiver):
         if len(frames[0]) != nbytes or parse_dtype(ready.payload_dtype) != dtype:
             raise TransferError(f"request {ready.request_id}: {len(frames[0])} bytes of {ready.payload_dtype}; "
                                 f"expected {nbytes} bytes of {dtype}")
-        buf = torch.frombuffer(bytearray(frames[0]) if isinstance(frames[0], bytes) else frames[0],
-                               dtype=dtype).view(want)
+        with warnings.catch_warnings():  # a read-only frame is fine: it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            buf = torch.frombuffer(frames[0], dtype=dtype).view(want)
         scatter_kv(self.kv_cache, dst_blocks, buf)
 
 

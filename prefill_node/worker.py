@@ -3,6 +3,8 @@ manager and prefix cache, writes each finished prompt's KV into the blocks its d
 worker reserved, samples the first token and reports it with KVReady."""
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -67,7 +69,7 @@ class PrefillWorker(WorkerBase):
                 f"kv transfer backend: prefill uses {self.backend!r}, decode uses {hs.backend!r}"
         if mismatch:
             self.log(f"refused decode worker {hs.decode_id}: {mismatch}")
-            self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"incompatible KV layout: {mismatch}", self.layout))
+            self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"incompatible prefill/decode pair: {mismatch}", self.layout))
             return
         try:
             old = self.senders.pop(hs.decode_id, None)
@@ -77,7 +79,8 @@ class PrefillWorker(WorkerBase):
         except Exception as e:  # e.g. the shm segment cannot be mapped
             self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"cannot reach decode cache: {e}", self.layout))
             return
-        self.server.send(identity, KVHandshakeReply(self.worker_id, True, "", self.layout, self.dist_info()))
+        info = dict(self.dist_info(), pid=os.getpid(), host=socket.gethostname())
+        self.server.send(identity, KVHandshakeReply(self.worker_id, True, "", self.layout, info))
 
     def on_prefill(self, identity: bytes, req: PrefillRequest) -> None:
         now = time.time()
