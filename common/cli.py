@@ -101,6 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = EngineConfig.build(model, **engine_options(args))  # validates the flags before anything starts
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
+    if not args.colocated:
+        args.prefill = 1 if args.prefill is None else args.prefill
+        args.decode = 1 if args.decode is None else args.decode
     if not args.colocated and (args.prefill < 1 or args.decode < 1):
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
     n_workers = args.colocated or (args.prefill + args.decode)
@@ -151,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start the router and workers (default model when none is given)")
     p.add_argument("model", nargs="?", default=None)
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--prefill", type=int, default=None, help="number of prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=None, help="number of decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0, help="run K colocated workers instead of P/D")
     p.add_argument("--prefill-devices", default=None, help="e.g. cuda:0,cuda:1 (default cpu)")
     p.add_argument("--decode-devices", default=None)

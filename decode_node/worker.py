@@ -225,10 +225,18 @@ class DecodeWorker(WorkerBase):
         return self.engine.has_work()
 
     def step(self) -> None:
+        start = time.time()
         outputs = self.engine.step()
         now = time.time()
+        for seq in self.engine.scheduler.running:  # colocated prompts: when their prefill began
+            req = self.by_seq.get(seq.seq_id)
+            if req is not None and not req.prefill_addr:
+                req.timeline.setdefault("prefill_start", start)
         for out in outputs:
             req = self.by_seq[out.seq.seq_id]
+            if not req.prefill_addr:
+                req.timeline.setdefault("prefill_start", start)
+                req.timeline.setdefault("prefill_end", now)
             req.timeline.setdefault("first_token", now)
             if out.finished:
                 self.finish(req, out.seq.finish_reason or "stop", new_tokens=[out.new_token], scheduled=False)

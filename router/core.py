@@ -66,6 +66,8 @@ class Router:
         self.control.setsockopt(zmq.LINGER, 0)
         self.control_address = bind_address(self.control, config.control_address())
         self.worker_socks: dict[str, zmq.asyncio.Socket] = {}
+        self._worker_addr: dict[str, str] = {}
+        self._worker_tasks: dict[str, asyncio.Task] = {}
         self.inflight: dict[str, InFlight] = {}
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -76,7 +78,7 @@ class Router:
         self._tasks.append(asyncio.create_task(self._expire_loop()))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._worker_tasks.values()]:
             t.cancel()
         for sock in self.worker_socks.values():
             sock.close(0)
@@ -97,19 +99,25 @@ class Router:
             now = time.monotonic()
             if isinstance(msg, WorkerHello):
                 entry = self.registry.hello(msg, now)
-                if msg.role in ("decode", "colocated") and msg.worker_id not in self.worker_socks:
-                    self._connect_worker(entry)
+                if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
+                    self._connect_worker(entry)  # new, or restarted at a new address
             elif isinstance(msg, WorkerStatus):
                 entry = self.registry.heartbeat(msg, now)
                 if entry:
                     self.metrics.worker_status(msg)
 
     def _connect_worker(self, entry: WorkerEntry) -> None:
+        wid = entry.worker_id
+        old = self._worker_tasks.pop(wid, None)
+        if old is not None:
+            old.cancel()
+            self.worker_socks.pop(wid).close(0)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(entry.hello.address)
-        self.worker_socks[entry.worker_id] = sock
-        self._tasks.append(asyncio.create_task(self._worker_loop(entry.worker_id, sock)))
+        self.worker_socks[wid] = sock
+        self._worker_addr[wid] = entry.hello.address
+        self._worker_tasks[wid] = asyncio.create_task(self._worker_loop(wid, sock))
 
     async def _worker_loop(self, worker_id: str, sock: zmq.asyncio.Socket) -> None:
         while True:

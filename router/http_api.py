@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class StreamOptions(BaseModel):
@@ -15,8 +15,8 @@ class _Common(BaseModel):
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None)
     max_completion_tokens: StrictInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: StrictFloat | StrictInt = 1.0
+    top_p: StrictFloat | StrictInt = 1.0
     top_k: StrictInt = -1
     stop: str | list[str] | None = None
     seed: StrictInt | None = None

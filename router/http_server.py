@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import ErrorReply, Sampling, SubmitRequest, TokenOutput
-from router.core import Router
+from router.core import RouteError, Router
 from router.http_api import ChatBody, CompletionBody
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -55,8 +55,13 @@ def create_app(router: Router) -> FastAPI:
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             max_tokens=16 if max_tokens is None else max_tokens, stop=stop, seed=body.seed,
                             ignore_eos=body.ignore_eos)
-        return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
-                             return_timeline=body.return_timeline, **prompt)
+        sub = SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
+                            return_timeline=body.return_timeline, **prompt)
+        try:
+            router.prepare(sub)  # validate now, so even a streamed request gets a 4xx, not an SSE error
+        except RouteError as e:
+            return error(400, str(e), code=e.code)
+        return sub
 
     async def collect(sub: SubmitRequest) -> tuple[dict | None, JSONResponse | None]:
         tokens: list[int] = []

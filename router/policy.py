@@ -38,6 +38,13 @@ class ImbalanceGuard:
         return max(loads) > self.ratio * min(loads) + self.slack
 
 
+def _check(policy: str, cands: list[WorkerView]) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r} (choose from {', '.join(POLICIES)})")
+    if not cands:
+        raise ValueError("no live worker to choose from")
+
+
 def _pick(cands: list[WorkerView], key, rng: random.Random) -> str:
     best = min(key(w) for w in cands)
     return rng.choice([w.worker_id for w in cands if key(w) == best])
@@ -46,27 +53,21 @@ def _pick(cands: list[WorkerView], key, rng: random.Random) -> str:
 def choose_prefill(cands: list[WorkerView], policy: str, rng: random.Random, rr_index: int = 0,
                    guard: ImbalanceGuard = ImbalanceGuard()) -> str:
     """The worker that computes a prompt (prefill or colocated role)."""
-    if not cands:
-        raise ValueError("no live worker to choose from")
+    _check(policy, cands)
     if policy == "round_robin":
         return sorted(w.worker_id for w in cands)[rr_index % len(cands)]
     if policy == "least_loaded" or guard.imbalanced([w.load for w in cands]):
         return _pick(cands, lambda w: w.load, rng)
-    if policy != "prefix_load":
-        raise ValueError(f"unknown routing policy {policy!r} (choose from {', '.join(POLICIES)})")
     return _pick(cands, lambda w: (-w.prefix_blocks, w.load), rng)
 
 
 def choose_decode(cands: list[WorkerView], policy: str, rng: random.Random, rr_index: int = 0) -> str:
     """The decode worker: most free KV blocks (as a share), then fewest running requests."""
-    if not cands:
-        raise ValueError("no live worker to choose from")
+    _check(policy, cands)
     if policy == "round_robin":
         return sorted(w.worker_id for w in cands)[rr_index % len(cands)]
     if policy == "least_loaded":
         return _pick(cands, lambda w: w.load, rng)
-    if policy != "prefix_load":
-        raise ValueError(f"unknown routing policy {policy!r} (choose from {', '.join(POLICIES)})")
     return _pick(cands, lambda w: (-round(w.free_ratio, 2), w.load), rng)
 
 

@@ -54,6 +54,7 @@ def start_workers(launcher: Launcher, model_dir: str, dep: Deployment, control: 
     if dep.colocated_devices:
         for i, dev in enumerate(dep.colocated_devices):
             launcher.start(f"colocated-{i}", "colocated", model_dir, [*base, "--device", dev])
+        launcher.wait_ready()
         return
     backend = _kv_backend(dep.kv_transfer, dep.prefill_devices)
     base += ["--kv-transfer", backend]

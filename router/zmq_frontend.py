@@ -3,6 +3,7 @@ TokenOutput stream / ErrorReply out, as documented in docs/protocol.md."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import zmq
 import zmq.asyncio
@@ -60,9 +61,12 @@ class ZmqFrontend:
                                                       f"clients may send 'submit' or 'abort', not {msg.TYPE!r}"))
 
     async def _stream(self, identity: bytes, sub: SubmitRequest) -> None:
+        # clients pick their own ids: qualify them by connection so two clients cannot collide
+        internal = dataclasses.replace(sub, request_id=f"{identity.hex()}/{sub.request_id}")
         try:
             pending = None
-            async for out in self.router.generate(sub):
+            async for out in self.router.generate(internal):
+                out.request_id = sub.request_id
                 if sub.stream or isinstance(out, ErrorReply):
                     await self._send(identity, out)
                 elif pending is None:

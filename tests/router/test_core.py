@@ -1,0 +1,158 @@
+"""The router core (router/core.py) in-process, against fake workers made of bare ZeroMQ
+sockets: what reaches a worker, what comes back to the caller, and what happens when a
+worker dies or comes back at another address."""
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from common import messages
+from common.messages import ErrorReply, GenerateRequest, Sampling, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus
+from common.transport import bind_address
+from router.config import RouterConfig
+from router.core import Router
+
+
+class FakeWorker:
+    """A colocated worker's server socket; answers nothing unless told to."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_address(self.sock, "tcp://127.0.0.1:0")
+
+    def hello(self) -> WorkerHello:
+        return WorkerHello(self.worker_id, "colocated", self.address, "cpu", total_blocks=64, block_size=16,
+                           model_fingerprint="fp")
+
+    async def next_request(self, timeout_s: float = 5.0) -> tuple[bytes, GenerateRequest] | None:
+        if not await self.sock.poll(int(timeout_s * 1000)):
+            return None
+        identity, raw = await self.sock.recv_multipart()
+        return identity, messages.decode(raw)
+
+    async def reply(self, identity: bytes, msg) -> None:
+        await self.sock.send_multipart([identity, messages.encode(msg)])
+
+
+class Harness:
+    """A Router on this loop, a socket to report as workers, and fake workers."""
+
+    def __init__(self, model_dir: str, stale_after_s: float = 30.0) -> None:
+        self.router = Router(RouterConfig(model_dir=model_dir, http_port=0, zmq_port=0, max_model_len=512,
+                                          stale_after_s=stale_after_s))
+        self.router.start()
+        self.ctx = zmq.asyncio.Context()
+        self.report = self.ctx.socket(zmq.DEALER)
+        self.report.setsockopt(zmq.LINGER, 0)
+        self.report.connect(self.router.control_address)
+        self.workers: list[FakeWorker] = []
+
+    def worker(self, worker_id: str) -> FakeWorker:
+        w = FakeWorker(self.ctx, worker_id)
+        self.workers.append(w)
+        return w
+
+    async def send(self, msg) -> None:
+        await self.report.send(messages.encode(msg))
+
+    async def close(self) -> None:
+        for w in self.workers:
+            w.sock.close(0)
+        self.report.close(0)
+        self.ctx.term()
+        await self.router.close()
+
+
+async def collect(router: Router, sub: SubmitRequest) -> list:
+    return [out async for out in router.generate(sub)]
+
+
+def submit(rid: str, ids: list[int] = (5, 6, 7)) -> SubmitRequest:
+    return SubmitRequest(rid, Sampling(temperature=0, max_tokens=2), prompt_token_ids=list(ids), return_timeline=True)
+
+
+def run(coro) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_request_goes_to_the_worker_and_tokens_come_back(model_dirs):
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        try:
+            w = h.worker("c0")
+            await h.send(w.hello())
+            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            job = asyncio.create_task(collect(h.router, submit("r1")))
+            identity, req = await w.next_request()
+            assert isinstance(req, GenerateRequest)
+            assert (req.request_id, req.prompt_token_ids, req.prefill_addr) == ("r1", [5, 6, 7], "")
+            assert req.return_timeline and list(req.timeline) == ["arrival", "routed"]
+            text_ids = h.router.tokenizer.encode("hello world")
+            await w.reply(identity, TokenOutput("r1", text_ids[:1]))
+            await w.reply(identity, TokenOutput("r1", text_ids[1:], finished=True, finish_reason="length",
+                                                timeline=dict(req.timeline, finish=req.timeline["routed"])))
+            outs = await job
+            assert [o.token_ids for o in outs] == [text_ids[:1], text_ids[1:]]
+            assert "".join(o.text for o in outs) == "hello world"
+            assert outs[-1].finished and outs[-1].num_prompt_tokens == 3
+            assert list(outs[-1].timeline) == ["arrival", "routed", "finish", "router_done"]
+            assert h.router.inflight == {} and h.router.registry.workers["c0"].inflight == 0
+        finally:
+            await h.close()
+
+    run(scenario())
+
+
+def test_inflight_request_fails_when_its_worker_goes_silent(model_dirs):
+    async def scenario():
+        h = Harness(model_dirs["qwen3"], stale_after_s=0.4)
+        try:
+            w = h.worker("c0")
+            await h.send(w.hello())
+            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            job = asyncio.create_task(collect(h.router, submit("r1")))
+            assert await w.next_request() is not None  # received, never answered, no heartbeats
+            outs = await asyncio.wait_for(job, 10)
+            assert len(outs) == 1 and isinstance(outs[0], ErrorReply)
+            assert outs[0].code == "worker_failed" and "c0" in outs[0].message
+            (err,) = await collect(h.router, submit("r2"))
+            assert isinstance(err, ErrorReply) and err.code == "unavailable"
+        finally:
+            await h.close()
+
+    run(scenario())
+
+
+def test_restarted_worker_gets_requests_at_its_new_address(model_dirs):
+    """The registry treats a hello from a known worker id at a new address as a restart
+    (a fresh entry), so the router must send that worker's requests to the new address."""
+    async def scenario():
+        h = Harness(model_dirs["qwen3"], stale_after_s=0.4)
+        try:
+            old = h.worker("c0")
+            await h.send(old.hello())
+            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            old.sock.close(0)  # the worker dies ...
+            await asyncio.sleep(0.8)
+            assert h.router.registry.live(("colocated",)) == []
+            new = h.worker("c0")  # ... and comes back on another port
+            await h.send(new.hello())
+            await h.send(WorkerStatus("c0", "colocated", 0, 0, 64, 64))
+            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            assert h.router.registry.workers["c0"].hello.address == new.address
+            job = asyncio.create_task(collect(h.router, submit("r1")))
+            got = await new.next_request(timeout_s=3)
+            if got is None:
+                job.cancel()
+            assert got is not None, "the request did not reach the restarted worker's new address"
+            identity, req = got
+            await new.reply(identity, TokenOutput("r1", [9], finished=True, finish_reason="length"))
+            assert (await job)[-1].finished
+        finally:
+            await h.close()
+
+    run(scenario())
