@@ -60,7 +60,8 @@ class Router:
         self.registry = WorkerRegistry(config.stale_after_s)
         self.metrics = RouterMetrics()
         self.rng = random.Random(config.seed)
-        self._rr = itertools.count()
+        self._rr_prefill = itertools.count()  # one counter per choice, or with two workers
+        self._rr_decode = itertools.count()   # per role each would only ever see even indices
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -186,16 +187,23 @@ class Router:
         hashes = cacheable_prefix_hashes(ids, self.config.block_size)
         prefills, decodes = reg.live(("prefill",)), reg.live(("decode",))
         if prefills and decodes:
-            p_id = choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr))
-            d_id = choose_decode(reg.views(decodes), policy, self.rng, next(self._rr))
-            self.metrics.routed_prefix(hashes, reg.workers[p_id].cached)
+            p_id = choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))
+            d_id = choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))
+            self._note_routed(reg.workers[p_id], hashes)
             return reg.workers[d_id], reg.workers[p_id]
         colocated = reg.live(("colocated",))
         if colocated:
-            c_id = choose_prefill(reg.views(colocated, hashes), policy, self.rng, next(self._rr))
-            self.metrics.routed_prefix(hashes, reg.workers[c_id].cached)
+            c_id = choose_prefill(reg.views(colocated, hashes), policy, self.rng, next(self._rr_prefill))
+            self._note_routed(reg.workers[c_id], hashes)
             return reg.workers[c_id], None
         raise RouteError("no live worker can serve this request (prefill+decode or colocated)", "unavailable")
+
+    def _note_routed(self, entry: WorkerEntry, hashes: list[int]) -> None:
+        """Count the routing hit, then assume the worker will cache this prompt's blocks:
+        the next request with the same prefix should follow it before the worker's
+        heartbeat confirms (evictions still arrive as events)."""
+        self.metrics.routed_prefix(hashes, entry.cached)
+        entry.cached.update(hashes)
 
     async def generate(self, sub: SubmitRequest) -> AsyncIterator[TokenOutput | ErrorReply]:
         """Route one request and yield its outputs (text deltas filled); the last has
