@@ -212,7 +212,7 @@ def decode(raw: bytes) -> Any:
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated exception types
-        raise MessageError(f"not a msgpack message: {e}") from None
+        raise MessageError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict) or set(obj) != {"v", "type", "data"}:
         raise MessageError("a message must be a map with exactly the keys v, type, data")
     if obj["v"] != PROTOCOL_VERSION:

@@ -63,7 +63,11 @@ class Client:
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.connect(address)
+        try:
+            self.sock.connect(address)
+        except zmq.ZMQError:
+            self.sock.close(0)  # an open socket would make Context.term() hang
+            raise
         self.address = address
 
     def send(self, msg: Any, frames: list = ()) -> None:

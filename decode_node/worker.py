@@ -5,6 +5,7 @@ A request that cannot get blocks waits in FIFO order; it is never dropped."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections import deque
@@ -29,9 +30,12 @@ class HandshakeError(ConfigError):
     """A prefill worker refused this decode worker (incompatible KV layout or backend)."""
 
 
+_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)$")
+
+
 @dataclass
 class PrefillPeer:
-    """A connection to one prefill worker, after a successful handshake."""
+    """A connection to one prefill worker; `ready` once it accepted our handshake."""
 
     address: str
     client: Client
@@ -39,6 +43,8 @@ class PrefillPeer:
     info: dict
     last_seen: float
     last_ping: float = 0.0
+    ready: bool = False
+    deadline: float = 0.0  # handshake must be answered by then (monotonic seconds)
 
 
 @dataclass
@@ -77,32 +83,66 @@ class DecodeWorker(WorkerBase):
         self.pending: deque[Request] = deque()  # waiting for blocks, FIFO
         self.awaiting_kv: dict[str, Request] = {}
         self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0)
+        self.last_refusal = ""
         self.init_dist()
-        for address in worker_config.prefill_peers:
-            self.connect(address)
+        try:
+            for address in worker_config.prefill_peers:
+                self.connect(address)
+        except BaseException:
+            self.close()  # do not leave the shared KV segment behind
+            raise
 
     # ---- prefill peers --------------------------------------------------------------
-    def connect(self, address: str) -> PrefillPeer:
-        """Handshake with a prefill worker; HandshakeError if it refuses."""
+    def start_connect(self, address: str) -> PrefillPeer:
+        """Send the handshake to a prefill worker; its reply is handled by the loop, so a
+        slow or absent peer never stalls the running batch."""
         if address in self.peers:
             return self.peers[address]
+        if not _ENDPOINT.match(address):
+            raise HandshakeError(f"prefill address {address!r} is not a ZeroMQ endpoint (tcp://host:port or ipc://path)")
         assert self.receiver is not None
-        client = Client(self.ctx, address, identity=self.worker_id.encode())
+        try:
+            client = Client(self.ctx, address, identity=self.worker_id.encode())
+        except zmq.ZMQError as e:
+            raise HandshakeError(f"cannot connect to prefill worker at {address}: {e}") from None
         client.send(KVHandshake(self.worker_id, self.server.address, self.layout, self.backend,
                                 dict(self.receiver.backend_info(), **self.dist_info())))
-        try:
-            reply = client.recv(timeout_ms=int(self.wconfig.peer_timeout_s * 1000)).msg
-        except TimeoutError as e:
-            client.close()
-            raise HandshakeError(f"prefill worker at {address} did not answer the handshake: {e}") from None
-        if not isinstance(reply, KVHandshakeReply) or not reply.ok:
-            client.close()
-            why = reply.error if isinstance(reply, KVHandshakeReply) else f"unexpected {reply.TYPE!r}"
-            raise HandshakeError(f"prefill worker at {address} refused this decode worker: {why}")
-        peer = PrefillPeer(address, client, reply.prefill_id, reply.backend_info, time.monotonic())
+        now = time.monotonic()
+        peer = PrefillPeer(address, client, "", {}, now, deadline=now + self.wconfig.peer_timeout_s)
         self.peers[address] = peer
         self.poller.register(client.sock, zmq.POLLIN)
         return peer
+
+    def connect(self, address: str) -> PrefillPeer:
+        """Handshake and wait for the answer (start-up); HandshakeError if refused."""
+        peer = self.start_connect(address)
+        while not peer.ready:
+            if not peer.client.sock.poll(50):
+                if time.monotonic() > peer.deadline:
+                    self.refuse(peer, f"prefill worker at {address} did not answer the handshake "
+                                      f"within {self.wconfig.peer_timeout_s:.0f} s")
+                continue
+            self.on_socket(peer.client.sock)
+            if address not in self.peers:
+                raise HandshakeError(self.last_refusal)
+        return peer
+
+    def on_handshake_reply(self, peer: PrefillPeer, reply: KVHandshakeReply) -> None:
+        if not reply.ok:
+            self.refuse(peer, f"prefill worker at {peer.address} refused this decode worker: {reply.error}")
+            return
+        peer.ready, peer.prefill_id, peer.info = True, reply.prefill_id, reply.backend_info
+
+    def refuse(self, peer: PrefillPeer, why: str) -> None:
+        """A handshake failed: forget the peer, fail the requests that waited for it."""
+        self.log(why)
+        self.last_refusal = why
+        self.poller.unregister(peer.client.sock)
+        peer.client.close()
+        del self.peers[peer.address]
+        for req in [r for r in self.pending if r.prefill_addr == peer.address]:
+            self.pending.remove(req)
+            self.fail(req, why, code="worker_failed")
 
     def drop_peer(self, peer: PrefillPeer, why: str) -> None:
         self.log(f"dropping prefill worker {peer.prefill_id} at {peer.address}: {why}")
@@ -136,7 +176,7 @@ class DecodeWorker(WorkerBase):
             if msg.prefill_addr:
                 if self.role != "decode":
                     raise RequestError("a colocated worker computes prompts itself; prefill_addr must be empty")
-                self.connect(msg.prefill_addr)
+                self.start_connect(msg.prefill_addr)
         except (RequestError, SamplingParamsError, HandshakeError) as e:
             self.server.send(identity, ErrorReply(msg.request_id, str(e)))
             return
@@ -157,7 +197,11 @@ class DecodeWorker(WorkerBase):
             return
         while (inc := peer.client.recv_nowait()) is not None:
             peer.last_seen = time.monotonic()
-            if isinstance(inc.msg, KVReady):
+            if isinstance(inc.msg, KVHandshakeReply):
+                self.on_handshake_reply(peer, inc.msg)
+                if peer.address not in self.peers:
+                    return
+            elif isinstance(inc.msg, KVReady):
                 self.on_kv_ready(peer, inc.msg, inc.frames)
             elif isinstance(inc.msg, PrefillFailed):
                 req = self.awaiting_kv.get(inc.msg.request_id)
@@ -196,21 +240,22 @@ class DecodeWorker(WorkerBase):
     def try_reserve(self) -> None:
         bm = self.engine.block_manager
         sched = self.engine.scheduler
-        while self.pending:
+        for req in list(self.pending):
             if len(sched.running) + len(self.awaiting_kv) >= self.config.scheduler.max_num_seqs:
                 return
-            req = self.pending[0]
             peer = self.peers.get(req.prefill_addr)
             if peer is None:
-                self.pending.popleft()
+                self.pending.remove(req)
                 self.fail(req, f"prefill worker at {req.prefill_addr} is not connected", code="worker_failed")
                 continue
+            if not peer.ready:
+                continue  # its handshake is still in flight
             seq = req.seq
             cached = bm.find_cached_prefix(seq.token_ids)
             n_new = len(seq) - len(cached) * bm.block_size
             if not bm.can_admit(seq, cached, n_new):
                 return  # wait for blocks; FIFO, so nothing behind it jumps the queue
-            self.pending.popleft()
+            self.pending.remove(req)
             bm.admit(seq, cached)
             bm.allocate(seq, n_new)
             req.dst_blocks = seq.block_table[len(cached):]
@@ -247,6 +292,11 @@ class DecodeWorker(WorkerBase):
         self.try_reserve()
         now = time.monotonic()
         for peer in list(self.peers.values()):
+            if not peer.ready:
+                if now > peer.deadline:
+                    self.refuse(peer, f"prefill worker at {peer.address} did not answer the handshake "
+                                      f"within {self.wconfig.peer_timeout_s:.0f} s")
+                continue
             if self.backend in ("shm", "cuda_ipc") and peer.info.get("host") == socket.gethostname():
                 # P writes straight into our blocks: only a P whose process is gone is dead
                 # (a P busy with a long prefill is silent but may still be writing)
@@ -304,9 +354,10 @@ class DecodeWorker(WorkerBase):
         for peer in self.peers.values():
             peer.client.close()
         if self.receiver:
-            self.engine.runner = None  # drop views of the shared cache before unmapping it
-            self.engine.block_manager = None
+            if hasattr(self, "engine"):
+                self.engine.runner = None  # drop views of the shared cache before unmapping it
             self.receiver.close()
+            self.receiver = None
         super().close()
 
 

@@ -18,6 +18,11 @@ class TransferError(RuntimeError):
     """A transfer does not fit the reservation it claims (wrong size, shape or peer)."""
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a dtype ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def layout_of(config: EngineConfig) -> KVLayout:
     m = config.model
     h = hashlib.blake2b((Path(m.model_dir) / "config.json").read_bytes(), digest_size=8)

@@ -10,7 +10,7 @@ import torch
 
 from common.config import parse_dtype
 from common.messages import KVReady
-from kv_transfer.base import KVReceiver, KVSender, copy_blocks
+from kv_transfer.base import KVReceiver, KVSender, copy_blocks, dtype_name
 
 
 def export_handle(t: torch.Tensor) -> dict:
@@ -20,7 +20,7 @@ def export_handle(t: torch.Tensor) -> dict:
     return {"device": device, "handle": handle, "size": size, "offset": offset,
             "ref_handle": ref_handle, "ref_offset": ref_offset, "event_handle": event_handle,
             "event_sync": event_sync, "shape": list(t.shape), "stride": list(t.stride()),
-            "storage_offset": t.storage_offset(), "dtype": str(t.dtype).removeprefix("torch.")}
+            "storage_offset": t.storage_offset(), "dtype": dtype_name(t.dtype)}
 
 
 def view_from_storage(storage: torch.UntypedStorage, info: dict) -> torch.Tensor:

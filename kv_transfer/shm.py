@@ -11,7 +11,7 @@ import torch
 
 from common.config import parse_dtype
 from common.messages import KVReady
-from kv_transfer.base import KVReceiver, KVSender, copy_blocks
+from kv_transfer.base import KVReceiver, KVSender, copy_blocks, dtype_name
 
 
 def _view(shm: shared_memory.SharedMemory, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -33,10 +33,12 @@ class ShmReceiver(KVReceiver):
         self._dtype = dtype
 
     def backend_info(self) -> dict:
-        return {"shm_name": self.name, "shape": list(self.kv_cache.shape), "dtype": str(self._dtype).removeprefix("torch.")}
+        return {"shm_name": self.name, "shape": list(self.kv_cache.shape), "dtype": dtype_name(self._dtype)}
 
     def close(self) -> None:
-        del self.kv_cache
+        if self._shm is None:
+            return  # already closed
+        self.kv_cache = None  # type: ignore[assignment]
         try:
             self._shm.unlink()  # first: the name must go even if a view still pins the mapping
         except FileNotFoundError:
@@ -45,6 +47,7 @@ class ShmReceiver(KVReceiver):
             self._shm.close()
         except BufferError:
             pass  # a tensor view is still alive; the mapping goes with the process
+        self._shm = None
 
 
 class ShmSender(KVSender):

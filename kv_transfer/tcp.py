@@ -7,9 +7,8 @@ import warnings
 
 import torch
 
-from common.config import parse_dtype
 from common.messages import KVReady
-from kv_transfer.base import KVReceiver, KVSender, TransferError, gather_kv, scatter_kv
+from kv_transfer.base import KVReceiver, KVSender, TransferError, dtype_name, gather_kv, scatter_kv
 
 
 class TcpReceiver(KVReceiver):
@@ -26,7 +25,7 @@ class TcpReceiver(KVReceiver):
                                 f"{len(frames)} frame(s); expected {want} in 1")
         dtype = self.kv_cache.dtype
         nbytes = math.prod(want) * self.kv_cache.element_size()
-        if len(frames[0]) != nbytes or parse_dtype(ready.payload_dtype) != dtype:
+        if len(frames[0]) != nbytes or ready.payload_dtype != dtype_name(dtype):
             raise TransferError(f"request {ready.request_id}: {len(frames[0])} bytes of {ready.payload_dtype}; "
                                 f"expected {nbytes} bytes of {dtype}")
         with warnings.catch_warnings():  # a read-only frame is fine: it is only read
@@ -41,7 +40,7 @@ class TcpSender(KVSender):
     def send(self, ready: KVReady, src: list[int], dst: list[int]) -> list:
         buf = gather_kv(self.kv_cache, src).cpu()
         ready.payload_shape = list(buf.shape)
-        ready.payload_dtype = str(buf.dtype).removeprefix("torch.")
+        ready.payload_dtype = dtype_name(buf.dtype)
         ready.num_frames = 1
         self.bytes_sent += buf.numel() * buf.element_size()
         return [buf.reshape(-1).view(torch.uint8).numpy().data]  # zero-copy raw bytes

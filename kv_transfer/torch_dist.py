@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from common.config import parse_dtype
 from common.messages import KVReady
-from kv_transfer.base import KVReceiver, KVSender, TransferError, gather_kv, scatter_kv
+from kv_transfer.base import KVReceiver, KVSender, TransferError, dtype_name, gather_kv, scatter_kv
 
 
 def init_group(backend: str, init_method: str, rank: int, world_size: int) -> None:
@@ -33,11 +33,14 @@ class DistReceiver(KVReceiver):
     def receive(self, ready: KVReady, frames: list[bytes], dst_blocks: list[int], peer: dict) -> None:
         super().receive(ready, frames, dst_blocks, peer)
         want = self.expected_shape(len(dst_blocks))
-        if ready.payload_shape != want or parse_dtype(ready.payload_dtype) != self.kv_cache.dtype:
+        if ready.payload_shape != want or ready.payload_dtype != dtype_name(self.kv_cache.dtype):
             # the data is on its way regardless: drain it so the pair stays in step
-            if math.prod(ready.payload_shape) > 0:
-                sink = torch.empty(ready.payload_shape, dtype=parse_dtype(ready.payload_dtype),
-                                   device=self.kv_cache.device)
+            try:
+                sink_dtype = parse_dtype(ready.payload_dtype)
+            except ValueError:
+                sink_dtype = None
+            if sink_dtype is not None and math.prod(ready.payload_shape) > 0:
+                sink = torch.empty(ready.payload_shape, dtype=sink_dtype, device=self.kv_cache.device)
                 dist.recv(sink, src=peer["rank"])
             raise TransferError(f"request {ready.request_id}: payload {ready.payload_shape} "
                                 f"{ready.payload_dtype}; expected {want} {self.kv_cache.dtype}")
@@ -55,7 +58,7 @@ class DistSender(KVSender):
     def send(self, ready: KVReady, src: list[int], dst: list[int]) -> list:
         buf = gather_kv(self.kv_cache, src)
         ready.payload_shape = list(buf.shape)
-        ready.payload_dtype = str(buf.dtype).removeprefix("torch.")
+        ready.payload_dtype = dtype_name(buf.dtype)
         work = dist.isend(buf, dst=self.peer_info["rank"])
         self._pending.append((work, buf))
         self.bytes_sent += buf.numel() * buf.element_size()

@@ -1,0 +1,82 @@
+"""A decode worker whose KV layout or backend does not match its prefill peer is refused
+at connect time: it exits non-zero with a message naming what differs, and the prefill
+worker keeps running."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from common.launch import LaunchError, Launcher, WorkerProcess
+from tests.disagg.driver import engine_options, shm_segments
+
+
+@pytest.fixture(scope="module")
+def prefill(model_dirs, tmp_path_factory):
+    """One shm prefill worker with 16-token blocks, met by each mismatched decode worker."""
+    launcher = Launcher(tmp_path_factory.mktemp("handshake"))
+    try:
+        p = launcher.start(f"p-{uuid.uuid4().hex[:6]}", "prefill", model_dirs["qwen3"], [*engine_options(), "--kv-transfer", "shm"])
+        launcher.wait_ready([p])
+        yield launcher, p
+    finally:
+        launcher.stop()
+
+
+# name -> (model arch, decode flags, words the refusal must contain)
+CASES = {
+    "block_size": ("qwen3", [*engine_options(block_size=32), "--kv-transfer", "shm"],
+                   ["block_size", "prefill has 16", "decode has 32"]),
+    "backend": ("qwen3", [*engine_options(), "--kv-transfer", "tcp"], ["backend", "'shm'", "'tcp'"]),
+    "model": ("llama", [*engine_options(), "--kv-transfer", "shm"], ["model_fingerprint"]),
+}
+
+
+@pytest.fixture(scope="module")
+def refused(prefill, model_dirs):
+    """refused(case) -> the decode worker of `case`, started once and run to its exit."""
+    launcher, p = prefill
+    workers: dict[str, WorkerProcess] = {}
+
+    def get(case: str) -> WorkerProcess:
+        if case not in workers:
+            arch, flags, _ = CASES[case]
+            d = launcher.start(f"d-{case}-{uuid.uuid4().hex[:6]}", "decode", model_dirs[arch], [*flags, "--prefill-peers", p.address])
+            with pytest.raises(LaunchError):
+                launcher.wait_ready([d], timeout=60)
+            d.proc.wait(timeout=30)
+            workers[case] = d
+        return workers[case]
+
+    return get
+
+
+def _wait_for_no_shm(d: WorkerProcess, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while shm_segments(d) and time.monotonic() < deadline:  # a resource tracker may do it late
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mismatched_decode_worker_is_refused(case, refused, prefill):
+    _, p = prefill
+    d = refused(case)
+    assert d.proc.returncode not in (0, None)
+    log = d.log_tail()
+    assert "refused this decode worker" in log, log
+    for word in CASES[case][2]:
+        assert word in log, f"{word!r} missing from the decode worker's error:\n{log}"
+    assert "Traceback" not in log, f"a refusal is a user error, not a crash:\n{log}"
+    assert p.proc.poll() is None, f"the prefill worker died:\n{p.log_tail()}"
+    _wait_for_no_shm(d)
+    assert not shm_segments(d), "a refused decode worker left its shm KV cache behind"
+
+
+def test_refused_decode_worker_removes_its_own_shm_cache(refused):
+    """The shm segment D created is D's to unlink when its start fails; left to Python's
+    resource tracker it goes only at exit, with a 'leaked shared_memory' warning."""
+    d = refused("block_size")
+    _wait_for_no_shm(d)
+    log = d.log_tail()
+    assert "leaked shared_memory" not in log, log
