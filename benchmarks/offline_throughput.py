@@ -56,6 +56,7 @@ MAX_MODEL_LEN = 1024
 FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens
 TARGET_RATIO = 2.0
 TARGET_OVERHEAD = 0.10
+CONTENDED_SHARE = 0.05  # other processes' share of the machine's CPU above which timings are suspect
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,53 @@ class Workload:
 
 @dataclass(frozen=True)
 class Throughput:
+    """Tokens over wall seconds. cpu_seconds is this process's CPU time (all threads);
+    other_cpu_share is the part of the machine's CPU that other processes used meanwhile
+    (0 on an idle machine), which says whether the timing is clean."""
+
     output_tokens: int
     seconds: float
+    cpu_seconds: float
+    other_cpu_share: float | None
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | None]:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+def _machine_jiffies() -> tuple[int, int] | None:
+    """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+class Phase:
+    """Times a region: wall seconds, this process's CPU seconds, and the share of the
+    machine's CPU that other processes took meanwhile."""
+
+    def __enter__(self) -> "Phase":
+        self.jiffies0 = _machine_jiffies()
+        self.cpu0, self.t0 = time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        self.cpu_seconds = time.process_time() - self.cpu0
+        j1, self.other_cpu_share = _machine_jiffies(), None
+        if self.jiffies0 and j1 and j1[1] > self.jiffies0[1]:
+            busy, total = j1[0] - self.jiffies0[0], j1[1] - self.jiffies0[1]
+            ours = self.cpu_seconds * os.sysconf("SC_CLK_TCK")
+            self.other_cpu_share = max(0.0, (busy - ours) / total)
+
+    def result(self, tokens: int) -> Throughput:
+        return Throughput(tokens, self.seconds, self.cpu_seconds, self.other_cpu_share)
 
 
 def make_workload(n: int, vocab: int, seed: int, in_range: tuple[int, int] = (32, 512),
@@ -118,13 +157,12 @@ def run_ours(llm: LLM, work: Workload) -> Throughput:
     warm = [p[:64] for p in work.prompts[:2]]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
-    t0 = time.perf_counter()
-    outs = llm.generate(work.prompts, params)
-    seconds = time.perf_counter() - t0
+    with Phase() as phase:
+        outs = llm.generate(work.prompts, params)
     got = [len(o["token_ids"]) for o in outs]
     if got != work.output_lens:
         raise RuntimeError("our engine did not produce exactly max_tokens per prompt (ignore_eos)")
-    return Throughput(sum(got), seconds)
+    return phase.result(sum(got))
 
 
 class ForwardTimer:
@@ -152,9 +190,7 @@ def measure_overhead(llm: LLM, work: Workload, batch: int, steps: int, profile_s
     """Time pure-decode steps with `batch` running sequences (see the module docstring)."""
     engine = llm.engine
     total = steps + profile_steps
-    prompts = work.prompts[:batch]
-    if len(prompts) < batch:
-        raise SystemExit(f"--num-prompts must be >= {batch} for the overhead phase")
+    prompts = work.prompts[:batch]  # main() checked that there are `batch` of them
     # max_model_len bounds prompt + outputs; every seq must outlive the measured steps
     if max(len(p) for p in prompts) + total + 2 > MAX_MODEL_LEN:
         raise SystemExit("overhead phase: too many steps for max_model_len")
@@ -166,12 +202,13 @@ def measure_overhead(llm: LLM, work: Workload, batch: int, steps: int, profile_s
     logits = ForwardTimer(engine.runner.model, "compute_logits")
     step_s: list[float] = []
     try:
-        for _ in tqdm(range(steps), desc=f"decode steps @ batch {batch}", dynamic_ncols=True):
-            t0 = time.perf_counter()
-            out = engine.step()
-            step_s.append(time.perf_counter() - t0)
-            if len(out) != batch:
-                raise RuntimeError(f"expected {batch} decode outputs per step, got {len(out)}")
+        with Phase() as phase:
+            for _ in tqdm(range(steps), desc=f"decode steps @ batch {batch}", dynamic_ncols=True):
+                t0 = time.perf_counter()
+                out = engine.step()
+                step_s.append(time.perf_counter() - t0)
+                if len(out) != batch:
+                    raise RuntimeError(f"expected {batch} decode outputs per step, got {len(out)}")
     finally:
         fwd.remove()
         logits.remove()
@@ -187,6 +224,7 @@ def measure_overhead(llm: LLM, work: Workload, batch: int, steps: int, profile_s
         "compute_logits_ms_mean": 1e3 * logits.seconds / steps,
         "overhead_share": 1 - fwd.seconds / step_total,
         "overhead_share_counting_lm_head_as_model": 1 - (fwd.seconds + logits.seconds) / step_total,
+        "other_cpu_share": phase.other_cpu_share,
         "profile_top": hotspots,
     }
 
@@ -229,16 +267,15 @@ def run_transformers(model_dir: Path, work: Workload, batch_size: int) -> Throug
                                   do_sample=False, pad_token_id=pad)
 
     generate([p[:64] for p in work.prompts[:2]], 8)  # warm-up, not counted
-    useful, seconds = 0, 0.0
-    for b in tqdm(batches, desc=f"transformers (batch {batch_size})", dynamic_ncols=True):
-        new = max(work.output_lens[i] for i in b)
-        t0 = time.perf_counter()
-        out = generate([work.prompts[i] for i in b], new)
-        seconds += time.perf_counter() - t0
-        if out.shape[1] - max(len(work.prompts[i]) for i in b) != new:
-            raise RuntimeError("transformers stopped before min_new_tokens")
-        useful += sum(work.output_lens[i] for i in b)
-    return Throughput(useful, seconds)
+    useful = 0
+    with Phase() as phase:
+        for b in tqdm(batches, desc=f"transformers (batch {batch_size})", dynamic_ncols=True):
+            new = max(work.output_lens[i] for i in b)
+            out = generate([work.prompts[i] for i in b], new)
+            if out.shape[1] - max(len(work.prompts[i]) for i in b) != new:
+                raise RuntimeError("transformers stopped before min_new_tokens")
+            useful += sum(work.output_lens[i] for i in b)
+    return phase.result(useful)
 
 
 # ---- report ------------------------------------------------------------------------
@@ -260,17 +297,22 @@ def machine_info() -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     ours, hf, ov = report["ours"], report["transformers"], report["overhead_at_batch32"]
     print()
-    print(f"{'engine':<14}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
+    print(f"{'engine':<14}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}{'cpu s':>10}{'others cpu':>12}")
     for name, r in (("pdserve", ours), ("transformers", hf)):
-        print(f"{name:<14}{r['output_tokens']:>12}{r['seconds']:>10.2f}{r['tokens_per_s']:>10.1f}")
+        other = "-" if r["other_cpu_share"] is None else f"{r['other_cpu_share']:.0%}"
+        print(f"{name:<14}{r['output_tokens']:>12}{r['seconds']:>10.2f}{r['tokens_per_s']:>10.1f}"
+              f"{r['cpu_seconds']:>10.1f}{other:>12}")
     t = report["targets"]
     print(f"ratio ours/transformers: {report['ratio']:.2f}x  (target >= {t['ratio']['target']}: "
-          f"{'met' if t['ratio']['met'] else 'NOT met'})")
+          f"{'met' if t['ratio']['met'] else 'NOT met'}); by CPU time: {report['ratio_by_cpu_time']:.2f}x")
     print(f"step at batch {ov['batch']}: {ov['step_ms_mean']:.2f} ms, forward {ov['forward_ms_mean']:.2f} ms, "
           f"lm_head {ov['compute_logits_ms_mean']:.2f} ms")
     print(f"overhead share at batch {ov['batch']}: {ov['overhead_share']:.1%} "
           f"(lm_head as model: {ov['overhead_share_counting_lm_head_as_model']:.1%})  "
           f"(target <= {t['overhead_share']['target']:.0%}: {'met' if t['overhead_share']['met'] else 'NOT met'})")
+    if report["contended"]:
+        print(f"WARNING: other processes used up to {report['max_other_cpu_share']:.0%} of the machine's "
+              f"CPU during a timed phase: timings are not clean")
     if ov["profile_top"]:
         print(f"\ncProfile, top functions by own time per decode step (batch {ov['batch']}):")
         for r in ov["profile_top"][:15]:
@@ -314,17 +356,25 @@ def main(argv: list[str] | None = None) -> None:
     hf = None if args.skip_hf else run_transformers(model_dir, work, args.hf_batch_size)
 
     ratio = ours.tokens_per_s / hf.tokens_per_s if hf else None
+    # Same ratio over process CPU seconds: a cross-check that other processes taking the
+    # cores (which stretches wall time, not CPU time) barely moves.
+    ratio_cpu = (ours.output_tokens / ours.cpu_seconds) / (hf.output_tokens / hf.cpu_seconds) if hf else None
+    shares = [x for x in (ours.other_cpu_share, hf and hf.other_cpu_share, overhead["other_cpu_share"])
+              if x is not None]
     report = {
         "config": config,
         "ours": ours.as_dict(),
         "transformers": hf.as_dict() if hf else None,
         "ratio": ratio,
+        "ratio_by_cpu_time": ratio_cpu,
         "overhead_share_at_batch32": overhead["overhead_share"],
         "overhead_at_batch32": overhead,
         "targets": {
             "ratio": {"target": TARGET_RATIO, "met": ratio is not None and ratio >= TARGET_RATIO},
             "overhead_share": {"target": TARGET_OVERHEAD, "met": overhead["overhead_share"] <= TARGET_OVERHEAD},
         },
+        "max_other_cpu_share": max(shares, default=None),
+        "contended": max(shares, default=0.0) > CONTENDED_SHARE,
         "torch_threads": torch.get_num_threads(),
         "machine": machine_info(),
     }

@@ -53,18 +53,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
             mask = None
         else:
             n_blocks = -(-ctx_len // block_size)
-            ks = k_cache[table[:n_blocks]].flatten(0, 1)[:ctx_len]  # [ctx_len, Hkv, D]
-            vs = v_cache[table[:n_blocks]].flatten(0, 1)[:ctx_len]
+            ks = k_cache.index_select(0, table[:n_blocks]).flatten(0, 1)[:ctx_len]  # [ctx_len, Hkv, D]
+            vs = v_cache.index_select(0, table[:n_blocks]).flatten(0, 1)[:ctx_len]
             # query i sits at absolute position ctx_len - q_len + i and sees positions <= it
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]
         ks = ks.transpose(0, 1)  # [Hkv, ctx_len, D]
         vs = vs.transpose(0, 1)
-        if group > 1:
-            ks = ks.repeat_interleave(group, dim=0)
-            vs = vs.repeat_interleave(group, dim=0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
-                                           scale=scale)  # [Hq, q_len, D]
+                                           scale=scale, enable_gqa=group > 1)  # [Hq, q_len, D]
         out[start:end] = o.transpose(0, 1)
         start = end
     return out

@@ -145,6 +145,9 @@ def paged_decode_attention(
     """Decode attention (one query token per sequence) over paged KV."""
     if use_triton(q):
         return triton_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if q.device.type == "cpu":
+        from . import cpu_attention
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

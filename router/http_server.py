@@ -99,27 +99,8 @@ def create_app(router: Router) -> FastAPI:
         sub = submission(body, **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}))
         if isinstance(sub, JSONResponse):
             return sub
-        rid, created = f"cmpl-{sub.request_id}", int(time.time())
-
-        def chunk(out: TokenOutput | None, usage: dict | None = None) -> dict:
-            choices = [] if out is None else [{"index": 0, "text": out.text, "token_ids": out.token_ids,
-                                               "logprobs": None, "finish_reason": out.finish_reason}]
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": choices, **({"usage": usage} if usage else {}),
-                    **({"timeline": out.timeline} if out is not None and out.timeline else {})}
-
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(sub, chunk, include), media_type="text/event-stream")
-        res, err = await collect(sub)
-        if err:
-            return err
-        out = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-               "choices": [{"index": 0, "text": res["text"], "token_ids": res["token_ids"], "logprobs": None,
-                            "finish_reason": res["finish_reason"]}], "usage": res["usage"]}
-        if res["timeline"] is not None:
-            out["timeline"] = res["timeline"]
-        return out
+        return await respond(body, sub, "cmpl", "text_completion", "text_completion",
+                             lambda text, first: {"text": text})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
@@ -127,35 +108,42 @@ def create_app(router: Router) -> FastAPI:
         sub = submission(body, messages=msgs)
         if isinstance(sub, JSONResponse):
             return sub
-        rid, created = f"chatcmpl-{sub.request_id}", int(time.time())
-        first = [True]
 
-        def chunk(out: TokenOutput | None, usage: dict | None = None) -> dict:
-            choices = []
-            if out is not None:
-                delta: dict[str, Any] = {"content": out.text}
-                if first[0]:
-                    delta["role"] = "assistant"
-                    first[0] = False
-                choices = [{"index": 0, "delta": delta, "token_ids": out.token_ids, "logprobs": None,
-                            "finish_reason": out.finish_reason}]
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": choices, **({"usage": usage} if usage else {}),
-                    **({"timeline": out.timeline} if out is not None and out.timeline else {})}
+        def content(text: str, first: bool | None) -> dict:
+            if first is None:  # the whole, non-streamed answer
+                return {"message": {"role": "assistant", "content": text}}
+            return {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+
+        return await respond(body, sub, "chatcmpl", "chat.completion", "chat.completion.chunk", content)
+
+    async def respond(body, sub: SubmitRequest, prefix: str, obj: str, chunk_obj: str, content):
+        """One OpenAI response, streamed (SSE) or whole; `content(text, first)` shapes a
+        choice's text part (`first` is None for a whole response)."""
+        rid, created = f"{prefix}-{sub.request_id}", int(time.time())
+
+        def envelope(kind: str, choices: list, usage: dict | None, timeline: dict | None) -> dict:
+            return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
+                    **({"usage": usage} if usage else {}), **({"timeline": timeline} if timeline else {})}
 
         if body.stream:
+            first = [True]
+
+            def chunk(out: TokenOutput | None, usage: dict | None = None) -> dict:
+                if out is None:
+                    return envelope(chunk_obj, [], usage, None)
+                choice = {"index": 0, **content(out.text, first[0]), "token_ids": out.token_ids, "logprobs": None,
+                          "finish_reason": out.finish_reason}
+                first[0] = False
+                return envelope(chunk_obj, [choice], usage, out.timeline)
+
             include = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse(sub, chunk, include), media_type="text/event-stream")
         res, err = await collect(sub)
         if err:
             return err
-        out = {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-               "choices": [{"index": 0, "message": {"role": "assistant", "content": res["text"]},
-                            "token_ids": res["token_ids"], "logprobs": None, "finish_reason": res["finish_reason"]}],
-               "usage": res["usage"]}
-        if res["timeline"] is not None:
-            out["timeline"] = res["timeline"]
-        return out
+        choice = {"index": 0, **content(res["text"], None), "token_ids": res["token_ids"], "logprobs": None,
+                  "finish_reason": res["finish_reason"]}
+        return envelope(obj, [choice], res["usage"], res["timeline"])
 
     @app.get("/v1/models")
     async def models():

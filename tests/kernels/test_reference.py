@@ -218,13 +218,18 @@ def test_dispatch_cpu_goes_to_reference(monkeypatch):
     for name in ["store_kv", "paged_decode_attention", "gather_blocks", "scatter_blocks"]:
         monkeypatch.setattr(R, name, spy(name))
         monkeypatch.setattr(kernels, "triton_" + name, boom)
+    # on CPU, decode attention goes to the grouped CPU implementation, not the reference
+    from kernels import cpu_attention
+    real_cpu = cpu_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention",
+                        lambda *a: calls.append("cpu_paged_decode_attention") or real_cpu(*a))
 
     k_cache, v_cache, bt, cl = make_paged([3], 4, 1, 4, torch.float32)
     kernels.store_kv(torch.ones(1, 1, 4), torch.ones(1, 1, 4), k_cache, v_cache, torch.tensor([2]))
     kernels.paged_decode_attention(torch.randn(1, 2, 4), k_cache, v_cache, bt, cl, 0.5)
     buf = kernels.gather_blocks(k_cache, torch.tensor([0]))
     kernels.scatter_blocks(k_cache, torch.tensor([1]), buf)
-    assert calls == ["store_kv", "paged_decode_attention", "gather_blocks", "scatter_blocks"]
+    assert calls == ["store_kv", "cpu_paged_decode_attention", "gather_blocks", "scatter_blocks"]
 
 
 def test_dispatch_routes_to_triton_when_enabled(monkeypatch):
