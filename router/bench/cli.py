@@ -94,8 +94,8 @@ def run_once(args: argparse.Namespace, reqs: list[BenchRequest], rate: float) ->
     tpot_s = args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None
     res = summarize(records, duration, ttft_s, tpot_s, percentiles)
     res["request_rate"] = rate if rate != float("inf") else "inf"
-    if reqs and reqs[0].arrival is not None:
-        res["request_rate"] = len(reqs) / max(send_times[-1], 1e-9) if rate == float("inf") else rate
+    if reqs and reqs[0].arrival is not None:  # trace replay: report the rate actually offered
+        res["request_rate"] = len(reqs) / max(send_times[-1], 1e-9)
     res.update(phase_breakdown(records))
     if args.slo_scales:
         res["slo_scale_attainment"] = {s: attainment(records, ttft_s and ttft_s * float(s), tpot_s and tpot_s * float(s))

@@ -109,12 +109,13 @@ def mooncake_workload(path: str | Path, n: int, scale: int, vocab: int, time_sca
 def ideal_hit_rate(reqs: list[BenchRequest], block_size: int) -> float:
     """Share of cacheable prompt blocks that an infinite, perfectly routed prefix cache would
     hit: every full block seen before (same chained prefix) is a hit."""
-    from common.hashing import cacheable_prefix_hashes
+    from common.hashing import block_hashes, cacheable_prefix_hashes
     seen: set[int] = set()
     total = hits = 0
     for r in reqs:
-        hs = cacheable_prefix_hashes(r.prompt_token_ids or [], block_size)
+        ids = r.prompt_token_ids or []
+        hs = cacheable_prefix_hashes(ids, block_size)  # a lookup never matches the final token...
         total += len(hs)
         hits += sum(h in seen for h in hs)
-        seen.update(hs)
+        seen.update(block_hashes(ids, block_size))  # ...but every full block is cached after it
     return hits / total if total else 0.0
