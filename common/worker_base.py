@@ -2,10 +2,12 @@
 router, the ready file the launcher waits for, and a clean stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ class WorkerBase:
         self.counters: dict[str, int] = {}
         self._stop = False
         self._last_heartbeat = 0.0
+        self._last_status: WorkerStatus | None = None
         from kv_transfer import layout_of
         self.layout = layout_of(engine_config)
 
@@ -104,6 +107,7 @@ class WorkerBase:
             self.reporter.send(WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
                                            self.engine.block_manager.num_blocks,  # type: ignore[attr-defined]
                                            self.config.cache.block_size, self.layout.model_fingerprint))
+            threading.Thread(target=self._keepalive, name="keepalive", daemon=True).start()
         self.log(f"ready on {self.server.address}")
         try:
             while not self._stop:
@@ -135,9 +139,26 @@ class WorkerBase:
         now = time.monotonic()
         if now - self._last_heartbeat >= self.wconfig.heartbeat_s:
             self._last_heartbeat = now
-            self.reporter.send(self.status(with_events=True))
+            status = self.status(with_events=True)
+            self.reporter.send(status)
+            self._last_status = dataclasses.replace(status, kv_stored=[], kv_evicted=[])
+
+    def _keepalive(self) -> None:
+        """Background thread: repeat the last status (without KV events) while the loop is
+        inside a long step, so a multi-second prefill does not look like a dead worker.
+        It has its own socket: ZeroMQ sockets are not shared between threads."""
+        sock = Client(self.ctx, self.wconfig.report_to)
+        try:
+            while not self._stop:
+                time.sleep(self.wconfig.heartbeat_s)
+                if self._last_status is not None and \
+                        time.monotonic() - self._last_heartbeat > 2 * self.wconfig.heartbeat_s:
+                    sock.send(self._last_status)
+        finally:
+            sock.close()
 
     def close(self) -> None:
+        self._stop = True  # the keepalive thread closes its socket within heartbeat_s; term() waits
         self.server.close()
         if self.reporter:
             self.reporter.close()

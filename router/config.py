@@ -20,7 +20,7 @@ class RouterConfig:
     routing: str = "prefix_load"
     max_model_len: int = 2048
     block_size: int = 16
-    stale_after_s: float = 3.0
+    stale_after_s: float = 5.0
     seed: int = 0
     enable_http: bool = True
 
