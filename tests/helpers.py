@@ -1,6 +1,7 @@
 """Shared test helpers: the transformers oracle and prompt builders."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 
@@ -37,3 +38,16 @@ def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     base = ids(70)
     prompts += [base + ids(9), base + ids(30), base[:48] + ids(5), base[:32]]
     return prompts
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run torch on one intra-op thread, then restore the old count. On 2 shared cores,
+    a second thread next to worker processes (or other jobs) makes steps >10x slower."""
+    import torch
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

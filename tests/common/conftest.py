@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from tests.helpers import one_torch_thread
 
 
 @pytest.fixture
@@ -12,7 +13,5 @@ def torch_one_thread():
     The tiny test model gains nothing from a second thread, and on a 2-core machine
     shared with other jobs OpenMP spin-waiting makes each step ~100x slower.
     """
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with one_torch_thread():
+        yield

@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from tests.helpers import one_torch_thread
 
 
 @pytest.fixture(autouse=True, scope="module")
 def torch_one_thread_here():
-    """The transformers oracle runs in this process next to two single-threaded workers
-    on a 2-core machine; a second torch thread makes it >10x slower through contention."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    """The transformers oracle runs in this process next to two single-threaded workers."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

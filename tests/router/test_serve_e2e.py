@@ -37,11 +37,9 @@ COLOCATED_TIMELINE = ["arrival", "routed", "decode_arrival", "prefill_queued", "
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():
     """The transformers oracle runs in this process next to 2+ workers on 2 shared cores."""
-    import torch
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    from tests.helpers import one_torch_thread
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
