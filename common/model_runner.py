@@ -11,6 +11,7 @@ import torch
 
 from common.attention import AttentionMetadata
 from common.config import ConfigError, EngineConfig
+from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
 from common.sampler import Sampler, make_generator
 from common.scheduler import ScheduledBatch
@@ -58,6 +59,8 @@ class ModelRunner:
         if dev.num_threads:
             torch.set_num_threads(dev.num_threads)
         self.device = torch.device(dev.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.block_size = config.cache.block_size
         model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
         load_weights(model, config.model.model_dir)

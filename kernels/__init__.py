@@ -146,7 +146,9 @@ def paged_decode_attention(
     if use_triton(q):
         return triton_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     if q.device.type == "cpu":
-        from . import cpu_attention
+        from . import cpu_attention, cpu_native
+        if cpu_native.supports(q, k_cache, v_cache):
+            return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 

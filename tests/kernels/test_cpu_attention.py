@@ -26,8 +26,9 @@ def test_grouped_decode_vs_naive(dtype, hq, hkv):
     torch.testing.assert_close(out.double(), naive_decode(q, k_cache, v_cache, bt, cl, d ** -0.5), **TOL[dtype])
 
 
-def test_dispatcher_uses_grouped_path_on_cpu(monkeypatch):
+def test_dispatcher_uses_grouped_path_when_native_is_off(monkeypatch):
     calls = []
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
     monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a: calls.append(a) or a[0])
     k_cache, v_cache, bt, cl = make_paged([3], 4, 1, 8, torch.float32)
     q = torch.randn(1, 2, 8)

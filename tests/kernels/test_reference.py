@@ -218,10 +218,10 @@ def test_dispatch_cpu_goes_to_reference(monkeypatch):
     for name in ["store_kv", "paged_decode_attention", "gather_blocks", "scatter_blocks"]:
         monkeypatch.setattr(R, name, spy(name))
         monkeypatch.setattr(kernels, "triton_" + name, boom)
-    # on CPU, decode attention goes to the grouped CPU implementation, not the reference
-    from kernels import cpu_attention
-    real_cpu = cpu_attention.paged_decode_attention
-    monkeypatch.setattr(cpu_attention, "paged_decode_attention",
+    # on CPU, float32 decode attention goes to the native CPU kernel, not the reference
+    from kernels import cpu_native
+    real_cpu = cpu_native.paged_decode_attention
+    monkeypatch.setattr(cpu_native, "paged_decode_attention",
                         lambda *a: calls.append("cpu_paged_decode_attention") or real_cpu(*a))
 
     k_cache, v_cache, bt, cl = make_paged([3], 4, 1, 4, torch.float32)

@@ -1,0 +1,141 @@
+"""The native CPU decode attention (kernels/csrc/paged_decode_attention_cpu.c), built on
+first use with the system C compiler and called through ctypes.
+
+It reads K/V blocks where they lie in the paged cache: no gather copy, one read of each
+K and V row per step, the query heads of a GQA group sharing each read. On the CPU this
+is about 2-3x faster than `kernels.cpu_attention` (index_select + SDPA) at batch 32-64.
+
+Build: `$CC` (default `cc`) with `-O3 -march=native -ffast-math`, into
+`$PDSERVE_CACHE/kernels` (default `~/.cache/pdserve/kernels`) under a name that hashes
+the source, the flags, the compiler and the CPU model, so a stale or foreign build is
+never loaded. Concurrent builders (several workers starting at once) each write a temp
+file and rename it into place. No compiler, or a failed build: `library()` returns None
+once with a warning and the dispatcher keeps the torch path. `PDSERVE_CPU_ATTENTION=torch`
+turns the native kernel off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+VECTOR_EXP = ["-fopenmp-simd", "-lmvec"]  # glibc's vector expf; the build retries without it
+ERRORS = {1: "bad arguments (a context longer than its block table, or a block id outside the cache)",
+          2: "out of memory"}
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernel refused a call (bad block table or context length)."""
+
+
+def enabled() -> bool:
+    return os.environ.get("PDSERVE_CPU_ATTENTION", "native").strip().lower() != "torch"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """Compile the kernel if needed; returns the shared library's path. Raises OSError
+    (no compiler) or RuntimeError (the compiler failed, with its output)."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise OSError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS + VECTOR_EXP), _compiler_version(cc),
+                                    _cpu_model()]).encode()).hexdigest()[:16]
+    root = cache_dir or Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
+    lib = root / f"paged_decode_attention_cpu-{key}.so"
+    if lib.is_file():
+        return lib
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        for extra in (VECTOR_EXP, []):
+            res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *extra, "-lm"], capture_output=True,
+                                 text=True, timeout=300)
+            if res.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{res.stderr.strip()}")
+        os.replace(tmp, lib)  # atomic: a concurrent builder's identical file may be replaced
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (no compiler, or the build failed: warned once)."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native CPU attention unavailable, using the torch path: %s", e)
+        return None
+    fn = lib.pd_paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native kernel takes this call: enabled, CPU float32, built."""
+    return (enabled() and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and library() is not None)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D] float32, CPU
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], last dim contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], last dim contiguous
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention reading the paged cache in place (see the module docstring)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU attention kernel is not available (see the warning above)")
+    b, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    status = lib.pd_paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), b, hq, hkv, d, block_size, tables.shape[1], num_blocks,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], scale, torch.get_num_threads())
+    if status:
+        raise NativeKernelError(f"native paged decode attention: {ERRORS.get(status, f'error {status}')}")
+    return out

@@ -1,0 +1,176 @@
+/* Paged decode attention on CPU, reading K/V blocks in place (no gather copy).
+ *
+ * Same contract as kernels.reference.paged_decode_attention, float32 only:
+ *   q       [B, Hq, D]                       contiguous
+ *   k, v    [num_blocks, block_size, Hkv, D] given by element strides (block, token, head)
+ *   tables  [B, max_blocks] int32, -1 padded  contiguous; ids < num_blocks
+ *   lens    [B] int32                        contiguous
+ *   out     [B, Hq, D]                       contiguous, written
+ * GQA: query head i uses kv head i / (Hq / Hkv). A sequence with lens[b] == 0 gets zeros.
+ *
+ * One work item is a sequence (or, with few sequences, one of its kv heads): each K/V
+ * block is walked in memory order and every query head reads the rows of its kv head.
+ * Pass 1 computes the scores into a scratch row per query head, then the softmax; pass 2
+ * accumulates the weighted V rows. Items are split between `num_threads` OpenMP threads
+ * in contiguous runs of about equal context length.
+ * Built by kernels/cpu_native.py with the system C compiler at first use.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const float *q;
+    const float *k;
+    const float *v;
+    const int32_t *tables;
+    const int32_t *lens;
+    float *out;
+    int64_t hq, hkv, d, block_size, max_blocks;
+    int64_t k_sb, k_st, k_sh; /* element strides of k: block, token, head */
+    int64_t v_sb, v_st, v_sh;
+    float scale;
+    int64_t max_len; /* longest context: sizes the scratch rows */
+    int64_t splits;  /* items per sequence: its kv heads split into this many runs */
+} problem_t;
+
+typedef struct {
+    const problem_t *p;
+    int64_t begin, end; /* work items [begin, end) */
+    int status;
+} job_t;
+
+/* Ask for the item's rows of block `blk` ahead of use: blocks are scattered in the
+ * cache, so the hardware prefetcher cannot see the next one coming. */
+static inline void prefetch_block(const float *base, int64_t n, int64_t token_stride, int64_t bytes_per_token) {
+    for (int64_t i = 0; i < n; i++) {
+        const char *row = (const char *)(base + i * token_stride);
+        for (int64_t off = 0; off < bytes_per_token; off += 64) __builtin_prefetch(row + off);
+    }
+}
+
+static void attend_item(const problem_t *p, int64_t item, float *scores) {
+    const int64_t d = p->d, group = p->hq / p->hkv;
+    const int64_t hpi = p->hkv / p->splits; /* kv heads per item */
+    const int64_t b = item / p->splits, h0 = (item % p->splits) * hpi, nq = hpi * group;
+    const int64_t len = p->lens[b];
+    const float *q = p->q + (b * p->hq + h0 * group) * d; /* [nq, D]; row r uses kv head h0 + r / group */
+    float *out = p->out + (b * p->hq + h0 * group) * d;    /* [nq, D] */
+    memset(out, 0, (size_t)(nq * d) * sizeof(float));
+    if (len <= 0) return;
+    const int32_t *table = p->tables + b * p->max_blocks;
+    const int64_t nblk = (len + p->block_size - 1) / p->block_size;
+    /* bytes of this item's heads in one token row, for the prefetches */
+    const int64_t k_row_bytes = (int64_t)sizeof(float) * ((hpi - 1) * p->k_sh + d);
+    const int64_t v_row_bytes = (int64_t)sizeof(float) * ((hpi - 1) * p->v_sh + d);
+
+    /* pass 1: scores[r][t] = scale * <q_r, k_t>, each block walked in memory order */
+    for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
+        const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
+        const float *kb = p->k + table[t0 / p->block_size] * p->k_sb + h0 * p->k_sh;
+        if (t0 / p->block_size + 1 < nblk)
+            prefetch_block(p->k + table[t0 / p->block_size + 1] * p->k_sb + h0 * p->k_sh, p->block_size, p->k_st,
+                           k_row_bytes);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0; r < nq; r++) {
+                const float *kt = kb + i * p->k_st + (r / group) * p->k_sh, *qr = q + r * d;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < d; j++) acc += qr[j] * kt[j];
+                scores[r * len + t0 + i] = acc * p->scale;
+            }
+    }
+    /* softmax per query row, normalised in place */
+    for (int64_t r = 0; r < nq; r++) {
+        float *s = scores + r * len, m = s[0], sum = 0.0f;
+        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+    /* pass 2: out[r] = sum_t p[r][t] * v_t */
+    for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
+        const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
+        const float *vb = p->v + table[t0 / p->block_size] * p->v_sb + h0 * p->v_sh;
+        if (t0 / p->block_size + 1 < nblk)
+            prefetch_block(p->v + table[t0 / p->block_size + 1] * p->v_sb + h0 * p->v_sh, p->block_size, p->v_st,
+                           v_row_bytes);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0; r < nq; r++) {
+                const float *vt = vb + i * p->v_st + (r / group) * p->v_sh, w = scores[r * len + t0 + i];
+                float *o = out + r * d;
+                for (int64_t j = 0; j < d; j++) o[j] += w * vt[j];
+            }
+    }
+}
+
+static void *run_job(void *arg) {
+    job_t *job = (job_t *)arg;
+    const problem_t *p = job->p;
+    const int64_t rows = p->hq / p->splits;
+    float *scores = (float *)malloc((size_t)(rows * (p->max_len > 0 ? p->max_len : 1)) * sizeof(float));
+    if (scores == NULL) {
+        job->status = 2;
+        return NULL;
+    }
+    for (int64_t item = job->begin; item < job->end; item++) attend_item(p, item, scores);
+    free(scores);
+    job->status = 0;
+    return NULL;
+}
+
+/* Returns 0 on success; 1 bad arguments (shapes, a length past its table, a bad block id); 2 out of memory. */
+int pd_paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *tables,
+                              const int32_t *lens, float *out, int64_t batch, int64_t hq, int64_t hkv,
+                              int64_t d, int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb, int64_t k_st,
+                              int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,
+                              int num_threads) {
+    if (batch < 0 || hkv <= 0 || hq % hkv != 0 || d <= 0 || block_size <= 0)
+        return 1;
+    problem_t p = {q, k, v, tables, lens, out, hq, hkv, d, block_size, max_blocks,
+                   k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, 0, 1};
+    int64_t total = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        if (lens[b] > max_blocks * block_size) return 1;
+        for (int64_t i = 0; i * block_size < lens[b]; i++) /* every block read must exist */
+            if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return 1;
+        if (lens[b] > p.max_len) p.max_len = lens[b];
+        total += lens[b] > 0 ? lens[b] : 0;
+    }
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (total * hkv < 4096) num_threads = 1; /* too little work to pay for a thread */
+    /* an item is a whole sequence (all its kv heads, contiguous in each block), unless
+       there are too few sequences to keep the threads busy: then one kv head each */
+    if (batch < 4 * num_threads) p.splits = hkv;
+    const int64_t items = batch * p.splits;
+    if (num_threads > items) num_threads = items > 0 ? (int)items : 1;
+
+    /* contiguous runs of items with about equal context (cost ~ context length) */
+    job_t jobs[MAX_THREADS];
+    int64_t item = 0, done = 0;
+    for (int t = 0; t < num_threads; t++) {
+        jobs[t].p = &p;
+        jobs[t].begin = item;
+        jobs[t].status = 0;
+        const int64_t goal = (total * p.splits) * (t + 1) / num_threads;
+        while (item < items && (done < goal || t == num_threads - 1)) {
+            const int32_t len = lens[item / p.splits];
+            done += len > 0 ? len : 0;
+            item++;
+        }
+        jobs[t].end = item;
+    }
+    /* OpenMP: inside a torch process this is torch's own libgomp and thread pool (same
+       soname), so no second pool spins against torch's between calls */
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int t = 0; t < num_threads; t++) run_job(&jobs[t]);
+    for (int t = 0; t < num_threads; t++)
+        if (jobs[t].status) return jobs[t].status;
+    return 0;
+}
