@@ -3,7 +3,12 @@ side by side in one run on the same prompts, plus the share of an engine step sp
 outside the model forward at batch 32.
 
     python benchmarks/offline_throughput.py [--model DIR] [--num-prompts 64]
-        [--hf-batch-size 16] [--out results/offline_throughput.json] [--profile]
+        [--hf-batch-size 16] [--repeats 1] [--out results/offline_throughput.json] [--profile]
+
+Each engine is measured in a fresh child process (this script with `--child`), one after
+the other, so neither inherits the other's allocator state, threads or caches. With
+`--repeats N` the engines alternate N times; the report gives the median run of each and
+the median of the per-pair ratios (all runs are in the JSON under "runs").
 
 Workload: `--num-prompts` prompts of random token ids in [3, vocab) (0-2 are special),
 input lengths uniform in [32, 512], output lengths uniform in [16, 256], fixed seed;
@@ -33,7 +38,10 @@ import os
 import platform
 import pstats
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -319,21 +327,68 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"  {r['tottime_ms_per_step']:7.3f} ms  {r['ncalls']:>7}  {r['function']}")
 
 
+def run_child(kind: str, args: argparse.Namespace, model_dir: Path, overhead: bool) -> dict[str, Any]:
+    """Measure one engine in a fresh process (this script with --child); returns its JSON.
+    Fresh processes keep one engine's allocator state, threads and caches from touching
+    the other's timing, whichever runs first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-out", str(out),
+               "--model", str(model_dir), "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+               "--hf-batch-size", str(args.hf_batch_size), "--out", args.out,
+               "--overhead-steps", str(args.overhead_steps if overhead else 0)]
+        if args.profile and overhead:
+            cmd.append("--profile")
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """--child ours|transformers: one measurement, written to --child-out."""
+    torch.set_num_threads(NUM_THREADS)
+    model_dir = Path(args.model)
+    work = make_workload(args.num_prompts, json.loads((model_dir / "config.json").read_text())["vocab_size"],
+                         args.seed)
+    result: dict[str, Any] = {}
+    if args.child == "ours":
+        llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=64, max_num_batched_tokens=2048,
+                  block_size=BLOCK_SIZE, num_kv_blocks=kv_blocks_for(work), num_threads=NUM_THREADS)
+        result["throughput"] = run_ours(llm, work).as_dict()
+        if args.overhead_steps:
+            prof = Path(args.out).with_suffix(".prof") if args.profile else None
+            result["overhead"] = measure_overhead(llm, work, 32, args.overhead_steps, 32 if args.profile else 0,
+                                                  prof)
+    else:
+        result["throughput"] = run_transformers(model_dir, work, args.hf_batch_size).as_dict()
+    Path(args.child_out).write_text(json.dumps(result))
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HuggingFace-format model dir (default: make the small qwen3 model)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure each engine this many times, alternating; report medians")
     ap.add_argument("--overhead-steps", type=int, default=64, help="timed decode steps at batch 32")
     ap.add_argument("--profile", action="store_true", help="cProfile 32 more decode steps at batch 32")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline (no ratio)")
     ap.add_argument("--out", default=str(REPO / "results" / "offline_throughput.json"))
+    ap.add_argument("--child", choices=["ours", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.num_prompts < 32 or args.hf_batch_size < 1:
-        ap.error("--num-prompts must be >= 32 (the overhead phase runs 32) and --hf-batch-size >= 1")
+    if args.child:
+        return child_main(args)
+    if args.num_prompts < 32 or args.hf_batch_size < 1 or args.repeats < 1 or args.overhead_steps < 1:
+        ap.error("--num-prompts must be >= 32 (the overhead phase runs 32); --hf-batch-size, --repeats and "
+                 "--overhead-steps >= 1")
 
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(NUM_THREADS)  # as in the children, so machine_info reports it
     model_dir = ensure_model(args.model)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     work = make_workload(args.num_prompts, vocab, args.seed)
@@ -343,30 +398,38 @@ def main(argv: list[str] | None = None) -> None:
               "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
               "block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks_for(work), "hf_batch_size": args.hf_batch_size,
               "hf_batch_order": "sorted by input length, longest first; max/min_new_tokens = batch max",
-              "hf_counted_tokens": "useful only: sum of each prompt's own output length"}
+              "hf_counted_tokens": "useful only: sum of each prompt's own output length",
+              "repeats": args.repeats, "isolation": "each measurement in a fresh process, alternating engines"}
 
-    llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=64, max_num_batched_tokens=2048,
-              block_size=BLOCK_SIZE, num_kv_blocks=config["num_kv_blocks"], num_threads=NUM_THREADS)
-    ours = run_ours(llm, work)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    prof_path = out_path.with_suffix(".prof") if args.profile else None
-    overhead = measure_overhead(llm, work, 32, args.overhead_steps, 32 if args.profile else 0, prof_path)
-    del llm
-    hf = None if args.skip_hf else run_transformers(model_dir, work, args.hf_batch_size)
+    ours_runs: list[dict[str, Any]] = []
+    hf_runs: list[dict[str, Any]] = []
+    pair_ratios: list[float] = []
+    overhead: dict[str, Any] = {}
+    for rep in range(args.repeats):
+        res = run_child("ours", args, model_dir, overhead=rep == 0)
+        ours_runs.append(res["throughput"])
+        overhead = res.get("overhead", overhead)
+        if not args.skip_hf:
+            hf_runs.append(run_child("transformers", args, model_dir, overhead=False)["throughput"])
+            pair_ratios.append(ours_runs[-1]["tokens_per_s"] / hf_runs[-1]["tokens_per_s"])
+    ours, hf = median_run(ours_runs), median_run(hf_runs) if hf_runs else None
 
-    ratio = ours.tokens_per_s / hf.tokens_per_s if hf else None
+    ratio = statistics.median(pair_ratios) if pair_ratios else None
     # Same ratio over process CPU seconds: a cross-check that other processes taking the
     # cores (which stretches wall time, not CPU time) barely moves.
-    ratio_cpu = (ours.output_tokens / ours.cpu_seconds) / (hf.output_tokens / hf.cpu_seconds) if hf else None
-    shares = [x for x in (ours.other_cpu_share, hf and hf.other_cpu_share, overhead["other_cpu_share"])
-              if x is not None]
+    ratio_cpu = statistics.median(
+        (o["output_tokens"] / o["cpu_seconds"]) / (h["output_tokens"] / h["cpu_seconds"])
+        for o, h in zip(ours_runs, hf_runs)) if hf_runs else None
+    shares = [r["other_cpu_share"] for r in ours_runs + hf_runs if r["other_cpu_share"] is not None]
+    if overhead.get("other_cpu_share") is not None:
+        shares.append(overhead["other_cpu_share"])
     report = {
         "config": config,
-        "ours": ours.as_dict(),
-        "transformers": hf.as_dict() if hf else None,
+        "ours": ours,
+        "transformers": hf,
         "ratio": ratio,
         "ratio_by_cpu_time": ratio_cpu,
+        "runs": {"ours": ours_runs, "transformers": hf_runs, "pair_ratios": pair_ratios},
         "overhead_share_at_batch32": overhead["overhead_share"],
         "overhead_at_batch32": overhead,
         "targets": {
@@ -375,9 +438,11 @@ def main(argv: list[str] | None = None) -> None:
         },
         "max_other_cpu_share": max(shares, default=None),
         "contended": max(shares, default=0.0) > CONTENDED_SHARE,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": NUM_THREADS,
         "machine": machine_info(),
     }
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
     if hf:
         print_table(report)

@@ -21,6 +21,9 @@
 #include <string.h>
 
 #define MAX_THREADS 64
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2 /* blocks */
+#endif
 
 typedef struct {
     const float *q;
@@ -52,8 +55,11 @@ static inline void prefetch_block(const float *base, int64_t n, int64_t token_st
     }
 }
 
-static void attend_item(const problem_t *p, int64_t item, float *scores) {
-    const int64_t d = p->d, group = p->hq / p->hkv;
+/* One item. Inlined into a copy per common head dim D (constant there, so the row loops
+ * unroll and a query row or an output accumulator lives in registers) and a generic copy. */
+static inline __attribute__((always_inline)) void attend_item_d(const problem_t *p, int64_t item, float *scores,
+                                                                const int64_t d) {
+    const int64_t group = p->hq / p->hkv;
     const int64_t hpi = p->hkv / p->splits; /* kv heads per item */
     const int64_t b = item / p->splits, h0 = (item % p->splits) * hpi, nq = hpi * group;
     const int64_t len = p->lens[b];
@@ -67,20 +73,22 @@ static void attend_item(const problem_t *p, int64_t item, float *scores) {
     const int64_t k_row_bytes = (int64_t)sizeof(float) * ((hpi - 1) * p->k_sh + d);
     const int64_t v_row_bytes = (int64_t)sizeof(float) * ((hpi - 1) * p->v_sh + d);
 
-    /* pass 1: scores[r][t] = scale * <q_r, k_t>, each block walked in memory order */
-    for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
-        const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
-        const float *kb = p->k + table[t0 / p->block_size] * p->k_sb + h0 * p->k_sh;
-        if (t0 / p->block_size + 1 < nblk)
-            prefetch_block(p->k + table[t0 / p->block_size + 1] * p->k_sb + h0 * p->k_sh, p->block_size, p->k_st,
-                           k_row_bytes);
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0; r < nq; r++) {
-                const float *kt = kb + i * p->k_st + (r / group) * p->k_sh, *qr = q + r * d;
+    /* pass 1: scores[r][t] = scale * <q_r, k_t>, a block at a time */
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
+        const float *kb = p->k + table[blk] * p->k_sb + h0 * p->k_sh;
+        if (blk + PREFETCH_AHEAD < nblk)
+            prefetch_block(p->k + table[blk + PREFETCH_AHEAD] * p->k_sb + h0 * p->k_sh, p->block_size, p->k_st, k_row_bytes);
+        for (int64_t r = 0; r < nq; r++) {
+            const float *kh = kb + (r / group) * p->k_sh, *qr = q + r * d;
+            float *s = scores + r * len + t0;
+            for (int64_t i = 0; i < n; i++) {
+                const float *kt = kh + i * p->k_st;
                 float acc = 0.0f;
                 for (int64_t j = 0; j < d; j++) acc += qr[j] * kt[j];
-                scores[r * len + t0 + i] = acc * p->scale;
+                s[i] = acc * p->scale;
             }
+        }
     }
     /* softmax per query row, normalised in place */
     for (int64_t r = 0; r < nq; r++) {
@@ -93,19 +101,29 @@ static void attend_item(const problem_t *p, int64_t item, float *scores) {
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
     }
-    /* pass 2: out[r] = sum_t p[r][t] * v_t */
-    for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
-        const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
-        const float *vb = p->v + table[t0 / p->block_size] * p->v_sb + h0 * p->v_sh;
-        if (t0 / p->block_size + 1 < nblk)
-            prefetch_block(p->v + table[t0 / p->block_size + 1] * p->v_sb + h0 * p->v_sh, p->block_size, p->v_st,
-                           v_row_bytes);
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0; r < nq; r++) {
-                const float *vt = vb + i * p->v_st + (r / group) * p->v_sh, w = scores[r * len + t0 + i];
-                float *o = out + r * d;
-                for (int64_t j = 0; j < d; j++) o[j] += w * vt[j];
+    /* pass 2: out[r] = sum_t p[r][t] * v_t, accumulated over a block before one store */
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
+        const float *vb = p->v + table[blk] * p->v_sb + h0 * p->v_sh;
+        if (blk + PREFETCH_AHEAD < nblk)
+            prefetch_block(p->v + table[blk + PREFETCH_AHEAD] * p->v_sb + h0 * p->v_sh, p->block_size, p->v_st, v_row_bytes);
+        for (int64_t r = 0; r < nq; r++) {
+            const float *vh = vb + (r / group) * p->v_sh, *w = scores + r * len + t0;
+            float *o = out + r * d;
+            for (int64_t i = 0; i < n; i++) {
+                const float *vt = vh + i * p->v_st;
+                for (int64_t j = 0; j < d; j++) o[j] += w[i] * vt[j];
             }
+        }
+    }
+}
+
+static void attend_item(const problem_t *p, int64_t item, float *scores) {
+    switch (p->d) {
+        case 64: attend_item_d(p, item, scores, 64); break;
+        case 128: attend_item_d(p, item, scores, 128); break;
+        case 32: attend_item_d(p, item, scores, 32); break;
+        default: attend_item_d(p, item, scores, p->d);
     }
 }
 
