@@ -182,7 +182,9 @@ class PrefillRequest:
 @message("kv_ready")
 class KVReady:
     """P -> D: the KV is in D's blocks (or follows: `num_frames` raw frames for tcp, or
-    a gloo/nccl send of `payload_shape`); the prompt's first sampled token."""
+    a gloo/nccl send of `payload_shape`); the prompt's first sampled token. A seeded
+    random request also carries its generator's state after that draw (`sampler_state`,
+    torch's bytes), so D goes on with the same random stream as one engine would."""
     request_id: str
     first_token: int
     num_blocks: int
@@ -190,6 +192,7 @@ class KVReady:
     payload_dtype: str = ""
     num_frames: int = 0
     timeline: dict[str, float] = field(default_factory=dict)
+    sampler_state: bytes = b""
 
 
 @message("prefill_failed")
@@ -285,6 +288,10 @@ def _check(tp: Any, v: Any, where: str) -> Any:
     if tp is int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise MessageError(f"{where}: expected an integer, got {type(v).__name__}")
+        return v
+    if tp is bytes:
+        if not isinstance(v, bytes):
+            raise MessageError(f"{where}: expected binary data, got {type(v).__name__}")
         return v
     if tp in (str, bool):
         if not isinstance(v, tp):

@@ -80,6 +80,24 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
+    def generator_state(self, seq_id: int) -> bytes:
+        """The state of a seeded request's generator (b"" if it has none), to hand the
+        request to another engine mid-stream."""
+        gen = self._generators.get(seq_id)
+        return b"" if gen is None else gen.get_state().numpy().tobytes()
+
+    def restore_generator(self, seq: Sequence, state: bytes) -> None:
+        """Continue `seq`'s random stream from `state` (from `generator_state` of an
+        engine on the same kind of device). Raises ValueError if it does not fit."""
+        gen = self._generator(seq) if state else None
+        if gen is None:
+            return
+        try:
+            gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except RuntimeError as e:
+            raise ValueError(f"sampler state of {len(state)} bytes does not fit this engine's "
+                             f"{self.config.device.device} generator: {e}") from None
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None
                 ) -> dict[int, int]:

@@ -229,6 +229,10 @@ class DecodeWorker(WorkerBase):
         self.engine.block_manager.cache_full_blocks(seq)
         seq.token_ids.append(ready.first_token)
         req.timeline["first_token"] = now
+        try:
+            self.engine.runner.restore_generator(seq, ready.sampler_state)
+        except ValueError as e:  # a P on another kind of device: the seed alone still works
+            self.log(f"request {req.request_id}: {e}; sampling goes on from the seed alone")
         reason = self.engine.check_stop(seq)
         if reason:
             self.finish(req, reason, new_tokens=[ready.first_token])

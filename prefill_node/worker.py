@@ -144,7 +144,8 @@ class PrefillWorker(WorkerBase):
         n_blocks = len(job.dst_block_ids)
         sender = self.senders[job.decode_id]
         job.timeline.update(prefill_end=prefill_end, transfer_start=time.time())
-        ready = KVReady(job.request_id, first_token, n_blocks, timeline=job.timeline)
+        ready = KVReady(job.request_id, first_token, n_blocks, timeline=job.timeline,
+                        sampler_state=self.engine.runner.generator_state(seq.seq_id))
         frames = [] if sender.layerwise else sender.send(ready, seq.block_table[job.skip_blocks:], job.dst_block_ids)
         job.timeline["transfer_end"] = time.time()
         self.server.send(job.identity, ready, frames)

@@ -182,6 +182,32 @@ def test_seeded_output_does_not_depend_on_the_batch(llm):
     assert _gen(llm, [PROMPT, others[0]], [p, params[0]])[0]["token_ids"] == alone
 
 
+def test_generator_state_hands_a_stream_to_another_engine(llm, model_dirs):
+    """What a prefill worker does for its decode worker: after engine A drew the first
+    token of a seeded request, engine B restores A's generator state and continues."""
+    p = SamplingParams(temperature=1.0, max_tokens=20, seed=42, ignore_eos=True)
+    whole = _gen(llm, PROMPT, p)[0]["token_ids"]
+    a = llm.engine
+    seq = a.add_request(PROMPT, p)
+    while not seq.output_token_ids:
+        a.step()
+    state = a.runner.generator_state(seq.seq_id)
+    assert len(state) > 0 and seq.output_token_ids == whole[:1]
+    a.abort(seq)
+    b = LLM(model_dirs["qwen3"], num_kv_blocks=128, max_model_len=256).engine
+    handed = b.add_request(list(seq.token_ids), p)  # prompt + first token, as D holds it
+    handed.num_prompt_tokens = seq.num_prompt_tokens  # the first token is an output
+    b.runner.restore_generator(handed, state)
+    while b.has_work():
+        b.step()
+    assert handed.output_token_ids == whole  # the first token, then B's 19 draws
+    fresh = b.add_request(list(seq.token_ids), p)  # without the state: the seed restarts
+    with pytest.raises(ValueError, match="sampler state of 3 bytes"):
+        b.runner.restore_generator(fresh, b"\x01\x02\x03")
+    b.abort(fresh)
+    assert a.runner.generator_state(10**9) == b""  # no generator: nothing to hand over
+
+
 def _ascii_word_run(text: str, start: int) -> tuple[int, str]:
     """The first run of >= 3 letters at or after `start`, and where it first occurs."""
     m = re.compile(r"[A-Za-z]{3,}").search(text, start)

@@ -118,6 +118,39 @@ def test_prefix_shared_with_a_running_request(pair, first_wave, vocab_size, hf_g
     assert result.finals[b.request_id].num_cached_tokens == 64
 
 
+SEEDED = [dict(temperature=1.0, seed=11), dict(temperature=0.8, top_p=0.9, seed=12),
+          dict(temperature=1.3, top_k=20, seed=13)]
+
+
+@pytest.fixture(scope="module")
+def one_engine_seeded(model_dirs):
+    """Seeded random outputs of one engine doing both phases (the offline LLM), per arch."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+        if model_dir not in cache:
+            from common import LLM, SamplingParams
+            llm = LLM(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=64, max_model_len=512, num_threads=1)
+            params = [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **kw) for kw in SEEDED]
+            cache[model_dir] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return cache[model_dir]
+    return get
+
+
+def test_seeded_sampling_continues_one_random_stream(pair, first_wave, vocab_size, one_engine_seeded):
+    """P draws the first token and hands its generator state over: D's later draws are
+    those one engine makes for the same seed (not a restart of the seed's stream)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (9, 40, 23)]
+    requests = [pair.request(p, MAX_NEW, ignore_eos=True, **kw) for p, kw in zip(prompts, SEEDED)]
+    pair.send(requests)
+    result = pair.collect([r.request_id for r in requests])
+    assert not result.errors, f"{result.errors}\n{pair.logs()}"
+    got = result.outputs()
+    assert got == one_engine_seeded(pair.model_dir, prompts)
+    assert len({tuple(g) for g in got}) == 3 and all(len(set(g)) > 4 for g in got), "sampling looks greedy"
+
+
 def test_free_blocks_return_to_total(pair, first_wave):
     """Runs last in the module: every block of every request above came back."""
     d, p = pair.statuses()

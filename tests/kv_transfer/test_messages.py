@@ -32,7 +32,7 @@ def _sample(tp: Any, n: int) -> Any:
         return {_sample(k, n): _sample(v, n), _sample(k, n + 1): _sample(v, n + 1)}
     if dataclasses.is_dataclass(tp):
         return _instance(tp, n)
-    return {str: f"s{n}", int: 1000 + n, float: 0.25 + n, bool: n % 2 == 0}[tp]
+    return {str: f"s{n}", int: 1000 + n, float: 0.25 + n, bool: n % 2 == 0, bytes: bytes([n % 256, 0, 255])}[tp]
 
 
 def _instance(cls: type, n: int = 0) -> Any:
@@ -74,6 +74,13 @@ def test_round_trip_with_defaults(tag, cls):
 def test_optional_fields_accept_null():
     msg = GenerateRequest("r", [1, 2], Sampling(stop=None, seed=None))
     assert decode(encode(msg)).sampling.stop is None
+
+
+def test_binary_fields_take_only_binary():
+    ok = decode(_raw("kv_ready", {"request_id": "r", "first_token": 1, "num_blocks": 2, "sampler_state": b"\x00\x01"}))
+    assert ok.sampler_state == b"\x00\x01"
+    with pytest.raises(MessageError, match="sampler_state: expected binary data, got str"):
+        decode(_raw("kv_ready", {"request_id": "r", "first_token": 1, "num_blocks": 2, "sampler_state": "abc"}))
 
 
 def test_int_is_accepted_for_float_and_becomes_float():
