@@ -22,30 +22,25 @@ batch runs `max_new_tokens = min_new_tokens =` its longest output length (static
 batching cannot stop a row early), and only the useful tokens, each prompt's own output
 length, count towards its tokens/s.
 
-Overhead at batch 32: 32 sequences are prefilled, then each `engine.step()` of pure
-decode is timed together with the time inside `runner.model.forward` (wrapped on the
-instance, no library edit); overhead share = 1 - forward_time / step_time. The same
-share with the lm_head (`compute_logits`) counted as model time is reported beside it.
-`--profile` then runs cProfile over further decode steps and prints the top functions.
+Overhead at batch 32 (step_overhead.py): 32 sequences are prefilled, then each
+`engine.step()` of pure decode is timed together with the time inside
+`runner.model.forward`; overhead share = 1 - forward_time / step_time. `--profile` then
+runs cProfile over further decode steps and prints the top functions.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
 import platform
-import pstats
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,8 +50,11 @@ from tqdm.auto import tqdm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules
 
 from common import LLM, SamplingParams  # noqa: E402
+from phase_timing import Phase, Throughput  # noqa: E402
+from step_overhead import measure_overhead  # noqa: E402
 
 NUM_THREADS = 2
 BLOCK_SIZE = 16
@@ -77,57 +75,6 @@ class Workload:
     @property
     def total_output(self) -> int:
         return sum(self.output_lens)
-
-
-@dataclass(frozen=True)
-class Throughput:
-    """Tokens over wall seconds. cpu_seconds is this process's CPU time (all threads);
-    other_cpu_share is the part of the machine's CPU that other processes used meanwhile
-    (0 on an idle machine), which says whether the timing is clean."""
-
-    output_tokens: int
-    seconds: float
-    cpu_seconds: float
-    other_cpu_share: float | None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-    def as_dict(self) -> dict[str, float | None]:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
-
-
-def _machine_jiffies() -> tuple[int, int] | None:
-    """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields[:8]) - idle, sum(fields[:8])
-
-
-class Phase:
-    """Times a region: wall seconds, this process's CPU seconds, and the share of the
-    machine's CPU that other processes took meanwhile."""
-
-    def __enter__(self) -> "Phase":
-        self.jiffies0 = _machine_jiffies()
-        self.cpu0, self.t0 = time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self.t0
-        self.cpu_seconds = time.process_time() - self.cpu0
-        j1, self.other_cpu_share = _machine_jiffies(), None
-        if self.jiffies0 and j1 and j1[1] > self.jiffies0[1]:
-            busy, total = j1[0] - self.jiffies0[0], j1[1] - self.jiffies0[1]
-            ours = self.cpu_seconds * os.sysconf("SC_CLK_TCK")
-            self.other_cpu_share = max(0.0, (busy - ours) / total)
-
-    def result(self, tokens: int) -> Throughput:
-        return Throughput(tokens, self.seconds, self.cpu_seconds, self.other_cpu_share)
 
 
 def make_workload(n: int, vocab: int, seed: int, in_range: tuple[int, int] = (32, 512),
@@ -171,88 +118,6 @@ def run_ours(llm: LLM, work: Workload) -> Throughput:
     if got != work.output_lens:
         raise RuntimeError("our engine did not produce exactly max_tokens per prompt (ignore_eos)")
     return phase.result(sum(got))
-
-
-class ForwardTimer:
-    """Wraps a bound method on its instance and accumulates its wall time (seconds)."""
-
-    def __init__(self, owner: Any, name: str) -> None:
-        self.owner, self.name, self.seconds = owner, name, 0.0
-        inner: Callable[..., Any] = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        setattr(owner, name, timed)  # instance attribute shadows the class method
-
-    def remove(self) -> None:
-        delattr(self.owner, self.name)
-
-
-def measure_overhead(llm: LLM, work: Workload, batch: int, steps: int, profile_steps: int,
-                     profile_out: Path | None) -> dict[str, Any]:
-    """Time pure-decode steps with `batch` running sequences (see the module docstring)."""
-    engine = llm.engine
-    total = steps + profile_steps
-    prompts = work.prompts[:batch]  # main() checked that there are `batch` of them
-    # max_model_len bounds prompt + outputs; every seq must outlive the measured steps
-    if max(len(p) for p in prompts) + total + 2 > MAX_MODEL_LEN:
-        raise SystemExit("overhead phase: too many steps for max_model_len")
-    params = SamplingParams(temperature=0, max_tokens=total + 2, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):  # prefill all
-        engine.step()
-    fwd = ForwardTimer(engine.runner.model, "forward")
-    logits = ForwardTimer(engine.runner.model, "compute_logits")
-    step_s: list[float] = []
-    try:
-        with Phase() as phase:
-            for _ in tqdm(range(steps), desc=f"decode steps @ batch {batch}", dynamic_ncols=True):
-                t0 = time.perf_counter()
-                out = engine.step()
-                step_s.append(time.perf_counter() - t0)
-                if len(out) != batch:
-                    raise RuntimeError(f"expected {batch} decode outputs per step, got {len(out)}")
-    finally:
-        fwd.remove()
-        logits.remove()
-    step_total = sum(step_s)
-    hotspots = profile_decode(engine, profile_steps, profile_out) if profile_steps else None
-    for s in seqs:
-        engine.abort(s)
-    return {
-        "batch": batch,
-        "steps": steps,
-        "step_ms_mean": 1e3 * step_total / steps,
-        "forward_ms_mean": 1e3 * fwd.seconds / steps,
-        "compute_logits_ms_mean": 1e3 * logits.seconds / steps,
-        "overhead_share": 1 - fwd.seconds / step_total,
-        "overhead_share_counting_lm_head_as_model": 1 - (fwd.seconds + logits.seconds) / step_total,
-        "other_cpu_share": phase.other_cpu_share,
-        "profile_top": hotspots,
-    }
-
-
-def profile_decode(engine: Any, steps: int, out: Path | None, top: int = 25) -> list[dict[str, Any]]:
-    """cProfile `steps` decode steps; returns the top functions by own (tottime) time."""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    prof.disable()
-    if out is not None:
-        prof.dump_stats(str(out))
-    stats = pstats.Stats(prof, stream=io.StringIO())
-    rows = []
-    for (file, line, fn), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{Path(file).name}:{line}({fn})", "ncalls": ncalls,
-                     "tottime_ms_per_step": 1e3 * tottime / steps, "cumtime_ms_per_step": 1e3 * cumtime / steps})
-    rows.sort(key=lambda r: -r["tottime_ms_per_step"])
-    return rows[:top]
 
 
 # ---- transformers baseline ---------------------------------------------------------
@@ -356,8 +221,8 @@ def child_main(args: argparse.Namespace) -> None:
         result["throughput"] = run_ours(llm, work).as_dict()
         if args.overhead_steps:
             prof = Path(args.out).with_suffix(".prof") if args.profile else None
-            result["overhead"] = measure_overhead(llm, work, 32, args.overhead_steps, 32 if args.profile else 0,
-                                                  prof)
+            result["overhead"] = measure_overhead(llm, work.prompts[:32], MAX_MODEL_LEN, args.overhead_steps,
+                                                  32 if args.profile else 0, prof)
     else:
         result["throughput"] = run_transformers(model_dir, work, args.hf_batch_size).as_dict()
     Path(args.child_out).write_text(json.dumps(result))
