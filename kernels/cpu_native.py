@@ -46,10 +46,13 @@ def enabled() -> bool:
 
 
 def _cpu_model() -> str:
+    """The CPU's model and feature flags: `-march=native` code must not load on a CPU
+    (or a VM) that lacks an instruction set it was built with."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        seen = {ln.split(":")[0].strip(): ln for ln in lines if ln.startswith(("model name", "flags"))}
+        if seen:
+            return "\n".join(seen[k] for k in sorted(seen))
     except OSError:
         pass
     return platform.processor() or platform.machine()
