@@ -28,364 +28,39 @@ router notes a routed prompt's blocks on its worker at once, so it may count a h
 prompt still being prefilled). Ideal = ideal_hit_rate in send order; rr bound = the same
 with a cache per prefill worker, requests dealt in turn; extra = blocks computed beyond
 each distinct prefix once. TTFT = send -> first token, split at every timeline stamp.
+
+Layout: this script (CLI, orchestration, report); benchmarks/routing_experiments.py (the
+measurements (a), (b), (c) and their workloads); benchmarks/routing_harness.py (the server
+process, the direct worker client, the closed-loop driver, the timeline breakdown).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import itertools
 import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import zmq  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 
 from benchmarks.offline_throughput import ensure_model  # noqa: E402
-from common import messages as wire  # noqa: E402
-from common.config import EngineConfig, ModelConfig  # noqa: E402
-from common.messages import ErrorReply, GenerateRequest, Sampling, StatusRequest, TokenOutput, WorkerStatus  # noqa: E402
-from common.model_runner import bytes_per_block  # noqa: E402
-from common.transport import Client  # noqa: E402
-from router.bench.metrics import RequestRecord, phase_breakdown, summarize  # noqa: E402
-from router.bench.runner import run_workload  # noqa: E402
-from router.bench.workloads import (BenchRequest, ideal_hit_rate, mooncake_workload, random_workload,  # noqa: E402
-                                    shared_prefix_workload)
-from router.client import AsyncClient  # noqa: E402
+from benchmarks.routing_experiments import compare_routing, mooncake_slice, router_overhead  # noqa: E402
+from benchmarks.routing_harness import BLOCK_SIZE, Server  # noqa: E402
+from common.config import ModelConfig  # noqa: E402
+from router.bench.workloads import shared_prefix_workload  # noqa: E402
 
-BLOCK_SIZE = 16
 TINY_MODEL = REPO / "results" / "models" / "qwen3-tiny"
-TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
-TRACE_SCALE, TRACE_MAX_OUTPUT = 32, 8
 SHARED = {"groups": 8, "system_len": 112, "question_len": 16, "output_len": 4}
-SHORT_PROMPT_LEN, SHORT_MAX_TOKENS = 8, 2
-KV_BYTES_CAP = 1 << 30  # per worker; beyond it the cache is capped (and may evict)
-READY_TIMEOUT_S, STOP_TIMEOUT_S, RUN_TIMEOUT_S = 240.0, 30.0, 900.0
-HIT_TARGET = 0.90  # prefix_load hit rate >= 90% of ideal
-POLICIES = ("prefix_load", "round_robin")
-COUNTERS = ("prefix_hit_blocks", "prefix_query_blocks", "prefills")
-ROUTED = ("pdserve_routed_prompt_blocks_total", "pdserve_routed_prefix_hit_blocks_total")
-
-
-# ---- workloads ------------------------------------------------------------------------
-def mooncake_slice(start: int, n: int, rate: float, vocab: int, max_model_len: int,
-                   seed: int) -> tuple[list[BenchRequest], dict[str, Any]]:
-    """The scaled trace slice replayed at `rate` req/s, prompts cut to fit, and facts about it."""
-    reqs = mooncake_workload(TRACE, n, TRACE_SCALE, vocab, start=start, max_output=TRACE_MAX_OUTPUT, seed=seed)
-    if len(reqs) < 2:
-        raise SystemExit(f"{TRACE}: fewer than 2 requests from line {start}")
-    span = reqs[-1].arrival or 0.0  # trace seconds
-    stretch = (len(reqs) - 1) / rate / span if span else 0.0  # n-1 gaps over the span -> `rate`
-    cap = max_model_len - TRACE_MAX_OUTPUT - 1
-    capped = sum(r.prompt_len > cap for r in reqs)
-    for r in reqs:
-        r.arrival, r.prompt_token_ids = (r.arrival or 0.0) * stretch, (r.prompt_token_ids or [])[:cap]
-    with TRACE.open() as f:  # for reference: the trace's own 512-token blocks, one hash id each
-        trace = [BenchRequest(json.loads(line)["hash_ids"], 1) for line in itertools.islice(f, start, start + n)]
-    lens = [r.prompt_len for r in reqs]
-    return reqs, {"trace": str(TRACE), "start": start, "requests": len(reqs), "trace_span_s": span,
-                  "trace_rate_req_s": (len(reqs) - 1) / span if span else None, "replay_rate_req_s": rate,
-                  "time_compression": 1 / stretch if stretch else None, "prompts_capped": capped,
-                  "prompt_len_cap": cap, "mean_prompt_len": sum(lens) / len(lens), "max_prompt_len": max(lens),
-                  "total_prompt_tokens": sum(lens), "mean_output_len": sum(r.output_len for r in reqs) / len(reqs),
-                  "ideal_hit_rate_trace_hash_ids": ideal_hit_rate(trace, 1),
-                  "output_cap": TRACE_MAX_OUTPUT, "block_size": BLOCK_SIZE}
-
-
-def reuse(reqs: list[BenchRequest]) -> dict[str, Any]:
-    """Ideal hit rate and the round-robin bound (2 infinite caches, requests dealt in turn)."""
-    blocks = lambda rs: sum((r.prompt_len - 1) // BLOCK_SIZE for r in rs)  # cacheable blocks  # noqa: E731
-    total, ideal = blocks(reqs), ideal_hit_rate(reqs, BLOCK_SIZE)
-    rr = sum(ideal_hit_rate(reqs[k::2], BLOCK_SIZE) * blocks(reqs[k::2]) for k in range(2)) / total
-    return {"ideal_hit_rate": ideal, "rr_bound_hit_rate": rr, "cacheable_blocks": total,
-            "first_time_blocks": round(total * (1 - ideal)), "requests": len(reqs)}
-
-
-def kv_blocks_for(reqs: list[BenchRequest], model: Path) -> int:
-    """Blocks for every prompt + output at once plus warm-up (nothing evicted), up to KV_BYTES_CAP."""
-    need = sum(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE) for r in reqs) + 64
-    return min(need, KV_BYTES_CAP // bytes_per_block(EngineConfig.build(model, block_size=BLOCK_SIZE)))
-
-
-# ---- servers --------------------------------------------------------------------------
-class Server:
-    """One `pdserve serve` (router + workers) with a ready file. Owns the process, its log
-    and its workers; leaving the `with` block leaves none of them running."""
-
-    def __init__(self, name: str, model: Path, layout: list[str], routing: str, num_kv_blocks: int,
-                 max_model_len: int, workdir: Path) -> None:
-        self.name, self.ready_file, self.log_path = name, workdir / f"{name}.ready.json", workdir / f"{name}.log"
-        self.cmd = [sys.executable, "-m", "common.cli", "serve", str(model), *layout, "--routing", routing,
-                    "--http-port", "0", "--zmq-port", "0", "--ready-file", str(self.ready_file),
-                    "--num-kv-blocks", str(num_kv_blocks), "--max-model-len", str(max_model_len),
-                    "--block-size", str(BLOCK_SIZE), "--num-threads", "1"]
-        self.info: dict[str, Any] = {}
-
-    def __enter__(self) -> "Server":
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while not self.ready_file.exists():
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
-                    raise RuntimeError(f"server {self.name} exited (code {self.proc.returncode}) or was not "
-                                       f"ready in {READY_TIMEOUT_S:.0f} s:\n{tail}")
-                time.sleep(0.1)
-            self.info = json.loads(self.ready_file.read_text())
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the router stops its workers, then exits
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:  # workers run in their own sessions: kill each by pid
-                for pid in [self.proc.pid, *(w["pid"] for w in self.info.get("workers", {}).values())]:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def workers(self, role: str) -> dict[str, str]:
-        """name -> address of the workers with this role, sorted by name."""
-        return {n: w["address"] for n, w in sorted(self.info["workers"].items()) if w["role"] == role}
-
-    def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
-        """Each prefill worker's COUNTERS (its WorkerStatus) and the router's ROUTED (/metrics)."""
-        from prometheus_client.parser import text_string_to_metric_families
-        ctx, workers = zmq.Context(), {}
-        try:
-            for name, address in self.workers("prefill").items():
-                c = Client(ctx, address)
-                try:
-                    c.send(StatusRequest())
-                    msg = c.recv(timeout_ms=30_000).msg
-                finally:
-                    c.close()
-                if not isinstance(msg, WorkerStatus):
-                    raise RuntimeError(f"worker {name} answered a status request with {msg!r}")
-                workers[name] = {k: msg.counters.get(k, 0) for k in COUNTERS}
-        finally:
-            ctx.term()
-        text = urllib.request.urlopen(self.info["http"].removesuffix("/v1") + "/metrics", timeout=30).read().decode()
-        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-        return workers, {k: samples.get(k, 0.0) for k in ROUTED}
-
-
-# ---- clients, the closed-loop driver, timeline breakdown ---------------------------------
-class WorkerClient(AsyncClient):
-    """Talks to a decode or colocated worker directly with GenerateRequest, as the router
-    does; reuses AsyncClient's socket and reply demultiplexing (workers reply one frame)."""
-
-    async def stream(self, ids: list[int], max_tokens: int,  # type: ignore[override]
-                     prefill_addr: str = "") -> AsyncIterator[TokenOutput]:
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read())
-        rid = uuid.uuid4().hex
-        q = self._queues[rid] = asyncio.Queue()
-        try:
-            req = GenerateRequest(rid, ids, Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                                  prefill_addr, return_timeline=True, timeline={"arrival": time.time()})
-            await self.sock.send(wire.encode(req))
-            while True:
-                msg = await q.get()
-                if isinstance(msg, ErrorReply):
-                    raise RuntimeError(f"worker error ({msg.code}): {msg.message}")
-                yield msg
-                if msg.finished:
-                    return
-        finally:
-            self._queues.pop(rid, None)
-
-
-Stream = Callable[[list[int], int], AsyncIterator[TokenOutput]]
-
-
-def check(recs: list[RequestRecord], reqs: list[BenchRequest], desc: str) -> None:
-    bad = [i for i, (r, q) in enumerate(zip(recs, reqs)) if not r.success or r.output_len != q.output_len]
-    if bad:
-        r = recs[bad[0]]
-        raise RuntimeError(f"{desc}: {len(bad)} of {len(recs)} requests failed or came back short; request "
-                           f"{bad[0]}: {r.error or f'{r.output_len} of {reqs[bad[0]].output_len} tokens'}")
-
-
-async def drive(stream: Stream, reqs: list[BenchRequest], concurrency: int, desc: str
-                ) -> tuple[list[RequestRecord], float]:
-    """Closed loop, `concurrency` requests in flight; the records and the wall seconds."""
-    recs = [RequestRecord(0.0, prompt_len=r.prompt_len) for r in reqs]
-    todo = iter(range(len(reqs)))
-
-    async def loop() -> None:
-        for i in todo:
-            rec = recs[i]
-            rec.send_time = time.perf_counter()
-            async for out in stream(reqs[i].prompt_token_ids or [], reqs[i].output_len):
-                rec.token_times += [time.perf_counter()] * len(out.token_ids)
-                if out.finished:
-                    rec.timeline = out.timeline
-
-    start = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(loop() for _ in range(concurrency))), RUN_TIMEOUT_S)
-    wall = time.perf_counter() - start
-    check(recs, reqs, desc)
-    return recs, wall
-
-
-# (segment, from stamp, to stamp); "send", "recv_first", "recv" are the client's, the rest the server's
-SEGMENTS = {
-    "router": (("client->router", "send", "arrival"), ("router: check, hash, route", "arrival", "routed"),
-               ("router->worker", "routed", "decode_arrival"), ("worker", "decode_arrival", "finish"),
-               ("worker->router", "finish", "router_done"), ("router->client", "router_done", "recv")),
-    "direct": (("client->worker", "send", "decode_arrival"), ("worker", "decode_arrival", "finish"),
-               ("worker->client", "finish", "recv")),
-    "ttft": (("client->router", "send", "arrival"), ("router", "arrival", "routed"),  # (b), (c): router, D, P
-             ("router->D", "routed", "decode_arrival"), ("D reserve", "decode_arrival", "decode_reserved"),
-             ("D->P", "decode_reserved", "prefill_queued"), ("P queue", "prefill_queued", "prefill_start"),
-             ("P prefill", "prefill_start", "prefill_end"), ("P->D KVReady", "prefill_end", "kv_ready"),
-             ("D->router->client", "kv_ready", "recv_first")),
-}
-
-
-def breakdown(recs: list[RequestRecord], segments: tuple[tuple[str, str, str], ...]) -> dict[str, float | None]:
-    """Mean ms of each segment of a request's path, over the records that have both stamps."""
-    # the client stamps perf_counter, the server time.time(); NTP slews both alike on
-    # Linux, so their offset stays put unless the wall clock is stepped
-    off = time.time() - time.perf_counter()
-    out = {}
-    for name, a, b in segments:
-        gaps = []
-        for r in recs:
-            t = dict(r.timeline or {}, send=r.send_time + off, recv_first=r.token_times[0] + off,
-                     recv=r.token_times[-1] + off)
-            if a in t and b in t:
-                gaps.append(t[b] - t[a])
-        out[name] = 1e3 * sum(gaps) / len(gaps) if gaps else None
-    return out
-
-
-# ---- (a) router overhead ------------------------------------------------------------------
-async def _overhead(srv: Server, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
-    n_seq, n_conc, rounds = (40, 80, 2) if args.quick else (100, 240, 4)
-    seeds = itertools.count(args.seed)  # a new prompt for every request
-    short = lambda n: random_workload(n, SHORT_PROMPT_LEN, SHORT_MAX_TOKENS, 0.0, vocab, next(seeds))  # noqa: E731
-    (worker,) = srv.workers("colocated").values()
-    router, direct = AsyncClient(srv.info["zmq"]), WorkerClient(worker)
-    paths: dict[str, Stream] = {
-        "router": lambda ids, n: router.stream(ids, max_tokens=n, temperature=0.0, ignore_eos=True,
-                                               return_timeline=True),
-        "direct": lambda ids, n: direct.stream(ids, n)}
-    modes = {"sequential": (1, n_seq), f"concurrency {args.concurrency}": (args.concurrency, n_conc)}
-    recs: dict[tuple[str, str], list[RequestRecord]] = {(m, p): [] for m in modes for p in paths}
-    wall = dict.fromkeys(recs, 0.0)
-    try:
-        for p, s in paths.items():  # warm-up, not counted
-            await drive(s, short(16), args.concurrency, f"(a) warm-up {p}")
-        for rnd in range(rounds):
-            print(f"(a) round {rnd + 1}/{rounds}", flush=True)
-            for mode, (conc, n) in modes.items():
-                for p in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-                    got, seconds = await drive(paths[p], short(n), conc, f"(a) {mode} {p}")
-                    recs[mode, p] += got
-                    wall[mode, p] += seconds
-    finally:
-        await router.close()
-        await direct.close()
-    out: dict[str, Any] = {"setup": {"workers": "1 colocated", "prompt_len": SHORT_PROMPT_LEN,
-                                     "max_tokens": SHORT_MAX_TOKENS, "rounds": rounds, "latency": "send -> last token",
-                                     "requests_per_round": {"sequential": n_seq, "concurrent": n_conc}}}
-    for mode in modes:
-        row = out[mode] = {p: {**summarize(recs[mode, p], wall[mode, p]),
-                               "breakdown_mean_ms": breakdown(recs[mode, p], SEGMENTS[p])} for p in paths}
-        r, d = row["router"], row["direct"]
-        row["added_latency_ms"] = {k: r[f"{k}_e2el_ms"] - d[f"{k}_e2el_ms"] for k in ("mean", "p50", "p99")}
-        row["throughput_ratio_router_over_direct"] = r["request_throughput"] / d["request_throughput"]
-    return out
-
-
-# ---- (b), (c) routing quality -------------------------------------------------------------
-Run = tuple[list[RequestRecord], float, dict[str, dict[str, int]], dict[str, float]]  # recs, wall, counter changes
-
-
-async def _policy_run(srv: Server, reqs: list[BenchRequest], vocab: int, seed: int, concurrency: int | None,
-                      desc: str) -> Run:
-    (decode,) = srv.workers("decode").values()
-    client = WorkerClient(decode)
-    try:  # warm-up: 2 unrelated prompts on each prefill worker, sent directly
-        for k, address in enumerate(srv.workers("prefill").values()):
-            await drive(lambda ids, n, a=address: client.stream(ids, n, a),
-                        random_workload(2, 40, 2, 0.0, vocab, seed + 10_000 + k), 2, f"{desc} warm-up")
-    finally:
-        await client.close()
-    workers0, routed0 = srv.counters()
-    send_times = [r.arrival or 0.0 for r in reqs]  # all 0 in (b): `concurrency` in flight
-    recs, wall = await run_workload(reqs, "zmq", srv.info["zmq"], send_times, max_concurrency=concurrency)
-    check(recs, reqs, desc)
-    workers1, routed1 = srv.counters()
-    return (recs, wall, {w: {k: c[k] - workers0[w][k] for k in COUNTERS} for w, c in workers1.items()},
-            {k: routed1[k] - routed0[k] for k in ROUTED})
-
-
-def pooled(runs: list[Run], ideal: dict[str, Any]) -> dict[str, Any]:
-    """Counters summed and requests pooled over the repeats of one policy."""
-    recs = [r for run in runs for r in run[0]]
-    per_worker = {w: {k: sum(run[2][w][k] for run in runs) for k in COUNTERS} for w in runs[0][2]}
-    hits, queries, prefills = (sum(c[k] for c in per_worker.values()) for k in COUNTERS)
-    computed = {w: c["prefix_query_blocks"] - c["prefix_hit_blocks"] for w, c in per_worker.items()}
-    routed, routed_hits = (sum(run[3][k] for run in runs) for k in ROUTED)
-    res = {"hit_rate": hits / max(1, queries), "hit_blocks": hits, "query_blocks": queries,
-           "achieved_over_ideal": hits / max(1, queries) / ideal["ideal_hit_rate"] if ideal["ideal_hit_rate"] else None,
-           # beyond each distinct prefix once: one prefix on both workers, or twice in one prefill batch
-           "extra_blocks_computed": (queries - hits) / len(runs) - ideal["first_time_blocks"],
-           "router_view_hit_rate": routed_hits / routed if routed else None,
-           "prefill_share": {w: c["prefills"] / max(1, prefills) for w, c in per_worker.items()},
-           "computed_block_share": {w: n / max(1, queries - hits) for w, n in computed.items()},
-           **summarize(recs, sum(run[1] for run in runs)), **phase_breakdown(recs),
-           "ttft_breakdown_mean_ms": breakdown(recs, SEGMENTS["ttft"])}
-    if queries != ideal["cacheable_blocks"] * len(runs):  # e.g. a preempted prompt admitted (and counted) twice
-        res["note"] = f"workers counted {queries} queried blocks, the workload has {ideal['cacheable_blocks'] * len(runs)}"
-    return res
-
-
-def compare_routing(part: str, reqs: list[BenchRequest], concurrency: int | None, model: Path,
-                    args: argparse.Namespace, vocab: int, max_model_len: int, workdir: Path) -> dict[str, Any]:
-    ideal, kv_blocks = reuse(reqs), kv_blocks_for(reqs, model)
-    data: dict[str, list[Run]] = {p: [] for p in POLICIES}
-    for rep in range(args.repeats):
-        for policy in (POLICIES if rep % 2 == 0 else POLICIES[::-1]):  # AB BA: drift hits both alike
-            desc = f"({part}) {policy} [{rep + 1}/{args.repeats}]"
-            print(desc, flush=True)
-            with Server(f"{part}-{policy}-{rep}", model, ["--prefill", "2", "--decode", "1"], policy, kv_blocks,
-                        max_model_len, workdir) as srv:
-                data[policy].append(asyncio.run(_policy_run(srv, reqs, vocab, args.seed, concurrency, desc)))
-    runs = {policy: {**pooled(rd, ideal),
-                     "per_repeat": [{k: pooled([r], ideal)[k] for k in ("hit_rate", "mean_ttft_ms", "request_throughput")}
-                                    for r in rd],
-                     "ttft_ms_per_request": [[round(1e3 * (r.ttft or 0.0), 2) for r in run[0]] for run in rd]}
-            for policy, rd in data.items()}
-    ratio = runs["prefix_load"]["achieved_over_ideal"] or 0.0
-    ttft = {f"{p}_ms": runs[p]["mean_ttft_ms"] for p in POLICIES}
-    targets = {"hit_rate_ge_90pct_ideal": {"achieved_over_ideal": ratio, "met": ratio >= HIT_TARGET},
-               "ttft_below_round_robin": {**ttft, "met": ttft["prefix_load_ms"] < ttft["round_robin_ms"]}}
-    return {**ideal, "repeats": args.repeats, "num_kv_blocks_per_worker": kv_blocks, "runs": runs, "targets": targets}
 
 
 # ---- report and main ----------------------------------------------------------------------
@@ -478,7 +153,7 @@ def run(args: argparse.Namespace, parts: set[str]) -> None:
     common = (model, args, vocab, max_model_len, workdir)
     if "a" in parts:
         with Server("overhead", model, ["--colocated", "1"], "prefix_load", 256, max_model_len, workdir) as srv:
-            report["overhead"] = asyncio.run(_overhead(srv, vocab, args))
+            report["overhead"] = asyncio.run(router_overhead(srv, vocab, args))
     if "b" in parts:
         per_group = 12 if args.quick else 32
         reqs = shared_prefix_workload(prompts_per_group=per_group, vocab=vocab, seed=args.seed, **SHARED)
