@@ -1,6 +1,6 @@
-"""Helpers for the `pdserve serve` end-to-end tests: start and stop the real command
-(checking that no worker process survives it), and a raw client that speaks the protocol
-of docs/protocol.md with nothing but pyzmq and msgpack."""
+"""Helpers for the `pdserve serve` end-to-end tests: the workload they share, start and
+stop the real command (checking that no worker process survives it), and a raw client that
+speaks the protocol of docs/protocol.md with nothing but pyzmq and msgpack."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,27 @@ import msgpack
 import pytest
 import zmq
 
+from common.tokenizer import Tokenizer
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- the workload ---------------------------------------------------------------------
+
+MAX_MODEL_LEN = 512
+MAX_NEW = 12
+PROMPTS = ["The router sends each request to", "Hello, my name is",
+           "A prefill worker computes the prompt and the decode worker streams tokens back to the client "
+           "through the router, which measures latency and throughput for every request in the queue"]
+CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Which worker decodes?"}]
+
+
+def chat_ids(tok: Tokenizer, messages: list[dict]) -> list[int]:
+    return tok.encode(tok.apply_chat_template(messages))
+
+
+def expected_reason(tokens: list[int], max_new: int) -> str:
+    return "length" if len(tokens) == max_new else "stop"
 
 
 # ---- starting and stopping `pdserve serve` --------------------------------------------

@@ -1,0 +1,56 @@
+"""Fixtures for the `pdserve serve` end-to-end tests. The prefill + decode deployment is
+package-scoped: started once for every test file here that asks for it, stopped (and
+checked to leave no worker behind) after the last of them."""
+from __future__ import annotations
+
+import signal
+
+import openai
+import pytest
+
+from common.tokenizer import Tokenizer
+from tests.helpers import one_torch_thread
+from tests.router.serving import MAX_MODEL_LEN, RawClient, check_ready_file_workers, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread_here():
+    """The transformers oracle runs in this process next to 2+ workers on 2 shared cores.
+    Not autouse: the pure router tests here need no torch at all."""
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="package")
+def model_dir(model_dirs) -> str:
+    return model_dirs["qwen3"]
+
+
+@pytest.fixture(scope="package")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="package")
+def pd(model_dir, tmp_path_factory):
+    """One prefill + one decode worker behind the router; stopped with SIGTERM."""
+    served = start_server(model_dir, tmp_path_factory.mktemp("serve_pd"), ["--prefill", "1", "--decode", "1"],
+                          MAX_MODEL_LEN)
+    try:
+        check_ready_file_workers(served, {"prefill-0": "prefill", "decode-0": "decode"})
+        yield served
+    finally:
+        stop_server(served, signal.SIGTERM)
+
+
+@pytest.fixture(scope="package")
+def oai(pd) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pd.http, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def raw(pd):
+    """A raw client from docs/protocol.md (pyzmq + msgpack only) on the pd deployment."""
+    client = RawClient(pd.zmq)
+    yield client
+    client.close()
