@@ -49,6 +49,10 @@ class WorkerBase:
     def step(self) -> None:
         raise NotImplementedError
 
+    def idle_wait_ms(self) -> int:
+        """How long the loop blocks on its sockets when it has no step to run."""
+        return 10
+
     def idle(self) -> None:
         """Called every loop turn (timeouts, background completions)."""
 
@@ -112,7 +116,7 @@ class WorkerBase:
         try:
             while not self._stop:
                 busy = self.has_work()
-                for sock, _ in self.poller.poll(0 if busy else 10):
+                for sock, _ in self.poller.poll(0 if busy else self.idle_wait_ms()):
                     if sock is self.server.sock:
                         self._drain_server()
                     else:

@@ -23,7 +23,7 @@ from common.sequence import Sequence
 from common.transport import Client, Incoming
 from common.worker_base import WorkerBase
 from decode_node.graph_runner import GraphRunner
-from kv_transfer import KVReceiver, TransferError, make_receiver, resolve_backend
+from kv_transfer import KVReceiver, PendingReceive, TransferError, make_receiver, resolve_backend
 
 
 class HandshakeError(ConfigError):
@@ -81,7 +81,11 @@ class DecodeWorker(WorkerBase):
         self.requests: dict[str, Request] = {}
         self.by_seq: dict[int, Request] = {}
         self.pending: deque[Request] = deque()  # waiting for blocks, FIFO
-        self.awaiting_kv: dict[str, Request] = {}
+        self.awaiting_kv: dict[str, Request] = {}  # reserved blocks, KV not landed yet
+        # receives in flight (gloo/nccl irecv), by request id; the request stays in
+        # awaiting_kv until it lands. An entry outlives a request failed meanwhile: its
+        # buffer must stay alive while the transfer may still write into it.
+        self.receiving: dict[str, tuple[KVReady, PendingReceive]] = {}
         self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0)
         self.last_refusal = ""
         self.init_dist()
@@ -209,15 +213,38 @@ class DecodeWorker(WorkerBase):
                     self.fail(req, f"prefill failed: {inc.msg.message}")
 
     def on_kv_ready(self, peer: PrefillPeer, ready: KVReady, frames: list[bytes]) -> None:
-        req = self.awaiting_kv.pop(ready.request_id, None)
-        if req is None:
+        req = self.awaiting_kv.get(ready.request_id)
+        if req is None or ready.request_id in self.receiving:
             self.log(f"KVReady for unknown request {ready.request_id!r} ignored")
             return
         try:
-            self.receiver.receive(ready, frames, req.dst_blocks, peer.info)  # type: ignore[union-attr]
+            pending = self.receiver.receive(ready, frames, req.dst_blocks, peer.info)  # type: ignore[union-attr]
         except TransferError as e:
             self.fail(req, f"KV transfer rejected: {e}", code="transfer_error")
             return
+        if pending is None:
+            self.kv_landed(req, ready)
+        else:  # lands in poll_receives; meanwhile the running batch keeps decoding
+            self.receiving[ready.request_id] = (ready, pending)
+
+    def poll_receives(self) -> None:
+        for rid, (ready, pending) in list(self.receiving.items()):
+            if not pending.done():
+                continue
+            del self.receiving[rid]
+            req = self.awaiting_kv.get(rid)
+            if req is None:  # failed meanwhile (its P was dropped): the data is not wanted
+                continue
+            try:
+                pending.land()
+            except TransferError as e:
+                self.fail(req, f"KV transfer failed: {e}", code="transfer_error")
+                continue
+            self.kv_landed(req, ready)
+
+    def kv_landed(self, req: Request, ready: KVReady) -> None:
+        """The prompt's KV is in the reserved blocks: start decoding it."""
+        del self.awaiting_kv[req.request_id]
         now = time.time()
         req.timeline.update(ready.timeline, kv_ready=now)
         if req.aborted:
@@ -292,7 +319,11 @@ class DecodeWorker(WorkerBase):
             else:
                 self.send_tokens(req, [out.new_token])
 
+    def idle_wait_ms(self) -> int:
+        return 1 if self.receiving else 10  # a landed receive is noticed within 1 ms
+
     def idle(self) -> None:
+        self.poll_receives()
         self.try_reserve()
         now = time.monotonic()
         for peer in list(self.peers.values()):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer.base import KVReceiver, KVSender, TransferError, layout_mismatch, layout_of
+from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError, layout_mismatch, layout_of
 
 BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl", "tcp")
 
-__all__ = ["BACKENDS", "KVReceiver", "KVSender", "TransferError", "layout_mismatch", "layout_of",
+__all__ = ["BACKENDS", "KVReceiver", "KVSender", "PendingReceive", "TransferError", "layout_mismatch", "layout_of",
            "resolve_backend", "make_receiver", "make_sender"]
 
 

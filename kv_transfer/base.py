@@ -6,7 +6,9 @@ from __future__ import annotations
 import abc
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -92,6 +94,15 @@ def copy_blocks(dst_cache: torch.Tensor, src_cache: torch.Tensor, src: list[int]
             dst_cache[:, l, d:d + n].copy_(src_cache[:, l, s:s + n])
 
 
+@dataclass
+class PendingReceive:
+    """A receive still in flight (a gloo/nccl `irecv`): the decode worker polls `done()`
+    between steps and calls `land()` once, which raises TransferError if it failed."""
+
+    done: Callable[[], bool]
+    land: Callable[[], None]  # scatter the received buffer into the blocks
+
+
 class KVReceiver(abc.ABC):
     """Decode side: owns the KV cache tensor that transfers land in."""
 
@@ -108,8 +119,10 @@ class KVReceiver(abc.ABC):
         s = self.kv_cache.shape
         return [s[0], s[1], num_blocks, *s[3:]]
 
-    def receive(self, ready: KVReady, frames: list[bytes], dst_blocks: list[int], peer: dict) -> None:
-        """Land the KV of `ready` in `dst_blocks`; TransferError if it does not fit."""
+    def receive(self, ready: KVReady, frames: list[bytes], dst_blocks: list[int],
+                peer: dict) -> PendingReceive | None:
+        """Land the KV of `ready` in `dst_blocks` (None), or start to and return the
+        pending receive; TransferError if it does not fit."""
         if ready.num_blocks != len(dst_blocks):
             raise TransferError(f"request {ready.request_id}: transfer of {ready.num_blocks} blocks, "
                                 f"{len(dst_blocks)} were reserved")

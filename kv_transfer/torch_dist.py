@@ -1,18 +1,20 @@
 """Transfer over torch.distributed point-to-point: gloo on CPU, NCCL on GPU, same code.
 P gathers the blocks into one contiguous buffer and `isend`s it; D, on the KVReady that
-precedes the data, posts the matching `recv` and scatters into its reserved blocks.
-Each P/D pair keeps FIFO order, so the n-th KVReady matches the n-th send."""
+precedes the data, posts the matching `irecv` and goes on decoding; once it completes,
+D scatters the buffer into the reserved blocks. Each P/D pair keeps FIFO order, so the
+n-th KVReady matches the n-th send."""
 from __future__ import annotations
 
 import datetime
 import math
+import threading
 
 import torch
 import torch.distributed as dist
 
 from common.config import parse_dtype
 from common.messages import KVReady
-from kv_transfer.base import KVReceiver, KVSender, TransferError, dtype_name, gather_kv, scatter_kv
+from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError, dtype_name, gather_kv, scatter_kv
 
 
 def init_group(backend: str, init_method: str, rank: int, world_size: int) -> None:
@@ -20,6 +22,28 @@ def init_group(backend: str, init_method: str, rank: int, world_size: int) -> No
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
+
+
+class Waiter:
+    """Completion of a point-to-point Work, observable without blocking. gloo's send and
+    recv Works never report `is_completed()` until someone waits on them, so a daemon
+    thread waits (torch releases the GIL there) and sets an event."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self.error: Exception | None = None
+        self.event = threading.Event()
+        threading.Thread(target=self._wait, args=(work,), name="p2p-wait", daemon=True).start()
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # the peer died or the group timed out: reported by the owner
+            self.error = e
+        finally:
+            self.event.set()
+
+    def done(self) -> bool:
+        return self.event.is_set()
 
 
 class DistReceiver(KVReceiver):
@@ -30,7 +54,7 @@ class DistReceiver(KVReceiver):
     def backend_info(self) -> dict:
         return {"rank": dist.get_rank()}
 
-    def receive(self, ready: KVReady, frames: list[bytes], dst_blocks: list[int], peer: dict) -> None:
+    def receive(self, ready: KVReady, frames: list[bytes], dst_blocks: list[int], peer: dict) -> PendingReceive:
         super().receive(ready, frames, dst_blocks, peer)
         want = self.expected_shape(len(dst_blocks))
         if ready.payload_shape != want or ready.payload_dtype != dtype_name(self.kv_cache.dtype):
@@ -45,29 +69,34 @@ class DistReceiver(KVReceiver):
             raise TransferError(f"request {ready.request_id}: payload {ready.payload_shape} "
                                 f"{ready.payload_dtype}; expected {want} {self.kv_cache.dtype}")
         buf = torch.empty(want, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-        dist.recv(buf, src=peer["rank"])
-        scatter_kv(self.kv_cache, dst_blocks, buf)
+        waiter = Waiter(dist.irecv(buf, src=peer["rank"]))
+
+        def land() -> None:
+            if waiter.error is not None:
+                raise TransferError(f"request {ready.request_id}: receive failed: {waiter.error}")
+            scatter_kv(self.kv_cache, dst_blocks, buf)
+
+        return PendingReceive(waiter.done, land)
 
 
 class DistSender(KVSender):
     def __init__(self, kv_cache: torch.Tensor, peer_info: dict, backend: str) -> None:
         super().__init__(kv_cache, peer_info)
         self.backend = backend
-        self._pending: list[tuple[object, torch.Tensor]] = []  # (work, buffer kept alive)
+        self._pending: list[tuple[Waiter, torch.Tensor]] = []  # buffers kept alive until sent
 
     def send(self, ready: KVReady, src: list[int], dst: list[int]) -> list:
         buf = gather_kv(self.kv_cache, src)
         ready.payload_shape = list(buf.shape)
         ready.payload_dtype = dtype_name(buf.dtype)
-        work = dist.isend(buf, dst=self.peer_info["rank"])
-        self._pending.append((work, buf))
+        self._pending.append((Waiter(dist.isend(buf, dst=self.peer_info["rank"])), buf))
         self.bytes_sent += buf.numel() * buf.element_size()
         return []
 
     def poll(self) -> None:
-        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+        self._pending = [(w, b) for w, b in self._pending if not w.done()]
 
     def close(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
+        for waiter, _ in self._pending:
+            waiter.event.wait()
         self._pending = []
