@@ -158,7 +158,11 @@ def child_pair_d(backend: str, plan: list[dict], address: str, dist_init: str) -
             client.send(PrefillRequest(f"bench-{n}-{i}", "bench-d", [], Sampling(), 0, blocks))
             inc = client.recv(timeout_ms=RECV_TIMEOUT_MS)
             arrived = time.monotonic()
-            receiver.receive(inc.msg, inc.frames, blocks, peer)
+            pending = receiver.receive(inc.msg, inc.frames, blocks, peer)
+            if pending is not None:  # gloo: the irecv completes in the background
+                while not pending.done():
+                    time.sleep(0.0002)
+                pending.land()
             done = time.monotonic()
             tl = inc.msg.timeline
             total.append(done - tl["transfer_start"])
