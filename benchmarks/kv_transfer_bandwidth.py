@@ -18,7 +18,8 @@ import torch
 import zmq
 
 from common.launch import free_port
-from common.messages import AbortRequest, KVReady, PrefillRequest, Sampling
+from common.sampling_params import SamplingParams
+from common.messages import AbortRequest, KVReady, PrefillRequest
 from common.transport import Client, Server
 
 SCRIPT = Path(__file__).resolve().with_name("kv_transfer.py")  # the children's entry point
@@ -155,7 +156,7 @@ def child_pair_d(backend: str, plan: list[dict], address: str, dist_init: str) -
         for i in range(passes):
             if i == passes - 1:
                 cache[:, :, :n].zero_()  # the check below must see this pass's data
-            client.send(PrefillRequest(f"bench-{n}-{i}", "bench-d", [], Sampling(), 0, blocks))
+            client.send(PrefillRequest(f"bench-{n}-{i}", "bench-d", [], SamplingParams(), 0, blocks))
             inc = client.recv(timeout_ms=RECV_TIMEOUT_MS)
             arrived = time.monotonic()
             pending = receiver.receive(inc.msg, inc.frames, blocks, peer)

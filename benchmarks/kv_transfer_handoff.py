@@ -15,7 +15,8 @@ from pathlib import Path
 import zmq
 
 from common.launch import Launcher, free_port
-from common.messages import ErrorReply, GenerateRequest, Sampling, TokenOutput
+from common.sampling_params import SamplingParams
+from common.messages import ErrorReply, GenerateRequest, TokenOutput
 from common.transport import Client
 from kv_transfer_bandwidth import CPU_BACKENDS, RECV_TIMEOUT_MS
 
@@ -56,7 +57,7 @@ def start_pairs(launcher: Launcher, model_dir: str) -> dict[str, tuple[str, str]
 
 def one_request(client: Client, request_id: str, prompt: list[int], prefill_addr: str) -> dict:
     sent = time.time()
-    client.send(GenerateRequest(request_id, prompt, Sampling(temperature=0.0, max_tokens=2, ignore_eos=True),
+    client.send(GenerateRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                                 prefill_addr, return_timeline=True, timeline={"client_send": sent}))
     first = None
     while True:

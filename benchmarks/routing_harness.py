@@ -23,7 +23,8 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 
 from common import messages as wire
-from common.messages import ErrorReply, GenerateRequest, Sampling, StatusRequest, TokenOutput, WorkerStatus
+from common.sampling_params import SamplingParams
+from common.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
 from common.transport import Client
 from router.bench.metrics import RequestRecord
 from router.bench.workloads import BenchRequest
@@ -117,7 +118,7 @@ class WorkerClient(AsyncClient):
         rid = uuid.uuid4().hex
         q = self._queues[rid] = asyncio.Queue()
         try:
-            req = GenerateRequest(rid, ids, Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            req = GenerateRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                                   prefill_addr, return_timeline=True, timeline={"arrival": time.time()})
             await self.sock.send(wire.encode(req))
             while True:

@@ -49,12 +49,17 @@ class BlockManager:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, total - len(seq.block_table))
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix of `token_ids` (never its last token)."""
+    def find_cached_prefix(self, token_ids: list[int], prompt_hashes: list[int] | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids` (never its last token).
+        `prompt_hashes`, if given, are the chained hashes of its leading full blocks."""
         if not self.enable_prefix_caching:
             return []
+        if prompt_hashes:
+            hashes = prompt_hashes[:(len(token_ids) - 1) // self.block_size]
+        else:
+            hashes = cacheable_prefix_hashes(token_ids, self.block_size)
         found: list[int] = []
-        for h in cacheable_prefix_hashes(token_ids, self.block_size):
+        for h in hashes:
             b = self._hash_to_block.get(h)
             if b is None:
                 break
@@ -107,8 +112,9 @@ class BlockManager:
         bs = self.block_size
         n_full = seq.num_computed_tokens // bs
         parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        known = seq.prompt_hashes
         for i in range(seq.num_hashed_blocks, n_full):
-            h = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            h = known[i] if i < len(known) else hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(h)
             parent = h
             b = seq.block_table[i]

@@ -69,7 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """One worker process (normally started by `pdserve serve` or a test launcher)."""
     from common.config import EngineConfig, WorkerConfig
-    engine_config = EngineConfig.build(resolve_model(args.model), **engine_options(args))
+    engine_config = EngineConfig.build(resolve_model(args.model), **engine_options(args),
+                                       decode_graphs=args.role != "prefill")
     worker_config = WorkerConfig(
         role=args.role, worker_id=args.worker_id or f"{args.role}-{__import__('os').getpid()}",
         bind=args.bind, kv_transfer=args.kv_transfer, dist_init=args.dist_init, rank=args.rank,

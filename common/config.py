@@ -194,6 +194,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int = 0
+    decode_graphs: bool = False  # decode steps through bucketed static buffers (CUDA graphs on GPU)
 
     def __post_init__(self) -> None:
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
@@ -206,7 +207,7 @@ class EngineConfig:
               memory_fraction: float = 0.2, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
               max_model_len: int | None = None, enable_chunked_prefill: bool = True,
               enable_prefix_caching: bool = True, dtype: str = "float32", device: str = "cpu",
-              num_threads: int | None = None, seed: int = 0) -> "EngineConfig":
+              num_threads: int | None = None, seed: int = 0, decode_graphs: bool = False) -> "EngineConfig":
         """Keyword options as users of `LLM(...)` and the CLI spell them."""
         model = ModelConfig.from_dir(model_dir)
         if max_model_len is None:
@@ -219,6 +220,7 @@ class EngineConfig:
                                       enable_prefix_caching=enable_prefix_caching),
             device=DeviceConfig(device=device, dtype=dtype, num_threads=num_threads),
             seed=seed,
+            decode_graphs=decode_graphs,
         )
 
 

@@ -1,22 +1,26 @@
-"""The engine loop shared by the offline `LLM` and the colocated worker: admit
-requests, schedule a step, run it, append sampled tokens, finish what stopped."""
+"""The engine of one process, for every role: the offline `LLM`, the colocated worker,
+the decode worker (which reserves blocks for prompts computed elsewhere and starts
+decoding them when their KV lands) and the prefill worker (prefill-only: a sequence is
+handed off after its first token, its KV blocks reported as they complete)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from common.block_manager import BlockManager
 from common.config import EngineConfig
+from common.graph_runner import GraphRunner
+from common.hashing import block_hashes
 from common.model_runner import ModelRunner
 from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler
-from common.sequence import SeqIdCounter, Sequence
+from common.sequence import SeqIdCounter, Sequence, SequenceStatus
 from common.tokenizer import Tokenizer
+from common.validation import RequestError, check_sampling, prompt_token_ids
 
-
-class RequestError(ValueError):
-    """A request cannot be served as given; the message names the value and the limit."""
+__all__ = ["KVProgress", "KVWriter", "LLMEngine", "RequestError", "StepOutput"]
 
 
 @dataclass
@@ -28,13 +32,39 @@ class StepOutput:
     finished: bool
 
 
-class LLMEngine:
-    """Owns the tokenizer, scheduler, block manager and model runner of one process."""
+@dataclass
+class KVProgress:
+    """A scheduled sequence and how many of its KV blocks are complete once this step's
+    forward has run (its final, partial block counts when the prompt completes)."""
 
-    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
+    seq: Sequence
+    complete_blocks: int
+
+
+class KVWriter(Protocol):
+    """Moves KV out while a step runs (the prefill worker's transfer plan)."""
+
+    def plan(self, progress: list[KVProgress]) -> bool:
+        """Called before the forward; True asks for `write_layer` after every layer."""
+
+    def write_layer(self, layer: int) -> None:
+        """Layer `layer`'s KV of this step is in the cache."""
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler, block manager and model runner of one process.
+
+    Sequence life: `add_request` (WAITING) or `reserve` (RESERVED) -> RUNNING ->
+    FINISHED; a prefill-only engine stops at PREFILLED after the first token. Every exit
+    goes through `release`, which frees exactly what the sequence holds."""
+
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None, *,
+                 prefill_only: bool = False) -> None:
         self.config = config
+        self.prefill_only = prefill_only
         self.tokenizer = Tokenizer(config.model.model_dir)
-        self.runner = ModelRunner(config, kv_cache)
+        runner_cls = GraphRunner if config.decode_graphs else ModelRunner
+        self.runner: ModelRunner = runner_cls(config, kv_cache)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -43,52 +73,91 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._ids = SeqIdCounter()
 
-    # ---- requests ----------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, or RequestError naming what is wrong with it."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise RequestError("prompt is empty: at least one token is needed")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        limit = self.config.scheduler.max_model_len
-        if len(token_ids) >= limit:
-            raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {limit}, "
-                               f"so a prompt may have at most {limit - 1}")
-        return token_ids
+        return prompt_token_ids(prompt, self.tokenizer.encode, self.config.model.vocab_size,
+                                self.config.scheduler.max_model_len)
 
-    def new_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """A validated Sequence, not yet scheduled."""
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        return Sequence(self._ids.next(), self.validate_prompt(prompt), params)
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams,
+                     prompt_hashes: list[int] | None = None) -> Sequence:
+        """A validated Sequence, not yet scheduled. `prompt_hashes` are the chained hashes
+        of the prompt's full blocks when the caller computed them already (the router)."""
+        check_sampling(params)
+        token_ids = self.validate_prompt(prompt)
+        n_full = len(token_ids) // self.config.cache.block_size
+        if prompt_hashes is None or not prompt_hashes:
+            prompt_hashes = block_hashes(token_ids, self.config.cache.block_size)
+        elif len(prompt_hashes) != n_full:
+            raise RequestError(f"{len(prompt_hashes)} block hashes given for a prompt of {n_full} full blocks")
+        return Sequence(self._ids.next(), token_ids, params, prompt_hashes=list(prompt_hashes))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Queue a prompt to be computed here (offline, colocated)."""
         seq = self.new_sequence(prompt, params)
         self.scheduler.add(seq)
         return seq
 
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence made by `new_sequence` to be computed here."""
+        self.scheduler.add(seq)
+
+    def reserve(self, seq: Sequence) -> list[int] | None:
+        """Decode role: hold blocks for `seq`'s whole prompt, reusing this engine's
+        prefix cache. Returns the block ids whose KV must come from a prefill worker (the
+        rest are cached here), or None when there is no room now (retry later, FIFO)."""
+        cached = self.scheduler.reserve(seq)
+        return None if cached is None else seq.block_table[cached:]
+
+    def start_decoding(self, seq: Sequence, first_token: int, sampler_state: bytes = b"") -> StepOutput:
+        """Decode role: `seq`'s prompt KV has landed in its reserved blocks and a prefill
+        worker sampled `first_token` (with its generator left at `sampler_state`).
+        Raises ValueError if the sampler state does not fit this engine (the seed alone
+        then goes on) after the sequence is running."""
+        assert seq.status == SequenceStatus.RESERVED, seq.status
+        seq.num_computed_tokens = len(seq)
+        self.block_manager.cache_full_blocks(seq)
+        seq.token_ids.append(first_token)
+        self.scheduler.start_running(seq)
+        out = self._finish_if_stopped(seq, first_token)
+        if not out.finished and sampler_state:
+            self.runner.restore_generator(seq, sampler_state)
+        return out
+
+    def sampler_state(self, seq: Sequence) -> bytes:
+        """The state of a seeded request's generator (b"" if none): hand it with the KV."""
+        return self.runner.generator_state(seq.seq_id)
+
+    def release(self, seq: Sequence, reason: str = "abort") -> None:
+        """End `seq` here whatever its state, freeing its blocks and generator."""
+        if seq.status != SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, reason)
+        self.runner.release(seq.seq_id)
+
     def abort(self, seq: Sequence) -> None:
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self.runner.release(seq.seq_id)
+        self.release(seq, "abort")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- the loop -----------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self, kv_writer: KVWriter | None = None) -> list[StepOutput]:
+        """Schedule and run one step; one output per sequence that sampled a token. A
+        finished sequence has released everything; a prefill-only engine's sequences are
+        PREFILLED after their first token and hold their blocks until `release`."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampled = self.runner.execute(batch)
+        layer_hook = None
+        if kv_writer is not None:
+            bs = self.config.cache.block_size
+            progress = []
+            for seq, n in zip(batch.seqs, batch.num_tokens):
+                end = seq.num_computed_tokens + n
+                progress.append(KVProgress(seq, -(-end // bs) if end == len(seq) else end // bs))
+            if kv_writer.plan(progress):
+                layer_hook = kv_writer.write_layer
+        sampled = self.runner.execute(batch, layer_hook)
         self.scheduler.advance(batch)
         outputs = []
         for seq in batch.seqs:
@@ -96,12 +165,18 @@ class LLMEngine:
             if token is None:
                 continue
             seq.token_ids.append(token)
-            reason = self.check_stop(seq)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                self.runner.release(seq.seq_id)
-            outputs.append(StepOutput(seq, token, reason is not None))
+            if self.prefill_only:
+                self.scheduler.detach(seq)
+                outputs.append(StepOutput(seq, token, True))
+            else:
+                outputs.append(self._finish_if_stopped(seq, token))
         return outputs
+
+    def _finish_if_stopped(self, seq: Sequence, token: int) -> StepOutput:
+        reason = self.check_stop(seq)
+        if reason:
+            self.release(seq, reason)
+        return StepOutput(seq, token, reason is not None)
 
     def check_stop(self, seq: Sequence) -> str | None:
         """'stop' on EOS or a stop string, 'length' on max_tokens / max_model_len, else None."""

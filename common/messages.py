@@ -15,6 +15,8 @@ from typing import Any, Union
 
 import msgpack
 
+from common.sampling_params import SamplingParams
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
@@ -38,16 +40,15 @@ def message(tag: str):
 
 # ---- nested structures ------------------------------------------------------------
 
-@message("sampling")
-class Sampling:
-    """Sampling parameters as they travel (mirrors common.sampling_params.SamplingParams)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    stop: list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
+def register(tag: str, cls: type) -> type:
+    """Register an existing dataclass (one that lives outside this module) as a wire structure."""
+    cls.TYPE = tag  # type: ignore[attr-defined]
+    _REGISTRY[tag] = cls
+    return cls
+
+
+# SamplingParams is the wire form itself: decoded `unchecked`, validated by whoever serves it.
+register("sampling", SamplingParams)
 
 
 @message("kv_layout")
@@ -69,10 +70,11 @@ class GenerateRequest:
     the prefill worker that computes the prompt; empty means compute it locally."""
     request_id: str
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     prefill_addr: str = ""
     return_timeline: bool = False
     timeline: dict[str, float] = field(default_factory=dict)
+    block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks (common.hashing)
 
 
 @message("submit")
@@ -80,7 +82,7 @@ class SubmitRequest:
     """Client -> router: exactly one of prompt (text), prompt_token_ids or messages (chat,
     rendered with the model's chat template)."""
     request_id: str
-    sampling: Sampling
+    sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
@@ -173,10 +175,11 @@ class PrefillRequest:
     request_id: str
     decode_id: str
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     skip_blocks: int
     dst_block_ids: list[int]
     timeline: dict[str, float] = field(default_factory=dict)
+    block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks (common.hashing)
 
 
 @message("kv_ready")
@@ -249,7 +252,8 @@ def _from_wire(cls: type, data: Any, where: str) -> Any:
                 raise MessageError(f"{where}: missing field {name!r}")
             continue
         kwargs[name] = _check(hints[name], data[name], f"{where}.{name}")
-    return cls(**kwargs)
+    unchecked = getattr(cls, "unchecked", None)  # values checked by the receiver, naming the request
+    return unchecked(**kwargs) if unchecked is not None else cls(**kwargs)
 
 
 def _check(tp: Any, v: Any, where: str) -> Any:

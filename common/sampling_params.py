@@ -1,7 +1,10 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters: the one form they take everywhere, from the offline
+API and the HTTP body to the wire (common/messages.py registers this class as the
+"sampling" structure) and the sampler. Torch-free: the router imports it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 class SamplingParamsError(ValueError):
@@ -14,6 +17,9 @@ class SamplingParams:
 
     `temperature=0` is greedy (exact argmax). `top_k=-1` and `top_p=1.0` disable those
     filters. The same `seed` gives the same output for the same prompt.
+
+    Built by a user, it is checked at once. Decoded off the wire (`unchecked`) it is
+    checked by whoever serves it (`validate()`), so the refusal can name the request.
     """
 
     temperature: float = 1.0
@@ -27,6 +33,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
+        self.validate()
+
+    @classmethod
+    def unchecked(cls, **values: Any) -> "SamplingParams":
+        """An instance from wire data, not yet validated (the codec checked the types)."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(values) - names
+        if unknown:
+            raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        obj = object.__new__(cls)
+        for f in fields(cls):
+            default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+            object.__setattr__(obj, f.name, values.get(f.name, default))
+        return obj
+
+    def validate(self) -> None:
+        """SamplingParamsError naming the first value out of range."""
         if not (0 <= self.temperature < float("inf")):  # also rejects NaN
             raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:  # NaN fails this too
@@ -43,16 +66,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def from_wire(sampling: object) -> SamplingParams:
-    """SamplingParams from a `messages.Sampling` (validated here: wire input is untrusted)."""
-    import dataclasses
-    return SamplingParams(**dataclasses.asdict(sampling))  # type: ignore[call-overload]
-
-
-def to_wire(params: SamplingParams):
-    from common.messages import Sampling
-    return Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                    max_tokens=params.max_tokens, stop=list(params.stop) if params.stop else None,
-                    seed=params.seed, ignore_eos=params.ignore_eos)

@@ -40,16 +40,45 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Reserved for a transfer (decode role): they count against max_num_seqs like
+        # running ones, so a landed transfer always finds a batch slot.
+        self.reserved: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose prompt KV was computed elsewhere (decode worker): decode it next."""
+    def reserve(self, seq: Sequence) -> int | None:
+        """Blocks for a whole prompt whose KV another worker computes (decode role).
+        Returns how many leading blocks came from the prefix cache, or None when the
+        sequence limit or the free blocks do not allow it now (the caller retries later,
+        in arrival order). A RESERVED seq holds its blocks until `start_running` or `finish`."""
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
+        n_new = len(seq) - len(cached) * bm.block_size
+        if not bm.can_admit(seq, cached, n_new):
+            return None
+        bm.admit(seq, cached)
+        allocated = bm.allocate(seq, n_new)
+        assert allocated, "can_admit promised room"
+        seq.status = SequenceStatus.RESERVED
+        self.reserved.append(seq)
+        return len(cached)
+
+    def start_running(self, seq: Sequence) -> None:
+        """A reserved seq whose prompt KV has landed: decode it from the next step on."""
+        self.reserved.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a running seq out of the batch but leave it its blocks (prefill-only role:
+        its KV is being handed to a decode worker); `finish` releases them."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PREFILLED
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -75,9 +104,9 @@ class Scheduler:
                 i += 1
         if batch.preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq.token_ids)
+            cached = bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
             n = len(seq) - len(cached) * bm.block_size
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -113,6 +142,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.reserved:
+            self.reserved.remove(seq)
         self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -9,9 +9,11 @@ from common.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    WAITING = "waiting"      # queued for (re)computation by this engine
+    RESERVED = "reserved"    # holds blocks for its whole prompt; the KV comes from elsewhere
+    RUNNING = "running"      # in the continuous batch
+    PREFILLED = "prefilled"  # prefill-only engine: first token sampled, blocks held until released
+    FINISHED = "finished"    # holds nothing
 
 
 @dataclass
@@ -33,6 +35,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # hashes of the hashed blocks
+    # chained hashes of the prompt's full blocks, when known up front (computed once, by
+    # the router or `LLMEngine.new_sequence`); others are computed as blocks fill
+    prompt_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     num_preemptions: int = 0

@@ -2,6 +2,8 @@
 frames) and every receive decodes one, so no ad-hoc dicts reach a socket."""
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +90,9 @@ class Client:
             return None
         try:
             return Incoming(None, messages.decode(parts[0].bytes), [f.buffer for f in parts[1:]])
-        except MessageError:
+        except MessageError as e:  # a peer's bug or a forgery: say so, keep the connection
+            print(f"[pid {os.getpid()}] malformed message from {self.address} dropped: {e}",
+                  file=sys.stderr, flush=True)
             return None
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import zmq
 
 from common.config import EngineConfig, WorkerConfig
+from common.engine import LLMEngine
 from common.messages import WorkerStatus
 from common.transport import Client, Incoming, Server
 
@@ -22,6 +23,7 @@ class WorkerBase:
     """Owns the ZeroMQ context, the server socket and the loop; subclasses own the engine."""
 
     role = "worker"
+    engine: LLMEngine  # set by the subclass's constructor, before `run`
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
         self.config = engine_config
@@ -77,7 +79,7 @@ class WorkerBase:
         return {"rank": self.wconfig.rank} if self.wconfig.kv_transfer in ("gloo", "nccl") else {}
 
     def status(self, with_events: bool = False) -> WorkerStatus:
-        bm = self.engine.block_manager  # type: ignore[attr-defined]
+        bm = self.engine.block_manager
         waiting, running = self.load()
         stored, evicted = [], []
         if with_events:
@@ -92,7 +94,7 @@ class WorkerBase:
         if not self.wconfig.ready_file:
             return
         info = {"worker_id": self.worker_id, "role": self.role, "address": self.server.address,
-                "pid": os.getpid(), "num_blocks": self.engine.block_manager.num_blocks,  # type: ignore[attr-defined]
+                "pid": os.getpid(), "num_blocks": self.engine.block_manager.num_blocks,
                 "block_size": self.config.cache.block_size, **extra}
         path = Path(self.wconfig.ready_file)
         tmp = path.with_suffix(".tmp")
@@ -109,7 +111,7 @@ class WorkerBase:
         if self.reporter is not None:
             from common.messages import WorkerHello
             self.reporter.send(WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
-                                           self.engine.block_manager.num_blocks,  # type: ignore[attr-defined]
+                                           self.engine.block_manager.num_blocks,
                                            self.config.cache.block_size, self.layout.model_fingerprint))
             threading.Thread(target=self._keepalive, name="keepalive", daemon=True).start()
         self.log(f"ready on {self.server.address}")

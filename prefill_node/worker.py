@@ -1,53 +1,42 @@
 """The prefill worker: batches (and chunks) prompts on its own device with its own block
 manager and prefix cache, writes each finished prompt's KV into the blocks its decode
-worker reserved, samples the first token and reports it with KVReady."""
+worker reserved, samples the first token and reports it with KVReady.
+
+Job states and their transitions: prefill_node/jobs.py; the per-step transfer plan:
+prefill_node/kv_push.py."""
 from __future__ import annotations
 
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 
 from common.config import EngineConfig, WorkerConfig
-from common.engine import LLMEngine, RequestError
-from common.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeReply, KVReady,
-                             PrefillFailed, PrefillRequest, StatusRequest)
-from common.sampling_params import SamplingParamsError, from_wire
-from common.sequence import Sequence
+from common.engine import LLMEngine, RequestError, StepOutput
+from common.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeReply, KVReady, PrefillFailed,
+                             PrefillRequest, StatusRequest)
+from common.timeline import Stamp, mark
 from common.transport import Incoming
 from common.worker_base import WorkerBase
 from kv_transfer import KVSender, layout_mismatch, make_sender, resolve_backend
-
-
-@dataclass
-class PrefillJob:
-    """A prompt being prefilled for one decode worker, and how far its KV has been pushed."""
-
-    request_id: str
-    seq: Sequence
-    identity: bytes  # the decode worker's connection on our server socket
-    decode_id: str
-    skip_blocks: int  # leading blocks D already has
-    dst_block_ids: list[int]
-    pushed: int = 0  # blocks [skip_blocks, pushed) are already in D's cache
-    timeline: dict[str, float] = field(default_factory=dict)
+from prefill_node.jobs import JobState, JobTable, PrefillJob
+from prefill_node.kv_push import LayerPush
 
 
 class PrefillWorker(WorkerBase):
-    """Owns the prefill engine, the senders to its decode peers and the jobs in flight."""
+    """Owns the prefill-only engine, the senders to its decode peers and the job table."""
 
     role = "prefill"
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
         super().__init__(engine_config, worker_config)
         self.backend = resolve_backend(worker_config.kv_transfer, engine_config.device.device)
-        self.engine = LLMEngine(engine_config)
+        self.engine = LLMEngine(engine_config, prefill_only=True)
         self.senders: dict[str, KVSender] = {}  # decode_id -> sender
-        self.jobs: dict[int, PrefillJob] = {}  # seq_id -> job
+        self.jobs = JobTable()
         self.counters.update(blocks_sent=0, bytes_sent=0, prefills=0, prefix_hit_tokens=0)
         self.init_dist()
 
-    # ---- messages ----------------------------------------------------------------
+    # ---- messages ----------------------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
         msg = inc.msg
         if isinstance(msg, KVHandshake):
@@ -57,8 +46,8 @@ class PrefillWorker(WorkerBase):
         elif isinstance(msg, StatusRequest):
             self.server.send(inc.identity, self.status())
         elif isinstance(msg, AbortRequest):
-            for job in [j for j in self.jobs.values() if j.request_id == msg.request_id]:
-                self.fail(job, "aborted")
+            for job in [j for j in self.jobs.find_request(msg.request_id)]:
+                self.end(job, JobState.ABORTED, "aborted")
         else:
             self.server.send(inc.identity, ErrorReply("", f"a prefill worker does not take {msg.TYPE!r} messages"))
 
@@ -84,81 +73,60 @@ class PrefillWorker(WorkerBase):
 
     def on_prefill(self, identity: bytes, req: PrefillRequest) -> None:
         now = time.time()
-        sender = self.senders.get(req.decode_id)
         try:
-            if sender is None:
+            if req.decode_id not in self.senders:
                 raise RequestError(f"decode worker {req.decode_id!r} has not completed a handshake")
-            seq = self.engine.new_sequence(req.prompt_token_ids, from_wire(req.sampling))
+            seq = self.engine.new_sequence(req.prompt_token_ids, req.sampling, req.block_hashes)
             n_blocks = -(-len(seq) // self.engine.config.cache.block_size)
             if not 0 <= req.skip_blocks < n_blocks or len(req.dst_block_ids) != n_blocks - req.skip_blocks:
                 raise RequestError(f"reservation of {len(req.dst_block_ids)} blocks after skipping "
                                    f"{req.skip_blocks} does not cover a {len(seq)}-token prompt ({n_blocks} blocks)")
-        except (RequestError, SamplingParamsError) as e:
+        except RequestError as e:
             self.server.send(identity, PrefillFailed(req.request_id, str(e)))
             return
-        timeline = dict(req.timeline, prefill_queued=now)
-        self.jobs[seq.seq_id] = PrefillJob(req.request_id, seq, identity, req.decode_id, req.skip_blocks,
-                                           req.dst_block_ids, pushed=req.skip_blocks, timeline=timeline)
-        self.engine.scheduler.add(seq)
+        job = PrefillJob(req.request_id, seq, identity, req.decode_id, req.skip_blocks, req.dst_block_ids,
+                         pushed=req.skip_blocks, timeline=dict(req.timeline))
+        mark(job.timeline, Stamp.PREFILL_QUEUED, now)
+        self.jobs.add(job)
+        self.engine.add(seq)
 
-    # ---- the step --------------------------------------------------------------------
+    # ---- the step ----------------------------------------------------------------------
     def has_work(self) -> bool:
         return self.engine.has_work()
 
     def step(self) -> None:
-        engine = self.engine
-        bs = engine.config.cache.block_size
-        batch = engine.scheduler.schedule()
-        if not batch.seqs:
-            return
-        now = time.time()
-        # KV blocks that become complete in this step and that D still lacks
-        plans: list[tuple[PrefillJob, int, int]] = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            job = self.jobs[seq.seq_id]
-            job.timeline.setdefault("prefill_start", now)
-            end = seq.num_computed_tokens + n
-            end_block = -(-end // bs) if end == len(seq) else end // bs
-            if end_block > job.pushed:
-                plans.append((job, job.pushed, end_block))
-        layerwise = [(self.senders[j.decode_id], j.seq.block_table[lo:hi], j.dst_block_ids[lo - j.skip_blocks:hi - j.skip_blocks])
-                     for j, lo, hi in plans if self.senders[j.decode_id].layerwise]
-
-        def push_layer(layer: int) -> None:
-            for sender, src, dst in layerwise:
-                sender.write_layer(layer, src, dst)
-
-        sampled = engine.runner.execute(batch, push_layer if layerwise else None)
-        engine.scheduler.advance(batch)
-        for job, _, hi in plans:
-            if self.senders[job.decode_id].layerwise:
-                job.pushed = hi
+        push = LayerPush(self.jobs, self.senders)
+        outputs = self.engine.step(push)
+        push.commit()
         end = time.time()
-        for seq in batch.seqs:
-            token = sampled.get(seq.seq_id)
-            if token is not None:
-                self.finish_job(self.jobs.pop(seq.seq_id), token, end)
+        for out in outputs:
+            job = self.jobs.by_seq(out.seq.seq_id)
+            assert job is not None, "the engine ran a sequence with no prefill job"
+            self.hand_off(job, out, end)
 
-    def finish_job(self, job: PrefillJob, first_token: int, prefill_end: float) -> None:
+    def hand_off(self, job: PrefillJob, out: StepOutput, prefill_end: float) -> None:
+        """The prompt is computed: send the KV D still lacks, then KVReady with the first token."""
         seq = job.seq
         n_blocks = len(job.dst_block_ids)
         sender = self.senders[job.decode_id]
-        job.timeline.update(prefill_end=prefill_end, transfer_start=time.time())
-        ready = KVReady(job.request_id, first_token, n_blocks, timeline=job.timeline,
-                        sampler_state=self.engine.runner.generator_state(seq.seq_id))
+        mark(job.timeline, Stamp.PREFILL_END, prefill_end)
+        mark(job.timeline, Stamp.TRANSFER_START)
+        ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
+                        sampler_state=self.engine.sampler_state(seq))
         frames = [] if sender.layerwise else sender.send(ready, seq.block_table[job.skip_blocks:], job.dst_block_ids)
-        job.timeline["transfer_end"] = time.time()
+        mark(job.timeline, Stamp.TRANSFER_END)
         self.server.send(job.identity, ready, frames)
         self.counters["blocks_sent"] += n_blocks
         self.counters["bytes_sent"] = sum(s.bytes_sent for s in self.senders.values())
         self.counters["prefills"] += 1
         self.counters["prefix_hit_tokens"] += seq.num_cached_tokens
-        self.engine.scheduler.finish(seq, "prefilled")
-        self.engine.runner.release(seq.seq_id)
+        self.engine.release(seq, "prefilled")
+        self.jobs.move(job, JobState.SENT)
 
-    def fail(self, job: PrefillJob, reason: str) -> None:
-        self.jobs.pop(job.seq.seq_id, None)
-        self.engine.scheduler.finish(job.seq, "abort")
+    def end(self, job: PrefillJob, state: JobState, reason: str) -> None:
+        """Fail or abort a job: release its sequence; tell its decode worker why."""
+        self.engine.release(job.seq, "abort")
+        self.jobs.move(job, state)
         self.server.send(job.identity, PrefillFailed(job.request_id, reason))
 
     def idle(self) -> None:
@@ -177,4 +145,3 @@ class PrefillWorker(WorkerBase):
 
 def serve(engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
     PrefillWorker(engine_config, worker_config).run()
-

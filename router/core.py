@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -14,11 +15,13 @@ import zmq
 import zmq.asyncio
 
 from common import messages
-from common.hashing import cacheable_prefix_hashes
+from common.hashing import block_hashes
 from common.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
                              TokenOutput, WorkerHello, WorkerStatus)
-from common.sampling_params import SamplingParams, SamplingParamsError, from_wire
+from common.sampling_params import SamplingParams
+from common.timeline import Stamp, mark
 from common.tokenizer import Tokenizer
+from common.validation import RequestError, check_sampling, check_token_ids
 from common.transport import bind_address
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
@@ -36,6 +39,19 @@ class RouteError(ValueError):
 
 
 @dataclass
+class Prepared:
+    """A client request made ready once, at the edge: its token ids, checked sampling
+    parameters and the chained hashes of its full blocks (what routing and every worker's
+    prefix cache use)."""
+
+    sub: SubmitRequest
+    token_ids: list[int]
+    params: SamplingParams
+    block_hashes: list[int]
+    arrival: float = field(default_factory=time.time)
+
+
+@dataclass
 class InFlight:
     """One request the router is relaying."""
 
@@ -49,6 +65,7 @@ class InFlight:
     timeline: dict[str, float] = field(default_factory=dict)
     first_token_at: float | None = None
     num_output_tokens: int = 0
+    prefill_released: bool = False  # its prefill worker's share of load was given back
 
 
 class Router:
@@ -125,7 +142,8 @@ class Router:
             parts = await sock.recv_multipart()
             try:
                 msg = messages.decode(parts[0])
-            except MessageError:
+            except MessageError as e:
+                print(f"[router] malformed message from worker {worker_id} dropped: {e}", file=sys.stderr, flush=True)
                 continue
             req = self.inflight.get(getattr(msg, "request_id", ""))
             if req is not None:
@@ -151,40 +169,31 @@ class Router:
             await asyncio.sleep(0.05)
 
     # ---- requests -----------------------------------------------------------------------
-    def prepare(self, sub: SubmitRequest) -> tuple[list[int], SamplingParams]:
-        """Validate and tokenize; RouteError names what is wrong."""
+    def prepare(self, sub: SubmitRequest) -> Prepared:
+        """Validate and tokenize once, at the edge; RouteError names what is wrong."""
         given = [x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)]
         if sum(given) != 1:
             raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
         try:
-            params = from_wire(sub.sampling)
-        except SamplingParamsError as e:
+            params = check_sampling(sub.sampling)
+            if sub.messages is not None:
+                for m in sub.messages:
+                    if set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
+                        raise RouteError("each chat message needs 'role' and 'content'")
+                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(sub.messages))
+            elif sub.prompt is not None:
+                ids = self.tokenizer.encode(sub.prompt)
+            else:
+                ids = list(sub.prompt_token_ids or [])
+            check_token_ids(ids, self.tokenizer.vocab_size, self.config.max_model_len)
+        except RequestError as e:
             raise RouteError(str(e)) from None
-        if sub.messages is not None:
-            for m in sub.messages:
-                if set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
-                    raise RouteError("each chat message needs 'role' and 'content'")
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(sub.messages))
-        elif sub.prompt is not None:
-            ids = self.tokenizer.encode(sub.prompt)
-        else:
-            ids = list(sub.prompt_token_ids or [])
-            vocab = self.tokenizer.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RouteError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise RouteError("prompt is empty: at least one token is needed")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise RouteError(f"prompt has {len(ids)} tokens; max_model_len is {limit}, "
-                             f"so a prompt may have at most {limit - 1}")
-        return ids, params
+        return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size))
 
-    def route(self, ids: list[int]) -> tuple[WorkerEntry, WorkerEntry | None]:
+    def route(self, prep: Prepared) -> tuple[WorkerEntry, WorkerEntry | None]:
         """(decode-or-colocated worker, prefill worker or None)."""
         reg, policy = self.registry, self.config.routing
-        hashes = cacheable_prefix_hashes(ids, self.config.block_size)
+        hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
         prefills, decodes = reg.live(("prefill",)), reg.live(("decode",))
         if prefills and decodes:
             p_id = choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))
@@ -205,29 +214,33 @@ class Router:
         self.metrics.routed_prefix(hashes, entry.cached)
         entry.cached.update(hashes)
 
-    async def generate(self, sub: SubmitRequest) -> AsyncIterator[TokenOutput | ErrorReply]:
+    async def generate(self, request: SubmitRequest | Prepared) -> AsyncIterator[TokenOutput | ErrorReply]:
         """Route one request and yield its outputs (text deltas filled); the last has
-        finished=True or is an ErrorReply. Cancelling the iterator aborts the request."""
-        arrival = time.time()
+        finished=True or is an ErrorReply. Cancelling the iterator aborts the request.
+        A SubmitRequest is prepared here; the HTTP front end prepares before it answers."""
         try:
-            ids, params = self.prepare(sub)
-            decode, prefill = self.route(ids)
+            prep = request if isinstance(request, Prepared) else self.prepare(request)
+            decode, prefill = self.route(prep)
         except RouteError as e:
             self.metrics.request_done("error")
-            yield ErrorReply(sub.request_id, str(e), e.code)
+            yield ErrorReply(request.request_id if isinstance(request, SubmitRequest) else request.sub.request_id,
+                             str(e), e.code)
             return
+        sub = prep.sub
         if sub.request_id in self.inflight:
             yield ErrorReply(sub.request_id, f"request id {sub.request_id!r} is already in flight")
             return
-        req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill, IncrementalDetokenizer(self.tokenizer, params.stop),
-                       len(ids), time.monotonic())
+        req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
+                       IncrementalDetokenizer(self.tokenizer, prep.params.stop), len(prep.token_ids), time.monotonic())
         self.inflight[req.request_id] = req
         decode.inflight += 1
         if prefill:
             prefill.inflight += 1
-        timeline = {"arrival": arrival, "routed": time.time()}
-        msg = GenerateRequest(req.request_id, ids, sub.sampling, prefill.hello.address if prefill else "",
-                              sub.return_timeline, timeline)
+        timeline: dict[str, float] = {}
+        mark(timeline, Stamp.ARRIVAL, prep.arrival)
+        mark(timeline, Stamp.ROUTED)
+        msg = GenerateRequest(req.request_id, prep.token_ids, prep.params, prefill.hello.address if prefill else "",
+                              sub.return_timeline, timeline, prep.block_hashes)
         finished = False
         try:
             await self.worker_socks[decode.worker_id].send_multipart([messages.encode(msg)])
@@ -242,9 +255,9 @@ class Router:
                 self._account(req, out)
                 out.text = req.detok.add(out.token_ids, out.finished)
                 if out.finished:
-                    out.num_prompt_tokens = len(ids)
+                    out.num_prompt_tokens = len(prep.token_ids)
                     if out.timeline is not None:
-                        out.timeline["router_done"] = time.time()
+                        mark(out.timeline, Stamp.ROUTER_DONE)
                 yield out
         finally:
             self._release(req)
@@ -258,8 +271,7 @@ class Router:
         now = time.monotonic()
         if out.token_ids and req.first_token_at is None:
             req.first_token_at = now
-            if req.prefill:
-                req.prefill.inflight -= 1
+            self._release_prefill(req)  # its prefill phase is over
             self.metrics.ttft(now - req.sent_at)
         req.num_output_tokens += len(out.token_ids)
         if out.finished:
@@ -269,9 +281,14 @@ class Router:
                 self.metrics.tpot((now - req.first_token_at) / (req.num_output_tokens - 1))
             self.metrics.tokens(req.num_prompt_tokens, req.num_output_tokens)
 
+    def _release_prefill(self, req: InFlight) -> None:
+        if req.prefill is not None and not req.prefill_released:
+            req.prefill_released = True
+            req.prefill.inflight -= 1
+
     def _release(self, req: InFlight) -> None:
+        """The one place a request's load on its workers is given back (once)."""
         if self.inflight.pop(req.request_id, None) is None:
             return
         req.decode.inflight -= 1
-        if req.prefill and req.first_token_at is None:
-            req.prefill.inflight -= 1
+        self._release_prefill(req)

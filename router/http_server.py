@@ -11,8 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.messages import ErrorReply, Sampling, SubmitRequest, TokenOutput
-from router.core import RouteError, Router
+from common.messages import ErrorReply, SubmitRequest, TokenOutput
+from common.sampling_params import SamplingParams
+from router.core import Prepared, RouteError, Router
 from router.http_api import ChatBody, CompletionBody
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -47,23 +48,22 @@ def create_app(router: Router) -> FastAPI:
             return error(400, f"malformed JSON: {msg}")
         return error(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
 
-    def submission(body, **prompt: Any) -> SubmitRequest | JSONResponse:
+    def submission(body, **prompt: Any) -> Prepared | JSONResponse:
         if body.n != 1:
             return error(400, f"n={body.n} is not supported; only n=1", param="n")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             max_tokens=16 if max_tokens is None else max_tokens, stop=stop, seed=body.seed,
                             ignore_eos=body.ignore_eos)
         sub = SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                             return_timeline=body.return_timeline, **prompt)
         try:
-            router.prepare(sub)  # validate now, so even a streamed request gets a 4xx, not an SSE error
+            return router.prepare(sub)  # now, so even a streamed request gets a 4xx, not an SSE error
         except RouteError as e:
             return error(400, str(e), code=e.code)
-        return sub
 
-    async def collect(sub: SubmitRequest) -> tuple[dict | None, JSONResponse | None]:
+    async def collect(sub: Prepared) -> tuple[dict | None, JSONResponse | None]:
         tokens: list[int] = []
         text, last = [], None
         async for out in router.generate(sub):
@@ -76,7 +76,7 @@ def create_app(router: Router) -> FastAPI:
         return {"text": "".join(text), "token_ids": tokens, "finish_reason": last.finish_reason,
                 "usage": _usage(last.num_prompt_tokens, len(tokens)), "timeline": last.timeline}, None
 
-    async def sse(sub: SubmitRequest, chunk, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(sub: Prepared, chunk, include_usage: bool) -> AsyncIterator[str]:
         n_out, n_prompt = 0, 0
         async for out in router.generate(sub):
             if isinstance(out, ErrorReply):
@@ -116,10 +116,10 @@ def create_app(router: Router) -> FastAPI:
 
         return await respond(body, sub, "chatcmpl", "chat.completion", "chat.completion.chunk", content)
 
-    async def respond(body, sub: SubmitRequest, prefix: str, obj: str, chunk_obj: str, content):
+    async def respond(body, sub: Prepared, prefix: str, obj: str, chunk_obj: str, content):
         """One OpenAI response, streamed (SSE) or whole; `content(text, first)` shapes a
         choice's text part (`first` is None for a whole response)."""
-        rid, created = f"{prefix}-{sub.request_id}", int(time.time())
+        rid, created = f"{prefix}-{sub.sub.request_id}", int(time.time())
 
         def envelope(kind: str, choices: list, usage: dict | None, timeline: dict | None) -> dict:
             return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,

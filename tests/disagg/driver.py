@@ -16,7 +16,8 @@ from pathlib import Path
 import zmq
 
 from common.launch import LaunchError, Launcher, WorkerProcess, free_port
-from common.messages import ErrorReply, GenerateRequest, Sampling, StatusRequest, TokenOutput, WorkerStatus
+from common.sampling_params import SamplingParams
+from common.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
 from common.transport import Client
 
 BLOCK_SIZE = 16
@@ -105,7 +106,7 @@ class Deployment:
                 **sampling: object) -> GenerateRequest:
         """A greedy (unless overridden) GenerateRequest routed through this deployment's P."""
         fields = {"temperature": 0.0, "max_tokens": max_tokens, **sampling}
-        return GenerateRequest(request_id or self.new_id(), prompt, Sampling(**fields),  # type: ignore[arg-type]
+        return GenerateRequest(request_id or self.new_id(), prompt, SamplingParams.unchecked(**fields),  # type: ignore[arg-type]
                                prefill_addr=self.prefill_addr)
 
     def send(self, requests: list[GenerateRequest], raw: list[list[bytes]] = ()) -> None:

@@ -2,7 +2,8 @@
 requests over the same wire with transformers' greedy output."""
 from __future__ import annotations
 
-from common.messages import GenerateRequest, Sampling
+from common.sampling_params import SamplingParams
+from common.messages import GenerateRequest
 from tests.disagg.driver import engine_options, start_colocated
 from tests.helpers import mixed_prompts
 
@@ -18,7 +19,7 @@ def test_colocated_greedy_matches_transformers(model_dirs, vocab_size, hf_greedy
     try:
         requests = [dep.request(p, MAX_NEW) for p in prompts]
         assert all(r.prefill_addr == "" for r in requests)
-        misrouted = GenerateRequest("misrouted", [5, 6], Sampling(temperature=0.0), prefill_addr="tcp://127.0.0.1:1")
+        misrouted = GenerateRequest("misrouted", [5, 6], SamplingParams(temperature=0.0), prefill_addr="tcp://127.0.0.1:1")
         dep.send([*requests, misrouted])
         result = dep.collect([r.request_id for r in requests] + ["misrouted"])
         assert "colocated" in result.errors.pop("misrouted").message

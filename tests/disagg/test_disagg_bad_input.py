@@ -9,7 +9,8 @@ import msgpack
 import pytest
 
 from common.launch import free_port
-from common.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, Sampling, encode
+from common.sampling_params import SamplingParams
+from common.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, encode
 from tests.disagg.driver import Deployment, engine_options, start_pair, start_single
 
 MAX_MODEL_LEN = 128
@@ -140,7 +141,7 @@ def lone_decode(model_dirs, tmp_path):
 def test_invalid_prefill_address_gets_error_reply(lone_decode, model_dirs, hf_greedy):
     """A string ZeroMQ cannot parse as an endpoint is refused like any other bad field."""
     dep = lone_decode
-    bad = GenerateRequest("bad-addr", [5, 6, 7], Sampling(temperature=0.0), prefill_addr="not-an-endpoint")
+    bad = GenerateRequest("bad-addr", [5, 6, 7], SamplingParams(temperature=0.0), prefill_addr="not-an-endpoint")
     dep.send([bad])
     result = dep.collect([bad.request_id], timeout_s=8)
     assert "not-an-endpoint" in result.errors[bad.request_id].message
@@ -153,7 +154,7 @@ def test_unreachable_prefill_address_fails_only_its_own_request(fresh_tcp_pair, 
     """Nobody answers at the address: that request fails, the healthy peer stays."""
     dep = fresh_tcp_pair
     nobody = f"tcp://127.0.0.1:{free_port()}"
-    bad = GenerateRequest("nobody", [5, 6, 7], Sampling(temperature=0.0), prefill_addr=nobody)
+    bad = GenerateRequest("nobody", [5, 6, 7], SamplingParams(temperature=0.0), prefill_addr=nobody)
     valid = dep.request(VALID_PROMPT, MAX_NEW)
     dep.send([bad, valid])  # the valid one arrives while D waits for the handshake
     result = dep.collect([bad.request_id, valid.request_id], timeout_s=30)
@@ -172,7 +173,7 @@ def test_unreachable_prefill_address_does_not_stall_running_requests(fresh_shm_p
     first = dep.client.recv(timeout_ms=30_000).msg
     assert first.request_id == running.request_id and not first.finished, first
     nobody = f"tcp://127.0.0.1:{free_port()}"
-    dep.send([GenerateRequest("nobody", [5, 6, 7], Sampling(temperature=0.0), prefill_addr=nobody)])
+    dep.send([GenerateRequest("nobody", [5, 6, 7], SamplingParams(temperature=0.0), prefill_addr=nobody)])
     arrivals, n_tokens = [time.monotonic()], len(first.token_ids)
     done = False
     while not done:

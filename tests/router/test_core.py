@@ -9,7 +9,8 @@ import zmq
 import zmq.asyncio
 
 from common import messages
-from common.messages import ErrorReply, GenerateRequest, Sampling, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus
+from common.sampling_params import SamplingParams
+from common.messages import ErrorReply, GenerateRequest, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus
 from common.transport import bind_address
 from router.config import RouterConfig
 from router.core import Router
@@ -72,7 +73,7 @@ async def collect(router: Router, sub: SubmitRequest) -> list:
 
 
 def submit(rid: str, ids: list[int] = (5, 6, 7)) -> SubmitRequest:
-    return SubmitRequest(rid, Sampling(temperature=0, max_tokens=2), prompt_token_ids=list(ids), return_timeline=True)
+    return SubmitRequest(rid, SamplingParams(temperature=0, max_tokens=2), prompt_token_ids=list(ids), return_timeline=True)
 
 
 def run(coro) -> None:

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from common.attention import AttentionMetadata
+from common.config import EngineConfig
 from common.model_runner import ModelRunner
 from common.scheduler import ScheduledBatch
 
@@ -26,14 +27,15 @@ def pick_bucket(batch: int, buckets: list[int]) -> int | None:
     return None
 
 
-class GraphRunner:
-    """Wraps a ModelRunner; owns the static decode buffers and (GPU) captured graphs.
-    Anything that is not a pure decode batch goes to the wrapped runner unchanged."""
+class GraphRunner(ModelRunner):
+    """A ModelRunner that also owns static decode buffers and (GPU) captured graphs, one
+    per batch-size bucket. Anything that is not a pure decode batch runs eagerly as in
+    ModelRunner. Chosen by `EngineConfig.decode_graphs` (the decode role)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        cfg = runner.config
-        dev = runner.device
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
+        super().__init__(config, kv_cache)
+        cfg = config
+        dev = self.device
         self.buckets = bucket_sizes(cfg.scheduler.max_num_seqs)
         self.max_blocks = -(-cfg.scheduler.max_model_len // cfg.cache.block_size)
         n = self.buckets[-1]
@@ -46,23 +48,20 @@ class GraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # decode steps served from the static buffers (eager or graph)
 
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)  # release, kv_cache, num_blocks, model, ...
-
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, int]:
         bucket = pick_bucket(len(batch), self.buckets)
         if layer_hook is not None or bucket is None or any(n != 1 for n in batch.num_tokens):
-            return self.runner.execute(batch, layer_hook)
+            return super().execute(batch, layer_hook)
         self.fill(batch, bucket)
         hidden = self.run_bucket(bucket)  # [bucket, hidden]
         self.replays += 1
         real = len(batch)
-        return self.runner.sample(hidden[:real], batch.seqs)
+        return self.sample(hidden[:real], batch.seqs)
 
     @torch.inference_mode()
     def fill(self, batch: ScheduledBatch, bucket: int) -> None:
         """Write the batch into rows [0, len) and padding into [len, bucket) of the buffers."""
-        bs = self.runner.block_size
+        bs = self.block_size
         b = len(batch)
         ids, pos, slots, lens = [], [], [], []
         table = torch.full((b, self.max_blocks), -1, dtype=torch.int32)
@@ -94,7 +93,7 @@ class GraphRunner:
 
     @torch.inference_mode()
     def run_bucket(self, bucket: int) -> torch.Tensor:
-        model = self.runner.model
+        model = self.model
         if not self.use_cuda_graphs:
             return model(self.input_ids[:bucket], self.positions[:bucket], self.metadata(bucket))
         if bucket not in self.graphs:
@@ -105,7 +104,7 @@ class GraphRunner:
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """GPU only: warm up once on a side stream, then capture the bucket's forward."""
-        model = self.runner.model
+        model = self.model
         meta = self.metadata(bucket)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from common import messages
-from common.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, MessageError,
-                             Sampling, StatusRequest, decode, encode)
+from common.sampling_params import SamplingParams
+from common.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, MessageError, StatusRequest, decode, encode)
 from common.transport import Client, Server
 
 
@@ -37,7 +37,8 @@ def _sample(tp: Any, n: int) -> Any:
 
 def _instance(cls: type, n: int = 0) -> Any:
     hints = typing.get_type_hints(cls)
-    return cls(**{f.name: _sample(hints[f.name], n + i) for i, f in enumerate(dataclasses.fields(cls))})
+    make = getattr(cls, "unchecked", cls)  # SamplingParams: the values below need not be in range
+    return make(**{f.name: _sample(hints[f.name], n + i) for i, f in enumerate(dataclasses.fields(cls))})
 
 
 REGISTERED = sorted(messages._REGISTRY.items())
@@ -72,7 +73,7 @@ def test_round_trip_with_defaults(tag, cls):
 
 
 def test_optional_fields_accept_null():
-    msg = GenerateRequest("r", [1, 2], Sampling(stop=None, seed=None))
+    msg = GenerateRequest("r", [1, 2], SamplingParams(stop=None, seed=None))
     assert decode(encode(msg)).sampling.stop is None
 
 
@@ -103,7 +104,7 @@ def _gen(**over: Any) -> bytes:
 
 def test_the_good_generate_decodes():
     msg = decode(_gen())
-    assert msg == GenerateRequest("r", [1, 2, 3], Sampling(temperature=0.0, max_tokens=4))
+    assert msg == GenerateRequest("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
 
 
 @pytest.mark.parametrize("raw, words", [
@@ -141,7 +142,7 @@ def test_decode_rejects(raw, words):
 
 
 def test_decode_rejects_oversized_message():
-    big = encode(GenerateRequest("x" * MAX_MESSAGE_BYTES, [1], Sampling()))
+    big = encode(GenerateRequest("x" * MAX_MESSAGE_BYTES, [1], SamplingParams()))
     assert len(big) > MAX_MESSAGE_BYTES
     with pytest.raises(MessageError, match="exceeds the limit"):
         decode(big)

@@ -1,0 +1,34 @@
+"""The stamps of a request's timeline, in the order a disaggregated request passes them.
+A timeline is a plain `dict[str, float]` of wall-clock seconds (time.time(): stamps from
+several processes on one host compare) so it travels on the wire as is; its keys are
+only ever written through `mark`, with a `Stamp`."""
+from __future__ import annotations
+
+import enum
+import time
+
+
+class Stamp(str, enum.Enum):
+    ARRIVAL = "arrival"                  # router: request received
+    ROUTED = "routed"                    # router: workers chosen
+    DECODE_ARRIVAL = "decode_arrival"    # D (or colocated worker): request received
+    DECODE_RESERVED = "decode_reserved"  # D: KV blocks reserved, prefill asked for
+    PREFILL_QUEUED = "prefill_queued"    # P (or colocated): prompt queued
+    PREFILL_START = "prefill_start"      # first prefill step began
+    PREFILL_END = "prefill_end"          # prompt computed, first token sampled
+    TRANSFER_START = "transfer_start"    # P: KV send begins
+    TRANSFER_END = "transfer_end"        # P: KV send done (queued, for tcp/gloo)
+    KV_READY = "kv_ready"                # D: KV landed in its blocks
+    FIRST_TOKEN = "first_token"          # first token handed to the router
+    FINISH = "finish"                    # last token handed to the router
+    ROUTER_DONE = "router_done"          # router: final output relayed
+
+
+Timeline = dict[str, float]
+
+
+def mark(timeline: Timeline, stamp: Stamp, at: float | None = None, *, first: bool = False) -> None:
+    """Set `stamp` to `at` (default now); with `first`, keep an earlier value if there is one."""
+    if first and stamp.value in timeline:
+        return
+    timeline[stamp.value] = time.time() if at is None else at

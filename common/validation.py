@@ -1,0 +1,47 @@
+"""Checks on a request's prompt, shared by the router (the serving edge) and the engine
+(the offline edge, and every worker, which serves untrusted wire input). Torch-free."""
+from __future__ import annotations
+
+from typing import Callable
+
+from common.sampling_params import SamplingParams, SamplingParamsError
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given; the message names the value and the limit."""
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """`token_ids` if they make a servable prompt, else RequestError saying why."""
+    if not token_ids:
+        raise RequestError("prompt is empty: at least one token is needed")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}, "
+                           f"so a prompt may have at most {max_model_len - 1}")
+    return token_ids
+
+
+def prompt_token_ids(prompt: object, encode: Callable[[str], list[int]], vocab_size: int,
+                     max_model_len: int) -> list[int]:
+    """Token ids of a prompt given as text or ids, checked; RequestError names what is wrong."""
+    if isinstance(prompt, str):
+        token_ids = encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        token_ids = list(prompt)
+    else:
+        raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    return check_token_ids(token_ids, vocab_size, max_model_len)
+
+
+def check_sampling(params: object) -> SamplingParams:
+    """`params` if it is a valid SamplingParams; RequestError (a ValueError) otherwise."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    try:
+        params.validate()
+    except SamplingParamsError as e:
+        raise RequestError(str(e)) from None
+    return params
