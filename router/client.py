@@ -48,7 +48,7 @@ def _submit(prompt: str | list[int] | None, messages_: list[dict[str, str]] | No
             return_timeline: bool, sampling: dict[str, Any]) -> SubmitRequest:
     text = prompt if isinstance(prompt, str) else None
     ids = prompt if isinstance(prompt, list) else None
-    return SubmitRequest(request_id=uuid.uuid4().hex, sampling=SamplingParams.unchecked(**sampling)  # the server checks, naming the request, prompt=text,
+    return SubmitRequest(request_id=uuid.uuid4().hex, sampling=SamplingParams.unchecked(**sampling), prompt=text,
                          prompt_token_ids=ids, messages=messages_, stream=stream, return_timeline=return_timeline)
 
 
