@@ -23,7 +23,7 @@ from common.sequence import Sequence
 from common.transport import Client, Incoming
 from common.worker_base import WorkerBase
 from decode_node.graph_runner import GraphRunner
-from kv_transfer import KVReceiver, PendingReceive, TransferError, make_receiver, resolve_backend
+from kv_transfer import KVReceiver, PendingReceive, TransferError, init_transfer_group, make_receiver, resolve_backend
 
 
 class HandshakeError(ConfigError):
@@ -88,7 +88,7 @@ class DecodeWorker(WorkerBase):
         self.receiving: dict[str, tuple[KVReady, PendingReceive]] = {}
         self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0)
         self.last_refusal = ""
-        self.init_dist()
+        init_transfer_group(worker_config)
         try:
             for address in worker_config.prefill_peers:
                 self.connect(address)

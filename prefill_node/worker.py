@@ -16,7 +16,7 @@ from common.sampling_params import SamplingParamsError, from_wire
 from common.sequence import Sequence
 from common.transport import Incoming
 from common.worker_base import WorkerBase
-from kv_transfer import KVSender, layout_mismatch, make_sender, resolve_backend
+from kv_transfer import KVSender, init_transfer_group, layout_mismatch, make_sender, resolve_backend
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PrefillWorker(WorkerBase):
         self.senders: dict[str, KVSender] = {}  # decode_id -> sender
         self.jobs: dict[int, PrefillJob] = {}  # seq_id -> job
         self.counters.update(blocks_sent=0, bytes_sent=0, prefills=0, prefix_hit_tokens=0)
-        self.init_dist()
+        init_transfer_group(worker_config)
 
     # ---- messages ----------------------------------------------------------------
     def handle(self, inc: Incoming) -> None:

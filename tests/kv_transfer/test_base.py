@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.messages import KVLayout
-from kv_transfer.base import copy_blocks, gather_kv, layout_mismatch, runs, scatter_kv
+from common.kv_layout import layout_mismatch
+from kv_transfer.base import copy_blocks, gather_kv, runs, scatter_kv
 
 
 @pytest.mark.parametrize("src, dst, want", [
