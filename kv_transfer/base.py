@@ -60,8 +60,8 @@ def copy_blocks(dst_cache: torch.Tensor, src_cache: torch.Tensor, src: list[int]
     """Direct block copy between two mapped caches (shm, CUDA IPC), one layer or all."""
     layers = range(src_cache.shape[1]) if layer is None else (layer,)
     for s, d, n in runs(src, dst):
-        for l in layers:
-            dst_cache[:, l, d:d + n].copy_(src_cache[:, l, s:s + n])
+        for li in layers:
+            dst_cache[:, li, d:d + n].copy_(src_cache[:, li, s:s + n])
 
 
 @dataclass
