@@ -31,7 +31,7 @@ also timed in thread CPU seconds (time.thread_time), a ratio that preemption by 
 processes does not distort. After the last pass D checks that the blocks it holds
 equal P's source blocks.
 
-(b) Handoff. Real P and D workers (common.launch.Launcher, --num-threads 1,
+(b) Handoff. Real P and D workers (router.launch.Launcher, --num-threads 1,
 --max-model-len 2048, --num-kv-blocks 256), one pair per backend, all running at once;
 a client sends a 1024-token prompt of random ids with max_tokens=2, ignore_eos and
 return_timeline to each pair's D in turn (one request in flight, the order rotated

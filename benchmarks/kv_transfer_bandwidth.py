@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from common.launch import free_port
+from router.launch import free_port
 from common.sampling_params import SamplingParams
 from common.messages import AbortRequest, KVReady, PrefillRequest
 from common.transport import Client, Server

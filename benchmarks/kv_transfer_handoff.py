@@ -1,5 +1,5 @@
 """Part (b) of benchmarks/kv_transfer.py: prefill -> decode handoff latency of one
-1024-token prompt through real P and D workers (common.launch.Launcher), one pair per CPU
+1024-token prompt through real P and D workers (router.launch.Launcher), one pair per CPU
 backend, all up at once and taking turns. Owns the worker settings, the per-request
 timeline breakdown and the estimate of shm's copy time hidden inside prefill. Imported
 by the script, which puts the repository root on sys.path first.
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import zmq
 
-from common.launch import Launcher, free_port
+from common.worker_spec import WorkerSpec
+from router.launch import Launcher, free_port
 from common.sampling_params import SamplingParams
 from common.messages import ErrorReply, GenerateRequest, TokenOutput
 from common.transport import Client
@@ -22,7 +23,7 @@ from kv_transfer_bandwidth import CPU_BACKENDS, RECV_TIMEOUT_MS
 
 # Handoff settings (part b), fixed by the brief.
 PROMPT_LEN = 1024
-WORKER_OPTS = ["--num-threads", "1", "--max-model-len", "2048", "--num-kv-blocks", "256"]
+WORKER_OPTS = {"num_threads": 1, "max_model_len": 2048, "num_kv_blocks": 256}
 FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens
 
 
@@ -37,20 +38,20 @@ def start_pairs(launcher: Launcher, model_dir: str) -> dict[str, tuple[str, str]
     """One P and one D per CPU backend, all up at once; {backend: (P address, D address)}."""
     procs = {}
     for backend in CPU_BACKENDS:
-        opts = WORKER_OPTS + ["--kv-transfer", backend]
+        opts = {**WORKER_OPTS, "kv_transfer": backend}
         if backend == "gloo":
             # both must join the group before either is ready, so D cannot name P up front:
             # it handshakes on the first request that names P (the warm-up request)
-            init = ["--dist-init", f"tcp://127.0.0.1:{free_port()}", "--world-size", "2"]
-            procs[backend] = (launcher.start(f"p-{backend}", "prefill", model_dir, opts + init + ["--rank", "0"]),
-                              launcher.start(f"d-{backend}", "decode", model_dir, opts + init + ["--rank", "1"]))
+            init = {"dist_init": f"tcp://127.0.0.1:{free_port()}", "world_size": 2}
+            procs[backend] = (launcher.start(WorkerSpec.of(model_dir, "prefill", f"p-{backend}", **opts, **init, rank=0)),
+                              launcher.start(WorkerSpec.of(model_dir, "decode", f"d-{backend}", **opts, **init, rank=1)))
         else:
-            procs[backend] = (launcher.start(f"p-{backend}", "prefill", model_dir, opts), None)
+            procs[backend] = (launcher.start(WorkerSpec.of(model_dir, "prefill", f"p-{backend}", **opts)), None)
     launcher.wait_ready(timeout=600)
     for backend, (p, d) in procs.items():
         if d is None:
-            opts = WORKER_OPTS + ["--kv-transfer", backend, "--prefill-peers", p.address]
-            procs[backend] = (p, launcher.start(f"d-{backend}", "decode", model_dir, opts))
+            opts = {**WORKER_OPTS, "kv_transfer": backend, "prefill_peers": (p.address,)}
+            procs[backend] = (p, launcher.start(WorkerSpec.of(model_dir, "decode", f"d-{backend}", **opts)))
     launcher.wait_ready(timeout=600)
     return {backend: (p.address, d.address) for backend, (p, d) in procs.items()}
 

@@ -106,7 +106,7 @@ class Server:
         self.name = name
         ready = workdir / f"{name.split(':')[0]}-{time.time_ns()}.json"
         self.log_path = ready.with_suffix(".log")
-        cmd = [sys.executable, "-m", "common.cli", "serve", model, *role_flags, *engine_flags,
+        cmd = [sys.executable, "-m", "router.cli", "serve", model, *role_flags, *engine_flags,
                "--http-port", "0", "--zmq-port", "0", "--ready-file", str(ready)]
         t0 = time.monotonic()
         with open(self.log_path, "wb") as f:

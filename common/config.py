@@ -5,13 +5,21 @@ validation of user-supplied values happens here, at the edge.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+# The names other parts choose from, defined once (CLI choices, validation, launcher).
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
+ROLES = ("prefill", "decode", "colocated")
+BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl", "tcp")  # KV transfer backends
+KV_TRANSFER_CHOICES = ("auto", *BACKENDS)  # `auto`: cuda_ipc on GPU, shm on CPU
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16}
@@ -203,28 +211,54 @@ class EngineConfig:
                 f"max_position_embeddings {self.model.max_position_embeddings}")
 
     @classmethod
-    def build(cls, model_dir: str | Path, *, block_size: int = 16, num_kv_blocks: int | None = None,
-              memory_fraction: float = 0.2, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-              max_model_len: int | None = None, enable_chunked_prefill: bool = True,
-              enable_prefix_caching: bool = True, dtype: str = "float32", device: str = "cpu",
-              num_threads: int | None = None, seed: int = 0, decode_graphs: bool = False) -> "EngineConfig":
-        """Keyword options as users of `LLM(...)` and the CLI spell them."""
+    def build(cls, model_dir: str | Path, **options: Any) -> "EngineConfig":
+        """Keyword options as users of `LLM(...)` and the CLI spell them (EngineOptions'
+        fields: block_size, num_kv_blocks, max_model_len, dtype, device, ...)."""
+        return EngineOptions(**options).engine_config(model_dir)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """An engine's settings without the model: what the CLI, `LLM(...)` and a worker's
+    config file give. `engine_config(model_dir)` reads the model and validates them."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory_fraction
+    memory_fraction: float = 0.2
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 4096
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+    seed: int = 0
+    decode_graphs: bool = False  # decode steps through bucketed static buffers (CUDA graphs on GPU)
+
+    def engine_config(self, model_dir: str | Path) -> EngineConfig:
         model = ModelConfig.from_dir(model_dir)
+        max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = min(model.max_position_embeddings, 4096)
-        return cls(
+        return EngineConfig(
             model=model,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_fraction=memory_fraction),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                                      enable_prefix_caching=enable_prefix_caching),
-            device=DeviceConfig(device=device, dtype=dtype, num_threads=num_threads),
-            seed=seed,
-            decode_graphs=decode_graphs,
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
+                              memory_fraction=self.memory_fraction),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                                      enable_prefix_caching=self.enable_prefix_caching),
+            device=DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.num_threads),
+            seed=self.seed,
+            decode_graphs=self.decode_graphs,
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-ROLES = ("prefill", "decode", "colocated")
+    @classmethod
+    def from_dict(cls, data: object) -> "EngineOptions":
+        return from_dict(cls, data, "engine options")
 
 
 @dataclass(frozen=True)
@@ -234,7 +268,7 @@ class WorkerConfig:
     role: str
     worker_id: str
     bind: str = "tcp://127.0.0.1:0"
-    kv_transfer: str = "auto"  # auto | shm | cuda_ipc | gloo | nccl | tcp
+    kv_transfer: str = "auto"  # one of KV_TRANSFER_CHOICES
     dist_init: str = ""  # torch.distributed init method for gloo/nccl, e.g. tcp://127.0.0.1:PORT
     rank: int = -1
     world_size: int = 0
@@ -247,6 +281,60 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_transfer not in KV_TRANSFER_CHOICES:
+            raise ConfigError(f"kv_transfer must be one of {KV_TRANSFER_CHOICES}, got {self.kv_transfer!r}")
         if self.kv_transfer in ("gloo", "nccl") and self.role != "colocated":
             if not self.dist_init or self.rank < 0 or self.world_size < 2:
                 raise ConfigError(f"kv transfer {self.kv_transfer!r} needs dist_init, rank and world_size >= 2")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> "WorkerConfig":
+        return from_dict(cls, data, "worker config")
+
+
+# ---- plain-data (JSON) form of the frozen configs ------------------------------------------
+
+_T = typing.TypeVar("_T")
+
+
+def from_dict(cls: type[_T], data: object, where: str) -> _T:
+    """An instance of the frozen dataclass `cls` from a JSON object, checked as input:
+    unknown, missing or mistyped fields raise ConfigError naming the field, and the
+    dataclass's own validation runs as for any other construction."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
+    hints = typing.get_type_hints(cls)
+    values = {name: _check_type(value, hints[name], f"{where} field {name!r}") for name, value in data.items()}
+    return cls(**values)
+
+
+def _check_type(value: object, tp: object, where: str) -> object:
+    """`value` as type `tp` (int, float, str, bool, X | None, tuple[str, ...]), or ConfigError."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return tuple(_check_type(v, item, f"{where} item") for v in value)
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}[tp]  # type: ignore[index]
+    if not ok(value):
+        raise ConfigError(f"{where} must be {tp.__name__}, got {value!r}")  # type: ignore[union-attr]
+    return float(value) if tp is float else value  # type: ignore[arg-type]

@@ -31,3 +31,8 @@ def default_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def resolve_model(model: str | None) -> str:
+    """The model directory a command was given, or the default model's (made on first use)."""
+    return model if model else str(default_model_dir())

@@ -15,6 +15,7 @@ import zmq
 
 from common.config import EngineConfig, WorkerConfig
 from common.engine import LLMEngine
+from common.kv_layout import layout_of
 from common.messages import WorkerStatus
 from common.transport import Client, Incoming, Server
 
@@ -38,7 +39,6 @@ class WorkerBase:
         self._stop = False
         self._last_heartbeat = 0.0
         self._last_status: WorkerStatus | None = None
-        from kv_transfer import layout_of
         self.layout = layout_of(engine_config)
 
     # ---- hooks for subclasses ---------------------------------------------------------
@@ -68,12 +68,6 @@ class WorkerBase:
     # ---- shared machinery ---------------------------------------------------------------
     def log(self, text: str) -> None:
         print(f"[{self.role} {self.worker_id}] {text}", file=sys.stderr, flush=True)
-
-    def init_dist(self) -> None:
-        w = self.wconfig
-        if w.kv_transfer in ("gloo", "nccl"):
-            from kv_transfer.torch_dist import init_group
-            init_group(w.kv_transfer, w.dist_init, w.rank, w.world_size)
 
     def dist_info(self) -> dict:
         return {"rank": self.wconfig.rank} if self.wconfig.kv_transfer in ("gloo", "nccl") else {}

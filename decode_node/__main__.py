@@ -1,6 +1,8 @@
-"""`python -m decode_node ...` is `pdserve worker decode ...`."""
+"""`python -m decode_node --config FILE`: one decode or colocated worker (the launcher
+writes FILE)."""
 import sys
 
-from common.cli import main
+from common.worker_spec import worker_main
+from decode_node.worker import serve
 
-sys.exit(main(["worker", "decode", *sys.argv[1:]]))
+sys.exit(worker_main(sys.argv[1:], "python -m decode_node", ("decode", "colocated"), serve))

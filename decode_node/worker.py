@@ -22,7 +22,7 @@ from common.transport import Incoming
 from common.worker_base import WorkerBase
 from decode_node.peers import HandshakeError, PeerLost, PeerMessage, PrefillPeers
 from decode_node.requests import DecodeRequest, RequestTable, State
-from kv_transfer import KVReceiver, TransferError, make_receiver, resolve_backend
+from kv_transfer import KVReceiver, TransferError, init_transfer_group, make_receiver, resolve_backend
 
 
 class DecodeWorker(WorkerBase):
@@ -39,7 +39,7 @@ class DecodeWorker(WorkerBase):
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
                                   self.backend)
-        self.init_dist()
+        init_transfer_group(worker_config)
         try:
             for address in worker_config.prefill_peers:
                 self.peers.connect(address, self.handshake())

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError, layout_mismatch, layout_of
+from common.config import BACKENDS, WorkerConfig
+from common.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.kv_layout
+from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
 
-BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl", "tcp")
-
-__all__ = ["BACKENDS", "KVReceiver", "KVSender", "PendingReceive", "TransferError", "layout_mismatch", "layout_of",
-           "resolve_backend", "make_receiver", "make_sender"]
+__all__ = ["BACKENDS", "KVReceiver", "KVSender", "PendingReceive", "TransferError", "init_transfer_group",
+           "layout_mismatch", "layout_of", "make_receiver", "make_sender", "resolve_backend"]
 
 
 def resolve_backend(name: str, device: str) -> str:
@@ -24,6 +24,16 @@ def resolve_backend(name: str, device: str) -> str:
     if name == "shm" and device.startswith("cuda"):
         raise ValueError("kv transfer backend 'shm' is for CPU workers; use cuda_ipc on GPUs")
     return name
+
+
+def init_transfer_group(worker_config: WorkerConfig) -> None:
+    """Join the deployment's torch.distributed group when the backend needs one (gloo,
+    nccl); a no-op for the others. Every P and D of a gloo/nccl deployment calls this at
+    start-up, before writing its ready file: the group forms only once all ranks are in."""
+    w = worker_config
+    if w.kv_transfer in ("gloo", "nccl"):
+        from kv_transfer.torch_dist import init_group
+        init_group(w.kv_transfer, w.dist_init, w.rank, w.world_size)
 
 
 def make_receiver(backend: str, shape: tuple[int, ...], dtype: torch.dtype, device: str,

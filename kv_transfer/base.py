@@ -1,19 +1,15 @@
 """The transfer backend interface: a KVSender in the prefill worker writes or sends the
 KV of finished prompt blocks; a KVReceiver in the decode worker owns the destination
-cache and takes delivery. Both sides agree on a KVLayout at connect time."""
+cache and takes delivery. Both sides agree on a KVLayout (common.kv_layout) at connect time."""
 from __future__ import annotations
 
 import abc
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from common.config import EngineConfig
-from common.messages import KVLayout, KVReady
+from common.messages import KVReady
 
 
 class TransferError(RuntimeError):
@@ -23,32 +19,6 @@ class TransferError(RuntimeError):
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a dtype ("float32", "bfloat16", ...)."""
     return str(dtype).removeprefix("torch.")
-
-
-def layout_of(config: EngineConfig) -> KVLayout:
-    m = config.model
-    h = hashlib.blake2b((Path(m.model_dir) / "config.json").read_bytes(), digest_size=8)
-    for path in sorted(Path(m.model_dir).glob("*.safetensors")):
-        # size plus head (header + first tensors) and tail: cheap for big checkpoints,
-        # and different whenever the weights differ in practice
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            h.update(json.dumps([path.name, size]).encode())
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
-    fingerprint = h.hexdigest()
-    return KVLayout(model_fingerprint=fingerprint, dtype=config.device.dtype,
-                    block_size=config.cache.block_size, num_layers=m.num_layers,
-                    num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
-
-
-def layout_mismatch(ours: KVLayout, theirs: KVLayout) -> str | None:
-    """A readable description of every field where two layouts differ, or None."""
-    diffs = [f"{name}: prefill has {getattr(ours, name)!r}, decode has {getattr(theirs, name)!r}"
-             for name in ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
-             if getattr(ours, name) != getattr(theirs, name)]
-    return "; ".join(diffs) if diffs else None
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -90,8 +60,8 @@ def copy_blocks(dst_cache: torch.Tensor, src_cache: torch.Tensor, src: list[int]
     """Direct block copy between two mapped caches (shm, CUDA IPC), one layer or all."""
     layers = range(src_cache.shape[1]) if layer is None else (layer,)
     for s, d, n in runs(src, dst):
-        for l in layers:
-            dst_cache[:, l, d:d + n].copy_(src_cache[:, l, s:s + n])
+        for li in layers:
+            dst_cache[:, li, d:d + n].copy_(src_cache[:, li, s:s + n])
 
 
 @dataclass

@@ -17,7 +17,7 @@ from common.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeR
 from common.timeline import Stamp, mark
 from common.transport import Incoming
 from common.worker_base import WorkerBase
-from kv_transfer import KVSender, layout_mismatch, make_sender, resolve_backend
+from kv_transfer import KVSender, init_transfer_group, layout_mismatch, make_sender, resolve_backend
 from prefill_node.jobs import JobState, JobTable, PrefillJob
 from prefill_node.kv_push import LayerPush
 
@@ -34,7 +34,7 @@ class PrefillWorker(WorkerBase):
         self.senders: dict[str, KVSender] = {}  # decode_id -> sender
         self.jobs = JobTable()
         self.counters.update(blocks_sent=0, bytes_sent=0, prefills=0, prefix_hit_tokens=0)
-        self.init_dist()
+        init_transfer_group(worker_config)
 
     # ---- messages ----------------------------------------------------------------------
     def handle(self, inc: Incoming) -> None:

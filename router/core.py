@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from common import messages
 from common.hashing import block_hashes
+from common.kv_layout import model_fingerprint
 from common.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
                              TokenOutput, WorkerHello, WorkerStatus)
 from common.sampling_params import SamplingParams
@@ -27,7 +28,7 @@ from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
-from router.registry import WorkerEntry, WorkerRegistry
+from router.registry import WorkerEntry, WorkerRegistry, refusal
 
 
 class RouteError(ValueError):
@@ -74,6 +75,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model_dir)
+        self.model_fingerprint = model_fingerprint(config.model_dir)  # a worker must match it to register
         self.registry = WorkerRegistry(config.stale_after_s)
         self.metrics = RouterMetrics()
         self.rng = random.Random(config.seed)
@@ -112,10 +114,16 @@ class Router:
             parts = await self.control.recv_multipart()
             try:
                 msg = messages.decode(parts[1])
-            except (MessageError, IndexError):
+            except (MessageError, IndexError) as e:
+                reason = e if isinstance(e, MessageError) else f"{len(parts)} frame(s), expected 2"
+                print(f"router: dropped a malformed control message: {reason}", file=sys.stderr, flush=True)
                 continue
             now = time.monotonic()
             if isinstance(msg, WorkerHello):
+                why = refusal(msg, self.config.block_size, self.model_fingerprint)
+                if why is not None:
+                    print(f"router: {why}", file=sys.stderr, flush=True)
+                    continue
                 entry = self.registry.hello(msg, now)
                 if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
                     self._connect_worker(entry)  # new, or restarted at a new address

@@ -28,6 +28,20 @@ class WorkerEntry:
         return self.hello.role
 
 
+def refusal(hello: WorkerHello, block_size: int, model_fingerprint: str) -> str | None:
+    """Why the router must not register this worker, or None. Prefix routing compares the
+    router's block hashes with the worker's, so both need the router's block size and
+    model (two models' hashes of one prompt are equal, their KV is not)."""
+    diffs = []
+    if hello.block_size != block_size:
+        diffs.append(f"block_size {hello.block_size} (router: {block_size})")
+    if hello.model_fingerprint != model_fingerprint:
+        diffs.append(f"model fingerprint {hello.model_fingerprint!r} (router: {model_fingerprint!r})")
+    if not diffs:
+        return None
+    return f"refused {hello.role} worker {hello.worker_id} at {hello.address}: it has {' and '.join(diffs)}"
+
+
 class WorkerRegistry:
     """Owns the worker table. Time is passed in (monotonic seconds), never read here."""
 

@@ -5,32 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 
-from common.launch import Launcher, free_port
-from router.config import RouterConfig
+from common.worker_spec import WorkerSpec
 from router.core import Router
+from router.deploy import DeploymentConfig
 from router.http_server import create_app
+from router.launch import Launcher, WorkerProcess
 from router.zmq_frontend import ZmqFrontend
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """How many workers of each role, where they run and how KV moves between them."""
-
-    prefill_devices: tuple[str, ...]
-    decode_devices: tuple[str, ...]
-    colocated_devices: tuple[str, ...]
-    kv_transfer: str = "auto"
-    threads_per_worker: int = 1
-    worker_options: tuple[str, ...] = ()  # engine flags passed to every worker
 
 
 class _QuietServer(uvicorn.Server):
@@ -44,38 +33,27 @@ class _QuietServer(uvicorn.Server):
         pass
 
 
-def _kv_backend(name: str, devices: tuple[str, ...]) -> str:
-    from kv_transfer import resolve_backend
-    return resolve_backend(name, devices[0] if devices else "cpu")
+def start_workers(launcher: Launcher, dep: DeploymentConfig, control: str) -> None:
+    """Start every worker of `dep`, reporting to the router at `control`; shm/tcp prefill
+    workers first, so decode workers can be given their bound addresses."""
+    def start(spec: WorkerSpec, **late: object) -> WorkerProcess:
+        return launcher.start(dataclasses.replace(spec, worker=dataclasses.replace(spec.worker, report_to=control,
+                                                                                     **late)))
 
-
-def start_workers(launcher: Launcher, model_dir: str, dep: Deployment, control: str) -> None:
-    base = [*dep.worker_options, "--report-to", control, "--num-threads", str(dep.threads_per_worker)]
-    if dep.colocated_devices:
-        for i, dev in enumerate(dep.colocated_devices):
-            launcher.start(f"colocated-{i}", "colocated", model_dir, [*base, "--device", dev])
-        launcher.wait_ready()
-        return
-    backend = _kv_backend(dep.kv_transfer, dep.prefill_devices)
-    base += ["--kv-transfer", backend]
-    dist: list[list[str]] = []
-    world = len(dep.prefill_devices) + len(dep.decode_devices)
-    if backend in ("gloo", "nccl"):
-        init = f"tcp://127.0.0.1:{free_port()}"
-        dist = [["--dist-init", init, "--rank", str(r), "--world-size", str(world)] for r in range(world)]
-    prefills = [launcher.start(f"prefill-{i}", "prefill", model_dir,
-                               [*base, "--device", dev, *(dist[i] if dist else [])])
-                for i, dev in enumerate(dep.prefill_devices)]
-    if not dist:  # gloo/nccl ranks must all start before any can finish joining the group
+    prefills = [start(s) for s in dep.role("prefill")]
+    for s in dep.role("colocated"):
+        start(s)
+    together = dep.kv_transfer in ("gloo", "nccl")  # all ranks must start before any can join the group
+    if prefills and not together:
         launcher.wait_ready(prefills)
-    peers = ",".join(p.info["address"] for p in prefills) if not dist else ""
-    for j, dev in enumerate(dep.decode_devices):
-        extra = dist[len(prefills) + j] if dist else ["--prefill-peers", peers]
-        launcher.start(f"decode-{j}", "decode", model_dir, [*base, "--device", dev, *extra])
+    peers = () if together else tuple(p.info["address"] for p in prefills)
+    for s in dep.role("decode"):
+        start(s, **({"prefill_peers": peers} if peers else {}))
     launcher.wait_ready()
 
 
-async def serve(config: RouterConfig, dep: Deployment, ready_file: str = "") -> None:
+async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
+    config = dep.router
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -87,8 +65,7 @@ async def serve(config: RouterConfig, dep: Deployment, ready_file: str = "") -> 
     launcher = Launcher()
     http = http_task = None
     try:
-        launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, config.model_dir, dep,
-                                                         router.control_address))
+        launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
         await _until(launch, stop)
         if stop.is_set():
             return
@@ -107,7 +84,7 @@ async def serve(config: RouterConfig, dep: Deployment, ready_file: str = "") -> 
             http_url = f"http://{config.host}:{port}/v1"
         roles = (f"{len(dep.colocated_devices)} colocated" if dep.colocated_devices else
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode "
-                 f"(kv transfer {_kv_backend(dep.kv_transfer, dep.prefill_devices)})")
+                 f"(kv transfer {dep.kv_transfer})")
         print(f"pdserve ready: {roles} workers, routing {config.routing}, model {config.model_dir}\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n  Ctrl-C stops everything.",
               flush=True)
@@ -134,6 +111,6 @@ async def _until(fut: asyncio.Future, stop: asyncio.Event) -> None:
     waiter.cancel()
 
 
-def run(config: RouterConfig, dep: Deployment, ready_file: str = "") -> None:
+def run(dep: DeploymentConfig, ready_file: str = "") -> None:
     import uvloop
-    uvloop.run(serve(config, dep, ready_file))
+    uvloop.run(serve(dep, ready_file))

@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     from common.config import ModelConfig
-    from common.cli import resolve_model
+    from common.default_model import resolve_model
     model_dir = resolve_model(args.model)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     if args.workload == "random":

@@ -20,13 +20,14 @@ NUM_PROMPTS = 8
 
 
 def _alive(pid: int) -> bool:
-    """A live (not zombie) pdserve process with this pid."""
+    """A live (not zombie) pdserve process (router or worker) with this pid."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z" and "common.cli" in cmdline
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and \
+        any(m in cmdline for m in ("router.cli", "prefill_node", "decode_node"))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def server(model_dirs, tmp_path_factory):
     ready = work / "ready.json"
     log = open(work / "serve.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "serve", model_dirs["qwen3"], "--prefill", "1", "--decode", "1",
+        [sys.executable, "-m", "router.cli", "serve", model_dirs["qwen3"], "--prefill", "1", "--decode", "1",
          "--num-threads", "1", "--http-port", "0", "--zmq-port", "0", "--ready-file", str(ready),
          "--num-kv-blocks", "256", "--max-model-len", "256"],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -73,7 +74,7 @@ def server(model_dirs, tmp_path_factory):
 
 
 def _bench(server: dict, model_dir: str, out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "common.cli", "bench", "--url", server["zmq"], "--model", model_dir,
+    cmd = [sys.executable, "-m", "router.cli", "bench", "--url", server["zmq"], "--model", model_dir,
            "--num-prompts", str(NUM_PROMPTS), "--input-len", "48", "--output-len", "6", "--warmup", "1",
            "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500", "--no-progress", "--out", str(out), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -227,7 +227,7 @@ def test_make_model_cli_writes_a_model_transformers_loads(tmp_path):
 
 
 def test_make_model_cli_rejects_unknown_arch(tmp_path, capsys):
-    from common.cli import main
+    from router.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["make-model", str(tmp_path / "x"), "--arch", "gpt2"])

@@ -2,7 +2,8 @@
 colocated worker), put many requests in flight at once, collect what comes back.
 
 Every worker runs on one torch thread (a 2-core machine runs P, D and the test process)
-and binds to a free port. `Deployment.close()` stops every process it started; use it
+and binds to a free port. Options are flat dicts of EngineOptions and WorkerConfig fields
+(`WorkerSpec.of`); the launcher hands each worker its config as a file. `Deployment.close()` stops every process it started; use it
 from a fixture's teardown so a failing test leaves no workers behind.
 """
 from __future__ import annotations
@@ -15,20 +16,25 @@ from pathlib import Path
 
 import zmq
 
-from common.launch import LaunchError, Launcher, WorkerProcess, free_port
 from common.sampling_params import SamplingParams
 from common.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
 from common.transport import Client
+from common.worker_spec import WorkerSpec
+from router.launch import LaunchError, Launcher, WorkerProcess, free_port
 
 BLOCK_SIZE = 16
 
 
 def engine_options(num_kv_blocks: int = 256, max_model_len: int = 512, block_size: int = BLOCK_SIZE,
-                   max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> list[str]:
-    """Worker engine flags, always on one torch thread."""
-    return ["--num-kv-blocks", str(num_kv_blocks), "--max-model-len", str(max_model_len),
-            "--num-threads", "1", "--block-size", str(block_size), "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max_num_batched_tokens)]
+                   max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> dict:
+    """Worker engine options, always on one torch thread."""
+    return dict(num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, num_threads=1, block_size=block_size,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def start_worker(launcher: Launcher, name: str, role: str, model_dir: str, options: dict) -> WorkerProcess:
+    """Start one worker named `name` with flat `options` (engine and worker fields)."""
+    return launcher.start(WorkerSpec.of(model_dir, role, name, **options))
 
 
 def num_blocks(prompt: list[int], block_size: int = BLOCK_SIZE) -> int:
@@ -164,13 +170,13 @@ class Deployment:
             self.launcher.stop(stop_timeout_s)
 
 
-def start_pair(model_dir: str, backend: str, options: list[str], prefill_options: list[str] = (),
-               decode_options: list[str] = (), workdir: str | Path | None = None, together: bool = False,
+def start_pair(model_dir: str, backend: str, options: dict, prefill_options: dict | None = None,
+               decode_options: dict | None = None, workdir: str | Path | None = None, together: bool = False,
                timeout_s: float = 120.0) -> Deployment:
-    """Start a prefill and a decode worker; later flags win, so `prefill_options` and
-    `decode_options` override `options`.
+    """Start a prefill and a decode worker; `prefill_options` and `decode_options` override
+    `options` key by key.
 
-    shm/tcp: P first, then D with `--prefill-peers` (D handshakes during its start-up).
+    shm/tcp: P first, then D with `prefill_peers` (D handshakes during its start-up).
     With `together`, P binds a free port chosen here and both start at once (half the
     wall time on two cores); D's start-up handshake then waits for P to come up.
     gloo: always together (both must be inside init_process_group at once, and P writes
@@ -178,26 +184,26 @@ def start_pair(model_dir: str, backend: str, options: list[str], prefill_options
     launcher = Launcher(workdir)
     tag = uuid.uuid4().hex[:6]  # unique worker ids: shm segment names derive from them
     try:
-        common = [*options, "--kv-transfer", backend]
-        p_extra: list[str] = []
-        d_extra: list[str] = []
+        common = {**options, "kv_transfer": backend}
+        p_extra: dict = {}
+        d_extra: dict = {}
         dist = backend in ("gloo", "nccl")
         if dist:
             init = f"tcp://127.0.0.1:{free_port()}"
-            p_extra = ["--dist-init", init, "--rank", "0", "--world-size", "2"]
-            d_extra = ["--dist-init", init, "--rank", "1", "--world-size", "2"]
+            p_extra = {"dist_init": init, "rank": 0, "world_size": 2}
+            d_extra = {"dist_init": init, "rank": 1, "world_size": 2}
         elif together:
             p_addr = f"tcp://127.0.0.1:{free_port()}"
-            p_extra = ["--bind", p_addr]
-            d_extra = ["--prefill-peers", p_addr]
-        p = launcher.start(f"p-{tag}", "prefill", model_dir, [*common, *p_extra, *prefill_options])
+            p_extra = {"bind": p_addr}
+            d_extra = {"prefill_peers": (p_addr,)}
+        p = start_worker(launcher, f"p-{tag}", "prefill", model_dir, {**common, **p_extra, **(prefill_options or {})})
         if dist or together:
-            d = launcher.start(f"d-{tag}", "decode", model_dir, [*common, *d_extra, *decode_options])
+            d = start_worker(launcher, f"d-{tag}", "decode", model_dir, {**common, **d_extra, **(decode_options or {})})
             launcher.wait_ready([p, d], timeout=timeout_s)
         else:
             launcher.wait_ready([p], timeout=timeout_s)
-            d = launcher.start(f"d-{tag}", "decode", model_dir,
-                               [*common, *decode_options, "--prefill-peers", p.address])
+            d = start_worker(launcher, f"d-{tag}", "decode", model_dir,
+                             {**common, **(decode_options or {}), "prefill_peers": (p.address,)})
             launcher.wait_ready([d], timeout=timeout_s)
         return Deployment(launcher, model_dir, d, p)
     except BaseException:
@@ -205,13 +211,13 @@ def start_pair(model_dir: str, backend: str, options: list[str], prefill_options
         raise
 
 
-def start_single(model_dir: str, role: str, options: list[str], workdir: str | Path | None = None,
+def start_single(model_dir: str, role: str, options: dict, workdir: str | Path | None = None,
                  timeout_s: float = 120.0) -> Deployment:
     """One worker on its own: a colocated worker, or a decode worker with no prefill peer
     (requests with an empty prefill_addr are then prefilled locally)."""
     launcher = Launcher(workdir)
     try:
-        w = launcher.start(f"{role[0]}-{uuid.uuid4().hex[:6]}", role, model_dir, list(options))
+        w = start_worker(launcher, f"{role[0]}-{uuid.uuid4().hex[:6]}", role, model_dir, options)
         launcher.wait_ready([w], timeout=timeout_s)
         return Deployment(launcher, model_dir, w)
     except BaseException:
@@ -219,7 +225,7 @@ def start_single(model_dir: str, role: str, options: list[str], workdir: str | P
         raise
 
 
-def start_colocated(model_dir: str, options: list[str], workdir: str | Path | None = None) -> Deployment:
+def start_colocated(model_dir: str, options: dict, workdir: str | Path | None = None) -> Deployment:
     return start_single(model_dir, "colocated", options, workdir)
 
 
@@ -229,4 +235,4 @@ def shm_segments(worker: WorkerProcess) -> list[str]:
 
 
 __all__ = ["Deployment", "LaunchError", "RunResult", "engine_options", "num_blocks", "shm_segments",
-           "start_colocated", "start_pair", "start_single"]
+           "start_colocated", "start_pair", "start_single", "start_worker"]

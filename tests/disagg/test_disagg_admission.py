@@ -23,7 +23,7 @@ def test_small_decode_worker_serves_everything(backend, model_dirs, vocab_size, 
     assert sum(num_blocks(p) for p in prompts) > 2 * D_BLOCKS
 
     dep = start_pair(model_dir, backend, engine_options(num_kv_blocks=256, max_model_len=512),
-                     decode_options=["--num-kv-blocks", str(D_BLOCKS), "--max-model-len", "256"],
+                     decode_options={"num_kv_blocks": D_BLOCKS, "max_model_len": 256},
                      workdir=tmp_path)
     try:
         result = dep.run(prompts, MAX_NEW, timeout_s=120)

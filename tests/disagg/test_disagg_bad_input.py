@@ -8,7 +8,7 @@ import time
 import msgpack
 import pytest
 
-from common.launch import free_port
+from router.launch import free_port
 from common.sampling_params import SamplingParams
 from common.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, encode
 from tests.disagg.driver import Deployment, engine_options, start_pair, start_single
@@ -112,7 +112,7 @@ PEER_TIMEOUT_S = 2.0  # short, so the unreachable-address cases are quick
 
 def _fresh(model_dirs, tmp_path, backend: str) -> Deployment:
     return start_pair(model_dirs["qwen3"], backend, engine_options(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN),
-                      decode_options=["--peer-timeout", str(PEER_TIMEOUT_S)], workdir=tmp_path)
+                      decode_options={"peer_timeout_s": PEER_TIMEOUT_S}, workdir=tmp_path)
 
 
 @pytest.fixture
@@ -132,8 +132,8 @@ def fresh_tcp_pair(model_dirs, tmp_path):
 @pytest.fixture
 def lone_decode(model_dirs, tmp_path):
     """A decode worker with no prefill peer: it prefills requests with no prefill_addr."""
-    dep = start_single(model_dirs["qwen3"], "decode", [*engine_options(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN),
-                                                       "--kv-transfer", "shm"], workdir=tmp_path)
+    dep = start_single(model_dirs["qwen3"], "decode", {**engine_options(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN),
+                                                       "kv_transfer": "shm"}, workdir=tmp_path)
     yield dep
     dep.close(stop_timeout_s=3)
 

@@ -24,7 +24,7 @@ COMBOS = [(arch, backend) for arch in ARCHS for backend in BACKENDS]
 # long prompts and splits the budget between prompts, so KV is pushed block by block
 # across several steps, at block boundaries and not.
 OPTIONS = engine_options(num_kv_blocks=512, max_model_len=512)
-PREFILL_OPTIONS = ["--max-num-batched-tokens", "64"]
+PREFILL_OPTIONS = {"max_num_batched_tokens": 64}
 
 
 @pytest.fixture(scope="module", params=COMBOS, ids=[f"{a}-{b}" for a, b in COMBOS])

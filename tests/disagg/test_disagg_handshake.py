@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from common.launch import LaunchError, Launcher, WorkerProcess
-from tests.disagg.driver import engine_options, shm_segments
+from router.launch import LaunchError, Launcher, WorkerProcess
+from tests.disagg.driver import engine_options, shm_segments, start_worker
 
 
 @pytest.fixture(scope="module")
@@ -17,19 +17,20 @@ def prefill(model_dirs, tmp_path_factory):
     """One shm prefill worker with 16-token blocks, met by each mismatched decode worker."""
     launcher = Launcher(tmp_path_factory.mktemp("handshake"))
     try:
-        p = launcher.start(f"p-{uuid.uuid4().hex[:6]}", "prefill", model_dirs["qwen3"], [*engine_options(), "--kv-transfer", "shm"])
+        p = start_worker(launcher, f"p-{uuid.uuid4().hex[:6]}", "prefill", model_dirs["qwen3"],
+                         {**engine_options(), "kv_transfer": "shm"})
         launcher.wait_ready([p])
         yield launcher, p
     finally:
         launcher.stop()
 
 
-# name -> (model arch, decode flags, words the refusal must contain)
+# name -> (model arch, decode options, words the refusal must contain)
 CASES = {
-    "block_size": ("qwen3", [*engine_options(block_size=32), "--kv-transfer", "shm"],
+    "block_size": ("qwen3", {**engine_options(block_size=32), "kv_transfer": "shm"},
                    ["block_size", "prefill has 16", "decode has 32"]),
-    "backend": ("qwen3", [*engine_options(), "--kv-transfer", "tcp"], ["backend", "'shm'", "'tcp'"]),
-    "model": ("llama", [*engine_options(), "--kv-transfer", "shm"], ["model_fingerprint"]),
+    "backend": ("qwen3", {**engine_options(), "kv_transfer": "tcp"}, ["backend", "'shm'", "'tcp'"]),
+    "model": ("llama", {**engine_options(), "kv_transfer": "shm"}, ["model_fingerprint"]),
 }
 
 
@@ -42,7 +43,8 @@ def refused(prefill, model_dirs):
     def get(case: str) -> WorkerProcess:
         if case not in workers:
             arch, flags, _ = CASES[case]
-            d = launcher.start(f"d-{case}-{uuid.uuid4().hex[:6]}", "decode", model_dirs[arch], [*flags, "--prefill-peers", p.address])
+            d = start_worker(launcher, f"d-{case}-{uuid.uuid4().hex[:6]}", "decode", model_dirs[arch],
+                             {**flags, "prefill_peers": (p.address,)})
             with pytest.raises(LaunchError):
                 launcher.wait_ready([d], timeout=60)
             d.proc.wait(timeout=30)

@@ -121,7 +121,7 @@ def test_prefill_ref_vs_naive(dtype, case, hq, hkv):
 
 def test_prefill_last_token_matches_decode():
     """Last query row of each chunk == decode attention at that position."""
-    q_lens, ctx_lens = [3, 5], [7, 5]
+    _q_lens, ctx_lens = [3, 5], [7, 5]  # query lengths as cu_seqlens_q below spells them
     k_cache, v_cache, bt, cl = make_paged(ctx_lens, 4, 1, 8, torch.float32, seed=2)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     q = torch.randn(8, 2, 8)

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.kv_layout import layout_mismatch
 from common.messages import KVLayout
-from kv_transfer.base import copy_blocks, gather_kv, layout_mismatch, runs, scatter_kv
+from kv_transfer.base import copy_blocks, gather_kv, runs, scatter_kv
 
 
 @pytest.mark.parametrize("src, dst, want", [
@@ -90,9 +91,9 @@ def test_copy_blocks_one_layer_or_all(layer):
     src, dst = _cache(seed=2), torch.zeros(2, 3, 10, 4, 2, 5)
     copy_blocks(dst, src, [0, 1, 5], [3, 4, 9], layer)
     layers = range(3) if layer is None else [layer]
-    for l in range(3):
+    for li in range(3):
         for s, d in [(0, 3), (1, 4), (5, 9)]:
-            if l in layers:
-                assert torch.equal(dst[:, l, d], src[:, l, s])
+            if li in layers:
+                assert torch.equal(dst[:, li, d], src[:, li, s])
             else:
-                assert not dst[:, l, d].any()
+                assert not dst[:, li, d].any()

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from common.launch import free_port
+from router.launch import free_port
 
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys, time

@@ -73,8 +73,9 @@ class Served:
 
 
 def _pdserve() -> list[str]:
-    script = Path(sys.executable).with_name("pdserve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "common.cli"]
+    # `python -m router.cli` rather than the `pdserve` script: the script runs whichever
+    # checkout the environment was installed from, the module the one on sys.path
+    return [sys.executable, "-m", "router.cli"]
 
 
 def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len: int, timeout: float = 150.0) -> Served:

@@ -4,6 +4,7 @@ worker dies or comes back at another address."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import zmq
 import zmq.asyncio
@@ -19,15 +20,16 @@ from router.core import Router
 class FakeWorker:
     """A colocated worker's server socket; answers nothing unless told to."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, fingerprint: str) -> None:
         self.worker_id = worker_id
+        self.fingerprint = fingerprint  # the router refuses a worker of another model
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = bind_address(self.sock, "tcp://127.0.0.1:0")
 
     def hello(self) -> WorkerHello:
         return WorkerHello(self.worker_id, "colocated", self.address, "cpu", total_blocks=64, block_size=16,
-                           model_fingerprint="fp")
+                           model_fingerprint=self.fingerprint)
 
     async def next_request(self, timeout_s: float = 5.0) -> tuple[bytes, GenerateRequest] | None:
         if not await self.sock.poll(int(timeout_s * 1000)):
@@ -53,7 +55,7 @@ class Harness:
         self.workers: list[FakeWorker] = []
 
     def worker(self, worker_id: str) -> FakeWorker:
-        w = FakeWorker(self.ctx, worker_id)
+        w = FakeWorker(self.ctx, worker_id, self.router.model_fingerprint)
         self.workers.append(w)
         return w
 
@@ -157,3 +159,34 @@ def test_restarted_worker_gets_requests_at_its_new_address(model_dirs):
             await h.close()
 
     run(scenario())
+
+
+def test_worker_of_another_model_or_block_size_is_refused(model_dirs, capfd):
+    """A worker whose block size or model differs from the router's would break prefix
+    routing silently: the router logs why and neither registers nor routes to it."""
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        try:
+            other_model = h.worker("c-model")
+            other_block = h.worker("c-block")
+            good = h.worker("c-good")
+            await h.send(dataclasses.replace(other_model.hello(), model_fingerprint="0123456789abcdef"))
+            await h.send(dataclasses.replace(other_block.hello(), block_size=32))
+            await h.report.send(messages.encode(WorkerStatus("c-model", "colocated", 0, 0, 64, 64))[:5])  # malformed
+            await h.send(good.hello())
+            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            assert set(h.router.registry.workers) == {"c-good"}
+            await h.send(WorkerStatus("c-model", "colocated", 0, 0, 64, 64))  # heartbeats do not register it
+            job = asyncio.create_task(collect(h.router, submit("r1")))
+            assert await good.next_request() is not None
+            job.cancel()
+            assert await other_model.next_request(timeout_s=0.3) is None
+            assert set(h.router.registry.workers) == {"c-good"}
+        finally:
+            await h.close()
+
+    run(scenario())
+    err = capfd.readouterr().err
+    assert "refused colocated worker c-model" in err and "model fingerprint '0123456789abcdef'" in err
+    assert "refused colocated worker c-block" in err and "block_size 32 (router: 16)" in err
+    assert "router: dropped a malformed control message" in err

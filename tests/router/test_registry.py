@@ -2,12 +2,13 @@
 liveness. Time is passed in, so these run without sockets or sleeps."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from common.hashing import cacheable_prefix_hashes
 from common.messages import WorkerHello, WorkerStatus
 from router.policy import choose_prefill
-from router.registry import WorkerRegistry
+from router.registry import WorkerRegistry, refusal
 
 BLOCK = 16
 
@@ -136,3 +137,24 @@ def test_hello_from_new_address_is_a_restart():
     fresh = reg.hello(hello("p0", address="tcp://127.0.0.1:7002"), now=11.0)
     assert fresh is not e and fresh.alive and fresh.cached == set() and fresh.inflight == 0
     assert fresh.hello.address == "tcp://127.0.0.1:7002" and live_ids(reg) == {"p0"}
+
+
+# ---- refusal at registration: block size and model must be the router's ---------------
+
+def test_refusal_accepts_a_matching_worker():
+    assert refusal(hello("p0"), BLOCK, "fp") is None
+
+
+def test_refusal_names_a_different_block_size():
+    why = refusal(dataclasses.replace(hello("p0"), block_size=32), BLOCK, "fp")
+    assert why is not None and "p0" in why and "block_size 32" in why and f"router: {BLOCK}" in why
+
+
+def test_refusal_names_a_different_model():
+    why = refusal(hello("d0", role="decode"), BLOCK, "other")
+    assert why is not None and "d0" in why and "'fp'" in why and "'other'" in why
+
+
+def test_refusal_names_both_differences():
+    why = refusal(dataclasses.replace(hello("c0", role="colocated"), block_size=8), BLOCK, "other")
+    assert "block_size 8" in why and "fingerprint" in why

@@ -23,9 +23,9 @@ def test_colocated_flag_alone_is_accepted(model_dir, monkeypatch):
     """`pdserve serve --colocated 2` (as DESIGN.md and --help spell it) must start two
     colocated workers. The CLI is run up to the point where it would start serving."""
     import router.serve
-    from common.cli import main
+    from router.cli import main
     started = []
-    monkeypatch.setattr(router.serve, "run", lambda config, dep, ready_file="": started.append(dep))
+    monkeypatch.setattr(router.serve, "run", lambda dep, ready_file="": started.append(dep))
     rc = main(["serve", model_dir, "--colocated", "2", "--http-port", "0", "--zmq-port", "0",
                "--num-kv-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1"])
     assert rc == 0 and len(started) == 1, "`--colocated 2` was rejected (see stderr)"

@@ -1,8 +1,12 @@
-"""Starting and stopping worker processes: each is `python -m pdserve-style worker` with a
-ready file it writes once its socket is bound; the launcher waits for every ready file and
-on stop terminates (then kills) every process it started, leaving no orphans."""
+"""Starting and stopping worker processes. Each worker gets its config as data: the
+launcher writes its WorkerSpec (common.worker_spec) as a JSON file (mode 0600) in its
+workdir and starts `python -m prefill_node --config FILE` (decode and colocated roles:
+`python -m decode_node`). A worker writes a ready file once its socket is bound; the
+launcher waits for every ready file and on stop terminates (then kills) every process it
+started, leaving no orphans."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,6 +17,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.worker_spec import WorkerSpec
 
 
 class LaunchError(RuntimeError):
@@ -54,13 +60,17 @@ class Launcher:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.workers: list[WorkerProcess] = []
 
-    def start(self, name: str, role: str, model_dir: str, options: list[str], env: dict | None = None
-              ) -> WorkerProcess:
+    def start(self, spec: WorkerSpec, env: dict | None = None) -> WorkerProcess:
+        """Start the worker `spec` describes, named by its worker_id; the launcher sets
+        its ready file."""
+        name = spec.worker.worker_id
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "common.cli", "worker", role, model_dir, "--worker-id", name,
-               "--ready-file", str(ready), *options]
+        spec = dataclasses.replace(spec, worker=dataclasses.replace(spec.worker, ready_file=str(ready)))
+        config_path = spec.write(self.workdir / f"{name}.json")
+        package = "prefill_node" if spec.worker.role == "prefill" else "decode_node"
+        cmd = [sys.executable, "-m", package, "--config", str(config_path)]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
-from common.config import ConfigError
+from common.config import KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions
+from common.default_model import resolve_model
+from router.policy import POLICIES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -23,19 +28,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
 
 
-def engine_options(args: argparse.Namespace) -> dict:
-    return dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-                enable_prefix_caching=not args.no_prefix_caching)
-
-
-def resolve_model(model: str | None) -> str:
-    if model:
-        return model
-    from common.default_model import default_model_dir
-    return str(default_model_dir())
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                         memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                         dtype=args.dtype, device=args.device, num_threads=args.num_threads,
+                         enable_prefix_caching=not args.no_prefix_caching)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -48,7 +46,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from common import LLM, SamplingParams
     model = resolve_model(args.model)
-    llm = LLM(model, **engine_options(args))
+    llm = LLM(model, **engine_options(args).to_dict())
     prompts = args.prompt or ["The router sends the request to", "A prefill worker computes",
                               "Hello, my name is", "Decode workers stream tokens"]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -66,24 +64,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    """One worker process (normally started by `pdserve serve` or a test launcher)."""
-    from common.config import EngineConfig, WorkerConfig
-    engine_config = EngineConfig.build(resolve_model(args.model), **engine_options(args),
-                                       decode_graphs=args.role != "prefill")
-    worker_config = WorkerConfig(
-        role=args.role, worker_id=args.worker_id or f"{args.role}-{__import__('os').getpid()}",
-        bind=args.bind, kv_transfer=args.kv_transfer, dist_init=args.dist_init, rank=args.rank,
-        world_size=args.world_size, prefill_peers=tuple(p for p in args.prefill_peers.split(",") if p),
-        report_to=args.report_to, ready_file=args.ready_file, peer_timeout_s=args.peer_timeout)
-    if args.role == "prefill":
-        from prefill_node.worker import serve
-    else:
-        from decode_node.worker import serve
-    serve(engine_config, worker_config)
-    return 0
-
-
 def _devices(spec: str | None, count: int, flag: str) -> tuple[str, ...]:
     """`--prefill 2 --prefill-devices cuda:0,cuda:1`; cpu for all when no devices are given."""
     if not spec:
@@ -95,11 +75,11 @@ def _devices(spec: str | None, count: int, flag: str) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from common.config import EngineConfig
+    """Fill the DeploymentConfig once from the flags, then run it."""
     from router.config import RouterConfig
-    from router.serve import Deployment, run
+    from router.deploy import plan_deployment
+    from router.serve import run
     model = resolve_model(args.model)
-    engine = EngineConfig.build(model, **engine_options(args))  # validates the flags before anything starts
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
     if not args.colocated:
@@ -107,25 +87,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.decode = 1 if args.decode is None else args.decode
     if not args.colocated and (args.prefill < 1 or args.decode < 1):
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
+    options = engine_options(args)
+    engine = options.engine_config(model)  # validates the flags before anything starts
+    # every worker gets the same max_model_len as the router, resolved from the model once here
+    options = dataclasses.replace(options, max_model_len=engine.scheduler.max_model_len)
     n_workers = args.colocated or (args.prefill + args.decode)
-    threads = args.num_threads or max(1, (__import__("os").cpu_count() or 1) // n_workers)
-    passthrough = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--max-model-len", str(engine.scheduler.max_model_len), "--dtype", args.dtype,
-                   "--memory-fraction", str(args.memory_fraction)]
-    if args.num_kv_blocks:
-        passthrough += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.no_prefix_caching:
-        passthrough.append("--no-prefix-caching")
-    dep = Deployment(prefill_devices=() if args.colocated else _devices(args.prefill_devices, args.prefill, "--prefill-devices"),
-                     decode_devices=() if args.colocated else _devices(args.decode_devices, args.decode, "--decode-devices"),
-                     colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices") if args.colocated else (),
-                     kv_transfer=args.kv_transfer, threads_per_worker=threads, worker_options=tuple(passthrough))
-    config = RouterConfig(model_dir=model, model_name=args.served_model_name or __import__("pathlib").Path(model).name,
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
+    router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
                           host=args.host, http_port=args.http_port, zmq_port=args.zmq_port, routing=args.routing,
-                          max_model_len=engine.scheduler.max_model_len, block_size=args.block_size,
+                          max_model_len=engine.scheduler.max_model_len, block_size=options.block_size,
                           enable_http=args.http_port >= 0)
-    run(config, dep, args.ready_file)
+    if args.colocated:
+        dep = plan_deployment(router, options, threads_per_worker=threads,
+                              colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices"))
+    else:
+        dep = plan_deployment(router, options, kv_transfer=args.kv_transfer, threads_per_worker=threads,
+                              prefill_devices=_devices(args.prefill_devices, args.prefill, "--prefill-devices"),
+                              decode_devices=_devices(args.decode_devices, args.decode, "--decode-devices"))
+    run(dep, args.ready_file)
     return 0
 
 
@@ -135,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a random-weight HF-format model with a trained tokenizer")
     p.add_argument("dir")
-    p.add_argument("--arch", choices=["qwen3", "qwen2", "llama"], default="qwen3")
+    p.add_argument("--arch", choices=SUPPORTED_ARCHS, default="qwen3")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
@@ -161,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-devices", default=None, help="e.g. cuda:0,cuda:1 (default cpu)")
     p.add_argument("--decode-devices", default=None)
     p.add_argument("--colocated-devices", default=None)
-    p.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "cuda_ipc", "gloo", "nccl", "tcp"])
-    p.add_argument("--routing", default="prefix_load", choices=["prefix_load", "round_robin", "least_loaded"])
+    p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES)
+    p.add_argument("--routing", default="prefix_load", choices=POLICIES)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--zmq-port", type=int, default=5555, help="0 picks a free port")
@@ -179,21 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_plot_arguments(p)
     p.set_defaults(func=bench_cli.plot_main)
 
-    p = sub.add_parser("worker", help="run one prefill, decode or colocated worker process")
-    p.add_argument("role", choices=["prefill", "decode", "colocated"])
-    p.add_argument("model", nargs="?", default=None)
-    p.add_argument("--worker-id", default="")
-    p.add_argument("--bind", default="tcp://127.0.0.1:0")
-    p.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "cuda_ipc", "gloo", "nccl", "tcp"])
-    p.add_argument("--dist-init", default="", help="torch.distributed init method (gloo/nccl)")
-    p.add_argument("--rank", type=int, default=-1)
-    p.add_argument("--world-size", type=int, default=0)
-    p.add_argument("--prefill-peers", default="", help="decode: comma-separated prefill addresses to handshake with")
-    p.add_argument("--report-to", default="", help="router address for heartbeats")
-    p.add_argument("--ready-file", default="")
-    p.add_argument("--peer-timeout", type=float, default=30.0)
-    _add_engine_args(p)
-    p.set_defaults(func=cmd_worker)
     return parser
 
 

@@ -1,0 +1,82 @@
+"""One deployment as data: the router's config and every worker's spec (model, engine
+options, worker config), filled once by `pdserve serve` and handed to the launcher."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from common.config import ConfigError, EngineOptions, WorkerConfig
+from common.worker_spec import WorkerSpec
+from kv_transfer import resolve_backend
+from router.config import RouterConfig
+from router.launch import free_port
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """The router's config and one WorkerSpec per worker process, prefill workers first.
+
+    What only exists at run time is left empty here and filled by `router.serve.
+    start_workers`: each worker's `report_to` (the router's bound control socket) and a
+    decode worker's `prefill_peers` (the prefill workers' bound addresses)."""
+
+    router: RouterConfig
+    workers: tuple[WorkerSpec, ...]
+    kv_transfer: str = ""  # the resolved backend; "" for a colocated deployment
+
+    def __post_init__(self) -> None:
+        for w in self.workers:  # the router routes by prefix hashes of its own block size and model
+            if w.engine.block_size != self.router.block_size:
+                raise ConfigError(f"worker {w.worker.worker_id} has block_size {w.engine.block_size}, "
+                                  f"the router {self.router.block_size}")
+            if w.model_dir != self.router.model_dir:
+                raise ConfigError(f"worker {w.worker.worker_id} serves {w.model_dir}, the router {self.router.model_dir}")
+
+    def role(self, role: str) -> tuple[WorkerSpec, ...]:
+        return tuple(w for w in self.workers if w.worker.role == role)
+
+    @property
+    def prefill_devices(self) -> tuple[str, ...]:
+        return tuple(w.engine.device for w in self.role("prefill"))
+
+    @property
+    def decode_devices(self) -> tuple[str, ...]:
+        return tuple(w.engine.device for w in self.role("decode"))
+
+    @property
+    def colocated_devices(self) -> tuple[str, ...]:
+        return tuple(w.engine.device for w in self.role("colocated"))
+
+
+def plan_deployment(router: RouterConfig, engine: EngineOptions, *, prefill_devices: tuple[str, ...] = (),
+                    decode_devices: tuple[str, ...] = (), colocated_devices: tuple[str, ...] = (),
+                    kv_transfer: str = "auto", threads_per_worker: int = 1) -> DeploymentConfig:
+    """Every worker's spec: `engine` with the worker's device and thread count; P/D ranks
+    0..P+D-1 (prefill first) and a free loopback port to form the group on when the
+    backend is gloo or nccl."""
+    if colocated_devices and (prefill_devices or decode_devices):
+        raise ConfigError("a deployment is either colocated or prefill/decode, not both")
+
+    def spec(role: str, name: str, device: str, **worker: object) -> WorkerSpec:
+        options = dataclasses.replace(engine, device=device, num_threads=threads_per_worker)
+        return WorkerSpec(router.model_dir, options, WorkerConfig(role=role, worker_id=name, **worker))  # type: ignore[arg-type]
+
+    if colocated_devices:
+        workers = tuple(spec("colocated", f"colocated-{i}", dev) for i, dev in enumerate(colocated_devices))
+        return DeploymentConfig(router, workers)
+    try:
+        backend = resolve_backend(kv_transfer, prefill_devices[0] if prefill_devices else "cpu")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    world = len(prefill_devices) + len(decode_devices)
+    ranks = iter(range(world)) if backend in ("gloo", "nccl") else None
+    dist_init = f"tcp://127.0.0.1:{free_port()}" if ranks is not None else ""
+
+    def dist() -> dict:
+        return {"dist_init": dist_init, "rank": next(ranks), "world_size": world} if ranks is not None else {}
+
+    workers = (*(spec("prefill", f"prefill-{i}", dev, kv_transfer=backend, **dist())
+                 for i, dev in enumerate(prefill_devices)),
+               *(spec("decode", f"decode-{j}", dev, kv_transfer=backend, **dist())
+                 for j, dev in enumerate(decode_devices)))
+    return DeploymentConfig(router, workers, backend)
