@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.result_keys import DETAIL_KEYS, SUMMARY_KEYS
+from tests.router.bench.result_keys import DETAIL_KEYS, SUMMARY_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUM_PROMPTS = 8

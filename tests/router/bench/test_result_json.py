@@ -12,7 +12,7 @@ import pytest
 
 from router.bench import cli
 from router.bench.metrics import RequestRecord, goodput_rate
-from tests.bench.result_keys import DETAIL_KEYS, SUMMARY_KEYS
+from tests.router.bench.result_keys import DETAIL_KEYS, SUMMARY_KEYS
 
 TRACE = "/work/shared/data/mooncake/conversation_trace.jsonl"
 
