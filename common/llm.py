@@ -34,11 +34,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise RequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         # Validate everything before queueing anything, so bad input changes nothing.
-        for sp in sampling_params:
-            if not isinstance(sp, SamplingParams):
-                raise RequestError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
-        token_lists = [self.engine.validate_prompt(p) for p in prompts]
-        seqs = [self.engine.add_request(t, sp) for t, sp in zip(token_lists, sampling_params)]
+        seqs = [self.engine.new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.engine.add(seq)
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.engine.has_work():
