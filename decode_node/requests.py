@@ -4,9 +4,9 @@ request is; what a state holds is stated next to it.
 
     PENDING --reserve--> RESERVED --KVReady--> RECEIVING --landed--> RUNNING --> FINISHED
        |                  |   \\_______________KVReady, landed at once___/ |
-       |                  |                                             +--> FAILED / ABORTED
-       |                  +--(abort / fail while P may still write)--> DRAINING --writer fenced--> ABORTED / FAILED
-       +----------------------------------------------------------------> FAILED / ABORTED
+       |                  +--> FAILED (P fenced)                        +--> FAILED / ABORTED
+       |    RESERVED / RECEIVING --(abort, or fail while a write may come)--> DRAINING --fenced--> ABORTED / FAILED
+       +--> FAILED / ABORTED
     local prompt (no prefill worker):  PENDING --queued in the engine--> RUNNING
 """
 from __future__ import annotations
@@ -36,9 +36,8 @@ TERMINAL = frozenset({State.FINISHED, State.FAILED, State.ABORTED})
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.PENDING: frozenset({State.RESERVED, State.RUNNING, State.FAILED, State.ABORTED}),
-    State.RESERVED: frozenset({State.RECEIVING, State.RUNNING, State.FINISHED, State.DRAINING,
-                               State.FAILED, State.ABORTED}),
-    State.RECEIVING: frozenset({State.RUNNING, State.FINISHED, State.DRAINING, State.FAILED}),
+    State.RESERVED: frozenset({State.RECEIVING, State.RUNNING, State.DRAINING, State.FAILED}),
+    State.RECEIVING: frozenset({State.RUNNING, State.DRAINING, State.FAILED}),
     State.RUNNING: frozenset({State.FINISHED, State.FAILED, State.ABORTED}),
     State.DRAINING: frozenset({State.FAILED, State.ABORTED}),
 }

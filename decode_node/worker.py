@@ -139,7 +139,7 @@ class DecodeWorker(WorkerBase):
     def on_peer_lost(self, lost: PeerLost) -> None:
         """The peer writes nothing more: every request that waits on it ends now."""
         why = lost.why if not lost.was_ready else f"prefill worker at {lost.address} failed: {lost.why}"
-        for req in self.requests.in_state(State.PENDING, State.RESERVED, State.DRAINING):
+        for req in self.requests.in_state(State.PENDING, State.RESERVED, State.RECEIVING, State.DRAINING):
             if req.prefill_addr == lost.address:
                 self.fail(req, why, code="worker_failed")
 
@@ -150,7 +150,8 @@ class DecodeWorker(WorkerBase):
 
     def on_kv_ready(self, event: PeerMessage, ready: KVReady) -> None:
         req = self.requests.get(ready.request_id)
-        if req is None or req.state not in (State.RESERVED, State.DRAINING) or req.prefill_addr != event.peer.address:
+        if req is None or req.state not in (State.RESERVED, State.DRAINING) or req.prefill_addr != event.peer.address \
+                or req.transfer is not None:  # a second KVReady must not replace a receive in flight
             self.log(f"KVReady for unknown request {ready.request_id!r} ignored")
             return
         assert self.receiver is not None
@@ -250,20 +251,26 @@ class DecodeWorker(WorkerBase):
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             timeline=req.timeline if req.return_timeline else None))
 
-    def fail(self, req: DecodeRequest, message: str, code: str = "bad_request", fenced: bool = True) -> None:
-        """Answer with an error (once) and end the request; see `end` for `fenced`."""
+    def fail(self, req: DecodeRequest, message: str, code: str = "bad_request") -> None:
+        """Answer with an error (once) and end the request. Callers fail a request when its
+        prefill worker can write nothing more (it answered, failed or is lost); a receive
+        still in flight keeps it DRAINING."""
         if req.state != State.DRAINING:
             self.server.send(req.identity, ErrorReply(req.request_id, message, code))
             self.counters["failed"] += 1
-        self.end(req, State.FAILED, fenced)
+        self.end(req, State.FAILED)
 
     def abort(self, req: DecodeRequest) -> None:
-        """The client went away: answer now; free the blocks once P cannot write them."""
+        """The client went away: answer now; free the blocks once P cannot write them
+        (P is told, and fences itself by answering PrefillFailed or KVReady)."""
         if req.state == State.DRAINING:
             return
         self.finish_reply(req, "abort", [])
         self.counters["finished"] += 1
-        self.end(req, State.ABORTED, fenced=req.state not in (State.RESERVED, State.RECEIVING))
+        writing = req.state in (State.RESERVED, State.RECEIVING)
+        if req.state == State.RESERVED and (peer := self.peers.get(req.prefill_addr)) is not None:
+            peer.client.send(AbortRequest(req.request_id))
+        self.end(req, State.ABORTED, fenced=not writing)
 
     def end(self, req: DecodeRequest, outcome: State, fenced: bool = True) -> None:
         """Release what `req` holds and leave the table in `outcome` -- unless a writer

@@ -113,7 +113,12 @@ class PrefillWorker(WorkerBase):
         mark(job.timeline, Stamp.TRANSFER_START)
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
                         sampler_state=self.engine.sampler_state(seq))
-        frames = [] if sender.layerwise else sender.send(ready, seq.block_table[job.skip_blocks:], job.dst_block_ids)
+        try:
+            frames = [] if sender.layerwise else sender.send(ready, seq.block_table[job.skip_blocks:], job.dst_block_ids)
+        except Exception as e:  # e.g. the process group broke: this job fails, the worker goes on
+            self.log(f"request {job.request_id}: KV send failed: {e}")
+            self.end(job, JobState.FAILED, f"KV send failed: {e}")
+            return
         mark(job.timeline, Stamp.TRANSFER_END)
         self.server.send(job.identity, ready, frames)
         self.counters["blocks_sent"] += n_blocks

@@ -1,0 +1,815 @@
+"""The decode worker's request state machine, driven in-process with a fake transport:
+a recorder for the router socket, a fake KV receiver whose receives land at once, stay
+in flight until the test says so, or are refused, and a fake ready prefill peer whose
+messages the test delivers. Every scenario ends with every block free, the block
+manager consistent, the request table empty and exactly one terminal reply per request."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from common.config import EngineConfig, WorkerConfig
+from common.engine import LLMEngine
+from common.messages import (AbortRequest, ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, TokenOutput)
+from common.sampling_params import SamplingParams
+from common.transport import Incoming
+from decode_node.peers import PeerLost, PeerMessage, PrefillPeer
+from decode_node.requests import TERMINAL, TRANSITIONS, DecodeRequest, RequestTable, State, TransitionError
+from decode_node.worker import DecodeWorker
+from kv_transfer import KVReceiver, PendingReceive, TransferError
+
+BLOCK = 16
+NUM_BLOCKS = 32
+MAX_LEN = 128
+P_ADDR = "tcp://127.0.0.1:1"  # never connected: the peer's client is a fake
+
+
+# every (from, to) a scenario of this module took, for the coverage check at the end
+SEEN: set[tuple[State, State]] = set()
+
+
+@pytest.fixture(autouse=True)
+def record_transitions(monkeypatch):
+    move = RequestTable.move
+
+    def recording(self, req, state):
+        src = req.state
+        move(self, req, state)
+        if req.identity.startswith(b"router-"):  # a worker scenario's request, not a table test's
+            SEEN.add((src, state))
+
+    monkeypatch.setattr(RequestTable, "move", recording)
+
+
+# ---- fakes ----------------------------------------------------------------------------------
+
+class Recorder:
+    """Stands in for the worker's server socket: every reply, by request id."""
+
+    address = "tcp://127.0.0.1:0"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, object]] = []
+
+    def send(self, identity: bytes, msg: object, frames=()) -> None:
+        self.sent.append((identity, msg))
+
+    def close(self) -> None:
+        pass
+
+    def replies(self, request_id: str) -> list[object]:
+        return [m for _, m in self.sent if getattr(m, "request_id", None) == request_id]
+
+
+class FakeClient:
+    """The prefill peer's socket: records what D asks of P."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send(self, msg: object, frames=()) -> None:
+        self.sent.append(msg)
+
+    def close(self) -> None:
+        pass
+
+    def prefill_requests(self) -> list[PrefillRequest]:
+        return [m for m in self.sent if isinstance(m, PrefillRequest)]
+
+
+class FakeTransfer:
+    """A receive in flight; the test decides when it is done and whether landing fails."""
+
+    def __init__(self, on_land=None) -> None:
+        self.finished = False
+        self.fail = False
+        self.landed = 0
+        self.on_land = on_land
+
+    def pending(self) -> PendingReceive:
+        return PendingReceive(done=lambda: self.finished, land=self.land)
+
+    def land(self) -> None:
+        assert self.finished, "landed before done"
+        self.landed += 1
+        if self.fail:
+            raise TransferError("the peer hung up mid-transfer")
+        if self.on_land:
+            self.on_land()
+
+
+class FakeReceiver(KVReceiver):
+    """Over the worker's real cache. `plan[request_id]` says what the next receive does:
+    None (landed at once, like shm), a FakeTransfer (in flight) or "reject" (TransferError).
+    `fill[request_id]`, if set, is called with the destination blocks when the KV lands."""
+
+    backend = "tcp"
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        super().__init__(kv_cache)
+        self.plan: dict[str, object] = {}
+        self.fill: dict[str, object] = {}
+        self.calls: list[tuple[str, list[int]]] = []
+        self.closed = False
+
+    def backend_info(self) -> dict:
+        return {}
+
+    def receive(self, ready, frames, dst_blocks, peer):
+        super().receive(ready, frames, dst_blocks, peer)  # the size check of every backend
+        self.calls.append((ready.request_id, list(dst_blocks)))
+        what = self.plan.pop(ready.request_id, None)
+        if what == "reject":
+            raise TransferError(f"request {ready.request_id}: payload does not fit")
+        fill = self.fill.get(ready.request_id)
+        if what is None:
+            if fill:
+                fill(list(dst_blocks))
+            return None
+        assert isinstance(what, FakeTransfer)
+        if fill and what.on_land is None:
+            what.on_land = lambda: fill(list(dst_blocks))
+        return what.pending()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# ---- the harness ----------------------------------------------------------------------------
+
+@dataclass
+class Harness:
+    worker: DecodeWorker
+    server: Recorder
+    receiver: FakeReceiver
+    peer: PrefillPeer
+    client: FakeClient
+    baseline: int
+    identities: dict[str, bytes] = field(default_factory=dict)
+
+    # -- the router side
+    def generate(self, rid: str, prompt: list[int], max_tokens: int = 4, local: bool = False, **sp) -> None:
+        identity = f"router-{rid}".encode()
+        self.identities[rid] = identity
+        params = SamplingParams(temperature=sp.pop("temperature", 0.0), max_tokens=max_tokens,
+                                ignore_eos=sp.pop("ignore_eos", True), **sp)
+        self.worker.on_generate(identity, GenerateRequest(rid, prompt, params, "" if local else P_ADDR))
+
+    def state(self, rid: str) -> State | None:
+        req = self.worker.requests.get(rid)
+        return None if req is None else req.state
+
+    def req(self, rid: str) -> DecodeRequest:
+        req = self.worker.requests.get(rid)
+        assert req is not None, f"{rid} is not in the table"
+        return req
+
+    def abort(self, rid: str) -> None:
+        self.worker.abort(self.req(rid))
+
+    # -- the prefill side
+    def prefill_request(self, rid: str) -> PrefillRequest:
+        reqs = [m for m in self.client.prefill_requests() if m.request_id == rid]
+        assert len(reqs) == 1, f"{rid}: {len(reqs)} PrefillRequests sent"
+        return reqs[0]
+
+    def kv_ready(self, rid: str, first_token: int = 7, num_blocks: int | None = None, sampler_state: bytes = b"") -> None:
+        if num_blocks is None:
+            num_blocks = len(self.prefill_request(rid).dst_block_ids)
+        msg = KVReady(rid, first_token, num_blocks, sampler_state=sampler_state)
+        self.worker.on_peer_events([PeerMessage(self.peer, Incoming(None, msg, []))])
+
+    def prefill_failed(self, rid: str, why: str = "out of memory") -> None:
+        self.worker.on_peer_events([PeerMessage(self.peer, Incoming(None, PrefillFailed(rid, why), []))])
+
+    def peer_lost(self, why: str = "its process exited") -> None:
+        self.worker.peers.peers.pop(P_ADDR, None)
+        self.worker.on_peer_events([PeerLost(P_ADDR, why, True)])
+
+    # -- the loop
+    def turn(self) -> None:
+        """One loop turn of WorkerBase.run without sockets: idle work, then a step if any."""
+        self.worker.idle()
+        if self.worker.has_work():
+            self.worker.step()
+
+    def run_until_idle(self, max_turns: int = 200) -> None:
+        for _ in range(max_turns):
+            if not self.worker.has_work() and not self.worker.requests.count(State.RECEIVING):
+                return
+            self.turn()
+        raise AssertionError("no progress")
+
+    # -- checks
+    @property
+    def free(self) -> int:
+        return self.worker.engine.block_manager.num_free_blocks
+
+    def held(self, rid: str) -> int:
+        return len(self.req(rid).seq.block_table)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for m in self.server.replies(rid) if isinstance(m, TokenOutput) for t in m.token_ids]
+
+    def terminal(self, rid: str) -> object:
+        """The one terminal reply `rid` got, checked to be its last reply."""
+        replies = self.server.replies(rid)
+        ends = [i for i, m in enumerate(replies)
+                if isinstance(m, ErrorReply) or (isinstance(m, TokenOutput) and m.finished)]
+        assert len(ends) == 1, f"{rid}: {len(ends)} terminal replies in {replies}"
+        assert ends[0] == len(replies) - 1, f"{rid}: replies after the terminal one: {replies}"
+        for m in replies:
+            assert m is replies[-1] or isinstance(m, TokenOutput), m
+            assert self.server.sent[[x for _, x in self.server.sent].index(m)][0] == self.identities[rid]
+        return replies[-1]
+
+    def check_clean(self) -> None:
+        bm = self.worker.engine.block_manager
+        bm.check_invariants()
+        assert len(self.worker.requests) == 0, [r.state for r in self.worker.requests.in_state(*State)]
+        assert bm.num_free_blocks == bm.num_blocks == self.baseline
+        s = self.worker.engine.scheduler
+        assert not s.waiting and not s.running and not s.reserved
+        for rid in self.identities:
+            self.terminal(rid)
+
+
+@pytest.fixture(scope="module")
+def decode_config(model_dirs) -> EngineConfig:
+    return EngineConfig.build(model_dirs["qwen3"], block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+                              max_model_len=MAX_LEN, max_num_seqs=8, max_num_batched_tokens=64, num_threads=1)
+
+
+def make_harness(config: EngineConfig, worker_id: str = "d0") -> Harness:
+    worker = DecodeWorker(config, WorkerConfig(role="decode", worker_id=worker_id, kv_transfer="tcp"))
+    worker.server.close()  # the real socket is never used: replies are recorded
+    server = Recorder()
+    worker.server = server
+    real = worker.receiver
+    receiver = FakeReceiver(real.kv_cache)
+    worker.receiver = receiver
+    real.close()
+    client = FakeClient()
+    now = time.monotonic()
+    peer = PrefillPeer(P_ADDR, client, now, now + 30.0, prefill_id="p0", info={}, ready=True)
+    worker.peers.peers[P_ADDR] = peer
+    return Harness(worker, server, receiver, peer, client, worker.engine.block_manager.num_free_blocks)
+
+
+@pytest.fixture
+def h(decode_config):
+    harness = make_harness(decode_config)
+    assert harness.baseline == NUM_BLOCKS
+    try:
+        yield harness
+        harness.check_clean()
+    finally:
+        harness.worker.close()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def nblocks(n_tokens: int) -> int:
+    return -(-n_tokens // BLOCK)
+
+
+# ---- the table alone ----------------------------------------------------------------------
+
+def _req(rid: str, seq_id: int) -> DecodeRequest:
+    from common.sequence import Sequence
+    return DecodeRequest(rid, Sequence(seq_id, [5, 6, 7], SamplingParams()), b"x", P_ADDR, False)
+
+
+def test_table_allows_exactly_the_listed_transitions():
+    for src in State:
+        for dst in State:
+            table = RequestTable()
+            req = _req("r", 1)
+            table.add(req)
+            req.state = src  # put it there directly: `move` is what is under test
+            allowed = dst in TRANSITIONS.get(src, frozenset())
+            if allowed:
+                table.move(req, dst)
+                assert req.state == dst
+                assert (("r" in table) == (dst not in TERMINAL)) and len(table) == (0 if dst in TERMINAL else 1)
+                assert (table.by_seq(1) is None) == (dst in TERMINAL)
+            else:
+                with pytest.raises(TransitionError):
+                    table.move(req, dst)
+                assert req.state == src and "r" in table and table.by_seq(1) is req
+    for t in TERMINAL:
+        assert t not in TRANSITIONS, "a terminal state has no way out"
+    assert State.DRAINING not in TRANSITIONS[State.PENDING], "a PENDING request holds nothing to drain"
+
+
+def test_table_orders_and_counts():
+    table = RequestTable()
+    reqs = [_req(f"r{i}", i) for i in range(4)]
+    for r in reqs:
+        table.add(r)
+    table.move(reqs[1], State.RESERVED)
+    table.move(reqs[3], State.RESERVED)
+    assert [r.request_id for r in table.in_state(State.PENDING)] == ["r0", "r2"]
+    assert [r.request_id for r in table.in_state(State.RESERVED, State.PENDING)] == ["r0", "r1", "r2", "r3"]
+    assert table.count(State.RESERVED) == 2
+    # iterating while moving is safe: in_state returns a snapshot
+    for r in table.in_state(State.PENDING):
+        table.move(r, State.ABORTED)
+    assert len(table) == 2 and table.get("r0") is None and table.get("r1") is reqs[1]
+    with pytest.raises(TransitionError):
+        table.move(reqs[0], State.RUNNING)  # a terminal request cannot come back
+    with pytest.raises(AssertionError):
+        table.add(_req("r1", 9))  # ids are unique among live requests
+
+
+# ---- the disaggregated path ------------------------------------------------------------------
+
+def test_pending_reserved_running_finished(h):
+    p = prompt(40, 1)
+    h.generate("a", p, max_tokens=3)
+    assert h.state("a") == State.PENDING and h.free == NUM_BLOCKS
+    h.worker.try_reserve()
+    assert h.state("a") == State.RESERVED
+    pr = h.prefill_request("a")
+    assert pr.skip_blocks == 0 and len(pr.dst_block_ids) == nblocks(40) == h.held("a")
+    assert pr.dst_block_ids == h.req("a").dst_blocks and pr.prompt_token_ids == p and pr.decode_id == "d0"
+    assert h.free == NUM_BLOCKS - nblocks(40)
+    h.worker.try_reserve()  # reserving twice asks P once
+    h.kv_ready("a", first_token=11)
+    assert h.state("a") == State.RUNNING  # landed at once: RESERVED -> RUNNING
+    assert h.tokens("a") == [11]
+    h.run_until_idle()
+    assert h.state("a") is None
+    out = h.terminal("a")
+    assert isinstance(out, TokenOutput) and out.finish_reason == "length"
+    assert len(h.tokens("a")) == 3 and h.tokens("a")[0] == 11
+    assert h.worker.counters["finished"] == 1 and h.worker.counters["blocks_received"] == nblocks(40)
+
+
+def test_first_token_finishes_the_request(h):
+    h.generate("a", prompt(20, 2), max_tokens=1)
+    h.worker.try_reserve()
+    h.kv_ready("a", first_token=5)
+    assert h.state("a") is None
+    out = h.terminal("a")
+    assert out.finished and out.token_ids == [5] and out.finish_reason == "length"
+
+
+def test_receiving_then_landed(h):
+    h.generate("a", prompt(33, 3), max_tokens=2)
+    h.worker.try_reserve()
+    t = FakeTransfer()
+    h.receiver.plan["a"] = t
+    h.kv_ready("a", first_token=9)
+    assert h.state("a") == State.RECEIVING and h.tokens("a") == []
+    for _ in range(3):  # not done: the loop keeps polling, nothing changes
+        h.turn()
+        assert h.state("a") == State.RECEIVING and t.landed == 0
+    assert h.worker.idle_wait_ms() == 1
+    t.finished = True
+    h.turn()
+    assert t.landed == 1
+    h.run_until_idle()
+    assert h.tokens("a")[0] == 9 and len(h.tokens("a")) == 2
+
+
+def test_local_request_runs_and_finishes(h):
+    h.generate("a", prompt(30, 4), max_tokens=4, local=True)
+    assert h.state("a") == State.RUNNING  # PENDING -> RUNNING at once: the engine queues it
+    assert h.client.sent == []
+    h.run_until_idle()
+    assert len(h.tokens("a")) == 4 and h.terminal("a").finish_reason == "length"
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_local_request_aborted(h, steps):
+    h.generate("a", prompt(70, 5), max_tokens=8, local=True)  # 70 tokens: two chunks of a 64-token budget
+    for _ in range(steps):
+        h.turn()
+    h.abort("a")
+    assert h.state("a") is None and h.free == NUM_BLOCKS
+    out = h.terminal("a")
+    assert out.finished and out.finish_reason == "abort" and out.token_ids == []
+    assert len(h.tokens("a")) == max(0, steps - 1)
+
+
+def test_local_greedy_matches_transformers(h, model_dirs, hf_greedy):
+    p = prompt(45, 6)
+    h.generate("a", p, max_tokens=10, local=True, ignore_eos=False)
+    h.run_until_idle()
+    assert h.tokens("a") == hf_greedy(model_dirs["qwen3"], p, 10)
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_disaggregated_greedy_matches_transformers(h, decode_config, model_dirs, hf_greedy, in_flight):
+    """P's side played by an offline prefill-only engine: its first token and its KV,
+    copied into the blocks D reserved, make D stream exactly transformers' tokens."""
+    p = prompt(50, 7)
+    off = LLMEngine(decode_config, prefill_only=True)
+    seq = off.new_sequence(p, SamplingParams(temperature=0.0, max_tokens=12))
+    off.add(seq)
+    (out,) = off.step()  # 50 tokens fit one step of the 64-token budget
+    src = list(seq.block_table)
+    cache = h.worker.engine.runner.kv_cache
+
+    def fill(dst: list[int]) -> None:
+        assert len(dst) == len(src)
+        cache[:, :, dst] = off.runner.kv_cache[:, :, src]
+
+    h.generate("a", p, max_tokens=12, ignore_eos=False)
+    h.worker.try_reserve()
+    h.receiver.fill["a"] = fill
+    t = FakeTransfer()
+    if in_flight:
+        h.receiver.plan["a"] = t
+    h.kv_ready("a", first_token=out.new_token)
+    off.release(seq)
+    if in_flight:
+        h.turn()
+        assert h.state("a") == State.RECEIVING
+        t.finished = True
+    h.run_until_idle()
+    assert h.tokens("a") == hf_greedy(model_dirs["qwen3"], p, 12)
+
+
+@pytest.mark.parametrize("state", [b"", b"not a generator state"])
+def test_seeded_request_goes_on_whatever_the_sampler_state(h, state):
+    """A sampler state that does not fit this engine is logged; the seed alone goes on."""
+    h.generate("a", prompt(30, 26), max_tokens=5, temperature=1.0, seed=7)
+    h.worker.try_reserve()
+    h.kv_ready("a", first_token=4, sampler_state=state)
+    assert h.state("a") == State.RUNNING
+    h.run_until_idle()
+    assert len(h.tokens("a")) == 5 and h.terminal("a").finish_reason == "length"
+
+
+# ---- aborts ------------------------------------------------------------------------------------
+
+def test_abort_pending(h):
+    h.peer.ready = False  # its handshake is in flight: the request stays PENDING
+    h.generate("a", prompt(20, 8))
+    h.worker.try_reserve()
+    assert h.state("a") == State.PENDING
+    h.abort("a")
+    assert h.state("a") is None and h.free == NUM_BLOCKS and h.client.prefill_requests() == []
+    assert h.terminal("a").finish_reason == "abort"
+
+
+@pytest.mark.parametrize("fence", ["kv_ready", "kv_ready_rejected", "prefill_failed", "peer_lost"])
+def test_abort_reserved_drains_until_fenced(h, fence):
+    h.generate("a", prompt(40, 9))
+    h.worker.try_reserve()
+    held = h.held("a")
+    h.abort("a")
+    assert h.state("a") == State.DRAINING
+    assert h.terminal("a").finish_reason == "abort"  # answered now
+    for _ in range(3):  # P may still write: the blocks stay held whatever the loop does
+        h.turn()
+        assert h.state("a") == State.DRAINING and h.free == NUM_BLOCKS - held
+    h.abort("a")  # the router's second abort is ignored
+    if fence == "kv_ready":
+        h.kv_ready("a")
+    elif fence == "kv_ready_rejected":
+        h.receiver.plan["a"] = "reject"
+        h.kv_ready("a")
+    elif fence == "prefill_failed":
+        h.prefill_failed("a")
+    else:
+        h.peer_lost()
+    assert h.state("a") is None and h.free == NUM_BLOCKS
+    assert h.server.replies("a")[-1].finish_reason == "abort"  # no second reply, whatever fenced it
+
+
+def test_abort_reserved_then_kv_in_flight(h):
+    h.generate("a", prompt(40, 10))
+    h.worker.try_reserve()
+    held = h.held("a")
+    h.abort("a")
+    t = FakeTransfer()
+    h.receiver.plan["a"] = t
+    h.kv_ready("a")  # P is fenced, but the receive still writes into the blocks
+    assert h.state("a") == State.DRAINING and h.free == NUM_BLOCKS - held
+    h.turn()
+    assert h.state("a") == State.DRAINING
+    t.finished = True
+    h.turn()
+    assert h.state("a") is None and h.free == NUM_BLOCKS and t.landed == 0  # never landed
+
+
+@pytest.mark.parametrize("fence", ["done", "done_after_peer_lost"])
+def test_abort_receiving_drains_until_the_receive_is_done(h, fence):
+    h.generate("a", prompt(40, 11))
+    h.worker.try_reserve()
+    held = h.held("a")
+    t = FakeTransfer()
+    h.receiver.plan["a"] = t
+    h.kv_ready("a")
+    assert h.state("a") == State.RECEIVING
+    h.abort("a")
+    assert h.state("a") == State.DRAINING and h.terminal("a").finish_reason == "abort"
+    if fence == "done_after_peer_lost":
+        h.peer_lost()  # P is gone, but the receive in flight may still write
+        assert h.state("a") == State.DRAINING and h.free == NUM_BLOCKS - held
+    h.turn()
+    assert h.state("a") == State.DRAINING and h.free == NUM_BLOCKS - held
+    t.finished = True
+    h.turn()
+    assert h.state("a") is None and h.free == NUM_BLOCKS and t.landed == 0
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_abort_running(h, steps):
+    h.generate("a", prompt(40, 12), max_tokens=10)
+    h.worker.try_reserve()
+    h.kv_ready("a", first_token=3)
+    for _ in range(steps):
+        h.turn()
+    assert h.state("a") == State.RUNNING
+    h.abort("a")
+    assert h.state("a") is None and h.free == NUM_BLOCKS
+    assert h.terminal("a").finish_reason == "abort" and len(h.tokens("a")) == 1 + steps
+
+
+# ---- failures ----------------------------------------------------------------------------------
+
+def test_prefill_failed_while_reserved(h):
+    h.generate("a", prompt(40, 13))
+    h.worker.try_reserve()
+    h.prefill_failed("a", "P ran out of blocks")
+    assert h.state("a") is None
+    err = h.terminal("a")
+    assert isinstance(err, ErrorReply) and "P ran out of blocks" in err.message
+
+
+def test_prefill_failed_for_unknown_or_running_request_is_ignored(h):
+    h.prefill_failed("nobody")
+    h.generate("a", prompt(40, 14), max_tokens=3)
+    h.worker.try_reserve()
+    h.kv_ready("a")
+    h.prefill_failed("a")  # late and stale: a RUNNING request does not wait on P
+    assert h.state("a") == State.RUNNING
+    h.run_until_idle()
+    assert h.terminal("a").finish_reason == "length"
+
+
+def test_stray_kv_ready_is_ignored(h):
+    h.kv_ready("ghost", num_blocks=1)
+    h.generate("a", prompt(20, 15), max_tokens=2)
+    h.kv_ready("a", num_blocks=2)  # still PENDING: nothing reserved, nothing asked of P
+    assert h.state("a") == State.PENDING and h.receiver.calls == []
+    h.worker.try_reserve()
+    other = PrefillPeer("tcp://127.0.0.1:2", FakeClient(), 0.0, 0.0, ready=True)
+    h.worker.on_peer_events([PeerMessage(other, Incoming(None, KVReady("a", 1, 2), []))])
+    assert h.state("a") == State.RESERVED and h.receiver.calls == []  # from a peer it did not ask
+    h.kv_ready("a")
+    h.kv_ready("a")  # a duplicate for a RUNNING request
+    h.run_until_idle()
+    assert len(h.receiver.calls) == 1 and len(h.tokens("a")) == 2
+
+
+@pytest.mark.parametrize("was_ready", [True, False])
+def test_peer_lost_fails_pending_and_reserved(h, was_ready):
+    h.generate("r", prompt(40, 16))
+    h.worker.try_reserve()
+    h.generate("p", prompt(40, 17))
+    h.generate("run", prompt(20, 18), max_tokens=3)
+    h.generate("local", prompt(20, 19), max_tokens=3, local=True)
+    h.worker.try_reserve()
+    h.kv_ready("run")
+    h.generate("late", prompt(20, 20))
+    h.peer.ready = False  # its handshake is not answered yet (was_ready=False) or ...
+    h.worker.try_reserve()  # ... holds "late" in PENDING
+    assert [h.state(x) for x in ("r", "p", "run", "late")] == [State.RESERVED, State.RESERVED, State.RUNNING,
+                                                               State.PENDING]
+    h.worker.peers.peers.pop(P_ADDR)
+    h.worker.on_peer_events([PeerLost(P_ADDR, "handshake refused", was_ready)])
+    for rid in ("r", "p", "late"):
+        err = h.terminal(rid)
+        assert isinstance(err, ErrorReply) and err.code == "worker_failed"
+        assert ("failed" in err.message) == was_ready
+    assert h.state("run") == State.RUNNING and h.state("local") == State.RUNNING
+    h.run_until_idle()
+    assert h.terminal("run").finish_reason == "length" and h.terminal("local").finish_reason == "length"
+
+
+def test_pending_request_whose_peer_is_gone_fails_on_reserve(h):
+    h.peer.ready = False
+    h.generate("a", prompt(20, 21))
+    h.worker.peers.peers.pop(P_ADDR)  # dropped without an event reaching this request
+    h.worker.try_reserve()
+    err = h.terminal("a")
+    assert isinstance(err, ErrorReply) and err.code == "worker_failed"
+
+
+def test_transfer_rejected(h):
+    h.generate("a", prompt(40, 22))
+    h.worker.try_reserve()
+    h.kv_ready("a", num_blocks=1)  # the backend's size check refuses it
+    err = h.terminal("a")
+    assert isinstance(err, ErrorReply) and err.code == "transfer_error" and h.state("a") is None
+    h.generate("b", prompt(40, 23))
+    h.worker.try_reserve()
+    h.receiver.plan["b"] = "reject"
+    h.kv_ready("b")
+    assert isinstance(h.terminal("b"), ErrorReply)
+
+
+def test_land_failure(h):
+    h.generate("a", prompt(40, 24))
+    h.worker.try_reserve()
+    t = FakeTransfer()
+    t.fail = True
+    h.receiver.plan["a"] = t
+    h.kv_ready("a")
+    assert h.state("a") == State.RECEIVING
+    t.finished = True
+    h.turn()
+    err = h.terminal("a")
+    assert isinstance(err, ErrorReply) and err.code == "transfer_error" and "mid-transfer" in err.message
+    assert h.state("a") is None and t.landed == 1
+
+
+def test_bad_requests_are_refused_without_state(h):
+    h.worker.on_generate(b"x", GenerateRequest("bad", [5, 99999], SamplingParams(temperature=0.0)))
+    h.worker.on_generate(b"x", GenerateRequest("bad2", [5, 6], SamplingParams(temperature=0.0), "not-an-endpoint"))
+    h.generate("a", prompt(20, 25), max_tokens=2, local=True)
+    h.worker.on_generate(b"y", GenerateRequest("a", [5, 6], SamplingParams(temperature=0.0)))  # id in use
+    errors = [(i, m) for i, m in h.server.sent if isinstance(m, ErrorReply)]
+    assert [m.request_id for _, m in errors] == ["bad", "bad2", "a"] and errors[2][0] == b"y"
+    assert len(h.worker.requests) == 1
+    h.server.sent = [(i, m) for i, m in h.server.sent if i != b"y" and i != b"x"]
+    h.run_until_idle()
+
+
+# ---- admission ----------------------------------------------------------------------------------
+
+def test_fifo_admission_when_blocks_run_out(h):
+    """Four 100-token prompts hold 28 of 32 blocks; the fifth waits, and a short prompt
+    behind it that would fit does not jump it."""
+    for i in range(4):
+        h.generate(f"r{i}", prompt(100, 30 + i), max_tokens=2)
+    h.generate("big", prompt(100, 40), max_tokens=2)
+    h.generate("small", prompt(20, 41), max_tokens=2)
+    h.worker.try_reserve()
+    assert [h.state(f"r{i}") for i in range(4)] == [State.RESERVED] * 4
+    assert h.state("big") == State.PENDING and h.state("small") == State.PENDING
+    assert h.free == NUM_BLOCKS - 4 * 7 == 4  # room for "small" (2 blocks), not for "big" (7)
+    for _ in range(3):
+        h.turn()
+        assert h.state("small") == State.PENDING
+    h.prefill_failed("r0")  # frees 7 blocks: "big" first, then "small"
+    h.worker.try_reserve()
+    assert h.state("big") == State.RESERVED and h.state("small") == State.RESERVED
+    assert [m.request_id for m in h.client.prefill_requests()] == ["r0", "r1", "r2", "r3", "big", "small"]
+    for rid in ("r1", "r2", "r3", "big", "small"):
+        h.kv_ready(rid)
+    h.run_until_idle()
+    for rid in ("r1", "r2", "r3", "big", "small"):
+        assert h.terminal(rid).finish_reason == "length"
+
+
+def test_fifo_admission_when_seq_slots_run_out(decode_config):
+    import dataclasses
+    config = dataclasses.replace(decode_config,
+                                 scheduler=dataclasses.replace(decode_config.scheduler, max_num_seqs=2))
+    h = make_harness(config, "d1")
+    try:
+        h.generate("a", prompt(20, 50), max_tokens=3)
+        h.generate("b", prompt(20, 51), max_tokens=3)
+        h.generate("loc", prompt(20, 52), max_tokens=3, local=True)  # queued in the engine
+        h.generate("c", prompt(20, 53), max_tokens=3)
+        h.worker.try_reserve()
+        assert h.state("a") == h.state("b") == State.RESERVED and h.state("c") == State.PENDING
+        h.turn()  # the local prompt does not get a slot either: two are reserved
+        assert len(h.worker.engine.scheduler.waiting) == 1 and h.tokens("loc") == []
+        h.kv_ready("a")
+        h.kv_ready("b")
+        h.run_until_idle()
+        h.worker.try_reserve()
+        assert h.state("c") == State.RESERVED
+        h.kv_ready("c")
+        h.run_until_idle()
+        h.check_clean()
+    finally:
+        h.worker.close()
+
+
+def test_prefix_cached_blocks_are_skipped(h):
+    base = prompt(48, 60)
+    h.generate("a", base + prompt(10, 61), max_tokens=2)
+    h.worker.try_reserve()
+    h.kv_ready("a")
+    h.run_until_idle()
+    h.generate("b", base + prompt(20, 62), max_tokens=2)
+    h.worker.try_reserve()
+    pr = h.prefill_request("b")
+    assert pr.skip_blocks == 3 and len(pr.dst_block_ids) == nblocks(68) - 3
+    assert h.req("b").seq.block_table[3:] == pr.dst_block_ids
+    assert h.worker.counters["blocks_reused"] == 3
+    h.kv_ready("b")
+    h.run_until_idle()
+
+
+def test_random_interleavings_leave_nothing_behind(h):
+    """Random arrivals, P replies, receives and aborts; at the end everything is released."""
+    rng = random.Random(0)
+    transfers: dict[str, FakeTransfer] = {}
+    n = 0
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.2 and n < 14:
+            h.generate(f"q{n}", prompt(rng.randrange(5, 90), 100 + n), max_tokens=rng.randrange(1, 5),
+                       local=rng.random() < 0.2)
+            n += 1
+        elif op < 0.45:
+            reserved = list(h.worker.requests.in_state(State.RESERVED, State.DRAINING))
+            if reserved:
+                r = rng.choice(reserved)
+                if r.transfer is not None:
+                    continue
+                kind = rng.random()
+                if kind < 0.15:
+                    h.prefill_failed(r.request_id)
+                elif kind < 0.25:
+                    h.receiver.plan[r.request_id] = "reject"
+                    h.kv_ready(r.request_id)
+                else:
+                    if kind < 0.6:
+                        t = transfers[r.request_id] = FakeTransfer()
+                        t.fail = rng.random() < 0.2
+                        h.receiver.plan[r.request_id] = t
+                    h.kv_ready(r.request_id)
+        elif op < 0.55:
+            for t in transfers.values():
+                if rng.random() < 0.5:
+                    t.finished = True
+        elif op < 0.65:
+            live = list(h.worker.requests.in_state(*State))
+            if live:
+                h.worker.abort(rng.choice(live))
+        else:
+            h.turn()
+        h.worker.engine.block_manager.check_invariants()
+        held = sum(len(r.seq.block_table) for r in h.worker.requests.in_state(*State))
+        assert h.free + held >= NUM_BLOCKS  # shared prefix blocks count once
+    # drain: P answers everything, receives complete
+    for _ in range(100):
+        for r in h.worker.requests.in_state(State.RESERVED, State.DRAINING):
+            if r.transfer is None:
+                h.kv_ready(r.request_id)
+        for t in transfers.values():
+            t.finished = True
+        h.turn()
+        if not len(h.worker.requests):
+            break
+
+
+# transitions the table allows that the worker never takes: a request always goes through
+# RUNNING to finish (start_decoding), an abort of a RESERVED request always drains (P may be
+# writing), nothing fails a RUNNING request, and only an abort drains (every `fail` call is
+# fenced, so a request that fails while DRAINING keeps the abort as its outcome)
+def test_peer_lost_while_receiving_fails_once_the_receive_is_done(h):
+    """P died while its data was in flight: the client hears at once, the blocks wait."""
+    h.generate("a", prompt(40, 21))
+    h.worker.try_reserve()
+    held = h.held("a")
+    t = FakeTransfer()
+    h.receiver.plan["a"] = t
+    h.kv_ready("a")
+    assert h.state("a") == State.RECEIVING
+    h.peer_lost()
+    err = h.terminal("a")
+    assert isinstance(err, ErrorReply) and err.code == "worker_failed"
+    assert h.state("a") == State.DRAINING and h.free == NUM_BLOCKS - held
+    t.finished = True
+    h.turn()
+    assert h.state("a") is None and h.free == NUM_BLOCKS and t.landed == 0
+
+
+def test_abort_while_reserved_tells_the_prefill_worker(h):
+    h.generate("a", prompt(40, 22))
+    h.worker.try_reserve()
+    h.abort("a")
+    assert [m.request_id for m in h.client.sent if isinstance(m, AbortRequest)] == ["a"]
+    h.prefill_failed("a", "aborted")  # P's answer fences it
+    assert h.state("a") is None and h.free == NUM_BLOCKS
+
+
+UNUSED = {(State.RUNNING, State.FAILED)}  # kept for a step that fails one request
+
+
+def test_every_transition_was_taken(request):
+    """Run last: the scenarios above took every transition of the table the worker uses."""
+    mine = [i for i in request.session.items if i.module is request.module]
+    if len(mine) < 30:
+        pytest.skip("only meaningful when the whole module runs")
+    table = {(src, dst) for src, dsts in TRANSITIONS.items() for dst in dsts}
+    assert table - UNUSED - SEEN == set(), "transitions no scenario took"
+    assert SEEN <= table
