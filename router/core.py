@@ -18,6 +18,7 @@ from common.hashing import cacheable_prefix_hashes
 from common.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
                              TokenOutput, WorkerHello, WorkerStatus)
 from common.sampling_params import SamplingParams, SamplingParamsError, from_wire
+from common.chat_template import ChatTemplateError
 from common.tokenizer import Tokenizer
 from common.transport import bind_address
 from router.config import RouterConfig
@@ -164,7 +165,10 @@ class Router:
             for m in sub.messages:
                 if set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
                     raise RouteError("each chat message needs 'role' and 'content'")
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(sub.messages))
+            try:
+                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(sub.messages))
+            except ChatTemplateError as e:
+                raise RouteError(str(e)) from None
         elif sub.prompt is not None:
             ids = self.tokenizer.encode(sub.prompt)
         else:
