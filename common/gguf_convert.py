@@ -18,17 +18,22 @@ GGUF_MAGIC = b"GGUF"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def gguf_architecture(path: Path) -> str:
-    """`general.architecture` of a GGUF file, or ConfigError if it is not one."""
+def gguf_header(path: Path) -> tuple[str, int | None]:
+    """(`general.architecture`, `{arch}.attention.key_length` or None) of a GGUF file, or
+    ConfigError if it is not one."""
     from gguf import GGUFReader
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ConfigError(f"{path} is not a GGUF file (no GGUF magic bytes)")
     try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
+        fields = GGUFReader(str(path)).fields
+        field = fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+        key_length = fields.get(f"{arch}.attention.key_length")
+        head_dim = int(key_length.parts[key_length.data[0]][0]) if key_length is not None else None
     except (KeyError, ValueError, IndexError) as e:
         raise ConfigError(f"cannot read GGUF metadata of {path}: {e}") from None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return arch, head_dim
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, quiet: bool = False) -> Path:
@@ -37,7 +42,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, quiet: bool = False
     src, out = Path(gguf_path), Path(out_dir)
     if not src.is_file():
         raise ConfigError(f"GGUF file {src} not found")
-    arch = gguf_architecture(src)
+    arch, head_dim = gguf_header(src)
     if arch not in SUPPORTED_ARCHS:
         raise ConfigError(f"{src}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     if out.exists() and any(out.iterdir()):
@@ -48,7 +53,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, quiet: bool = False
         if not quiet:
             print(f"pdserve: converting {src.name} ({arch}) to a HuggingFace-format folder {out} ...",
                   file=sys.stderr, flush=True)
-        _write_folder(src, tmp, quiet)
+        _write_folder(src, tmp, quiet, arch, head_dim)
         tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not secret
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -58,7 +63,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, quiet: bool = False
     return out
 
 
-def _write_folder(src: Path, dst: Path, quiet: bool) -> None:
+def _write_folder(src: Path, dst: Path, quiet: bool, arch: str, head_dim: int | None) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,7 +73,10 @@ def _write_folder(src: Path, dst: Path, quiet: bool) -> None:
         hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        # transformers does not map qwen3's attention.key_length to head_dim (its config
+        # default, 128, only fits some sizes), so pass what the file says
+        extra = {"head_dim": head_dim} if head_dim is not None and arch == "qwen3" else {}
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32, **extra)
     except (ValueError, OSError, KeyError, NotImplementedError) as e:
         raise ConfigError(f"transformers cannot load {src}: {e}") from None
     finally:
