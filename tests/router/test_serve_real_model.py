@@ -4,13 +4,11 @@ transformers' greedy output; streamed text == non-streamed text == decode(tokens
 string that spans tokens cuts the text the same way in both."""
 from __future__ import annotations
 
-import signal
-
 import openai
 import pytest
 
 from common.tokenizer import Tokenizer
-from tests.router.serving import check_ready_file_workers, start_server, stop_server
+from tests.router.serving import serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -23,13 +21,8 @@ PROMPT = "Crème brûlée, jalapeño and 🍣 are"
 
 @pytest.fixture(scope="module")
 def served(real_model_dir, tmp_path_factory):
-    s = start_server(real_model_dir, tmp_path_factory.mktemp("serve_real"), ["--prefill", "1", "--decode", "1"], 256,
-                     timeout=300)
-    try:
-        check_ready_file_workers(s, {"prefill-0": "prefill", "decode-0": "decode"})
+    with serving_pd(real_model_dir, tmp_path_factory.mktemp("serve_real"), 256, timeout=300) as s:
         yield s
-    finally:
-        stop_server(s, signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")
