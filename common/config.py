@@ -11,9 +11,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from common.rope_config import RopeConfig
 
 # The names other parts choose from, defined once (CLI choices, validation, launcher).
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
@@ -48,17 +51,21 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _rope_theta(cfg: dict) -> float:
-    """transformers 4 writes `rope_theta`; transformers 5 writes `rope_parameters`."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ConfigError(f"rope type {rope_type!r} is not supported (only 'default')")
-    theta = params.get("rope_theta", cfg.get("rope_theta"))
-    if theta is None:
-        return 10000.0
-    return float(theta)
+def _check_supported(cfg: dict, cfg_path: Path) -> None:
+    """Refuse, naming the field and value, what the one decoder implementation cannot run."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{cfg_path}: hidden_act {act!r} is not supported (only 'silu')")
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{cfg_path}: use_sliding_window true is not supported (full attention only)")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(f"{cfg_path}: mlp_bias true is not supported")
+    # transformers 5 writes `dtype`, 4 wrote `torch_dtype`: the dtype on disk; the engine's
+    # dtype is --dtype, and weights are converted on load
+    for key in ("dtype", "torch_dtype"):
+        value = cfg.get(key)
+        if value is not None and value not in _DTYPES:
+            raise ConfigError(f"{cfg_path}: {key} {value!r} is not supported (choose from {sorted(set(_DTYPES))})")
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    rope: "RopeConfig | None" = None  # None: default RoPE with rope_theta
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -96,6 +104,9 @@ class ModelConfig:
         missing = [k for k in required if k not in cfg]
         if missing:
             raise ConfigError(f"{cfg_path} lacks required field(s): {', '.join(missing)}")
+        _check_supported(cfg, cfg_path)
+        from common.rope_config import parse_rope  # imports ConfigError from here
+        rope = parse_rope(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -110,12 +121,13 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=rope.theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
             eos_token_ids=_eos_ids(path, cfg),
+            rope=rope,
         )
 
 
@@ -130,6 +142,8 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
         if eos is None:
             continue
         for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise ConfigError(f"eos_token_id must be an id or a list of ids, got {eos!r}")
             if int(i) not in ids:
                 ids.append(int(i))
         break

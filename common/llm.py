@@ -12,11 +12,14 @@ from common.sampling_params import SamplingParams
 
 
 class LLM:
-    """An in-process engine. Options are those of `EngineConfig.build`: block_size,
+    """An in-process engine on a model folder (or a .gguf file). Options are those of `EngineConfig.build`: block_size,
     num_kv_blocks, memory_fraction, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_chunked_prefill, enable_prefix_caching, dtype, device, num_threads, seed."""
 
     def __init__(self, model_dir: str | Path, **options: Any) -> None:
+        if str(model_dir).lower().endswith(".gguf"):  # converted once into pdserve's cache
+            from common.default_model import resolve_model_dir
+            model_dir = resolve_model_dir(str(model_dir))
         self.engine = LLMEngine(EngineConfig.build(model_dir, **options))
         self.tokenizer = self.engine.tokenizer
 

@@ -6,10 +6,12 @@ import json
 import random
 from pathlib import Path
 
-import jinja2
+from typing import Any
+
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from common.chat_template import ChatTemplateError, load_chat_template
 from common.config import ConfigError, read_json
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -91,9 +93,7 @@ class Tokenizer:
             raise ConfigError(f"cannot load tokenizer {path}: {e}") from None
         cfg_path = Path(model_dir) / "tokenizer_config.json"
         cfg = read_json(cfg_path) if cfg_path.is_file() else {}
-        template = cfg.get("chat_template")
-        self._template = (jinja2.Environment(keep_trailing_newline=True).from_string(template)
-                          if template else None)
+        self.chat_template = load_chat_template(Path(model_dir), cfg)
         eos = cfg.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
@@ -108,7 +108,11 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
-            raise ConfigError("this model has no chat template (tokenizer_config.json chat_template)")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text; ChatTemplateError when the model has no template or it refuses
+        these messages."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template (chat_template.jinja, or chat_template "
+                                    "in tokenizer_config.json); send a plain prompt instead")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)

@@ -7,7 +7,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from common.config import ConfigError
+from common.config import ConfigError, read_json
 from common.models.decoder import PACKED_MODULES
 
 
@@ -16,6 +16,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     gate/up parameters are filled shard by shard. Raises ConfigError naming the file or
     the missing tensors when the checkpoint is unusable."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():  # sharded: every shard the index names must be there
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no weight_map object")
+        absent = sorted({f for f in weight_map.values() if not (Path(model_dir) / str(f)).is_file()})
+        if absent:
+            raise ConfigError(f"{index} names weight file(s) missing from {model_dir}: {', '.join(absent)}")
     if not files:
         raise ConfigError(f"no *.safetensors weight file in {model_dir}")
     params = dict(model.named_parameters(remove_duplicate=False))

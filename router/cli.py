@@ -36,6 +36,13 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          enable_prefix_caching=not args.no_prefix_caching)
 
 
+def cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from common.gguf_convert import convert_gguf
+    out = convert_gguf(args.gguf, args.out_dir)
+    print(f"wrote {out} (float32 safetensors, config, tokenizer, chat template) from {args.gguf}")
+    return 0
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from common.model_factory import make_model
     out = make_model(args.dir, args.arch, args.size, args.seed)
@@ -43,16 +50,25 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "Give me two tips for writing clear code.", "What does a GPU do, in one sentence?"]
+PLAIN_PROMPTS = ["The router sends the request to", "A prefill worker computes",
+                 "Hello, my name is", "Decode workers stream tokens"]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from common import LLM, SamplingParams
     model = resolve_model(args.model)
     llm = LLM(model, **engine_options(args).to_dict())
-    prompts = args.prompt or ["The router sends the request to", "A prefill worker computes",
-                              "Hello, my name is", "Decode workers stream tokens"]
+    # the default model is an instruct model: by default each prompt is a user's chat turn
+    chat = args.chat if args.chat is not None else args.model is None
+    prompts = args.prompt or (CHAT_PROMPTS if chat else PLAIN_PROMPTS)
+    inputs = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+              for p in prompts] if chat else prompts
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(inputs, params)
     dt = time.perf_counter() - t0
     for prompt, out in zip(prompts, outs):
         if args.json:
@@ -119,10 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
 
+    p = sub.add_parser("convert-gguf", help="convert a llama/qwen2/qwen3 GGUF file to a HuggingFace-format folder")
+    p.add_argument("gguf", help="the .gguf file")
+    p.add_argument("out_dir", help="the folder to write (must not exist, or be empty)")
+    p.set_defaults(func=cmd_convert_gguf)
+
     p = sub.add_parser("generate", help="offline generation (default model when none is given)")
-    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("model", nargs="?", default=None, help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="send each prompt as a user chat turn through the model's chat template "
+                        "(default: on for the default instruct model, off when MODEL is given)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)

@@ -19,6 +19,7 @@ import zmq.asyncio
 from common import messages as wire
 from common.messages import AbortRequest, ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
+from router.text import merge_outputs
 
 
 class ServerError(RuntimeError):
@@ -53,9 +54,9 @@ def _submit(prompt: str | list[int] | None, messages_: list[dict[str, str]] | No
 
 
 def _merge(request_id: str, outs: list[TokenOutput], times: list[float]) -> Completion:
-    last = outs[-1]
-    return Completion(request_id, "".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
-                      last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, last.timeline, times)
+    res = merge_outputs(outs)
+    return Completion(request_id, res.text, res.token_ids, res.finish_reason, res.num_prompt_tokens,
+                      res.num_cached_tokens, res.timeline, times)
 
 
 class Client:

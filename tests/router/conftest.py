@@ -3,14 +3,12 @@ package-scoped: started once for every test file here that asks for it, stopped 
 checked to leave no worker behind) after the last of them."""
 from __future__ import annotations
 
-import signal
-
 import openai
 import pytest
 
 from common.tokenizer import Tokenizer
 from tests.helpers import one_torch_thread
-from tests.router.serving import MAX_MODEL_LEN, RawClient, check_ready_file_workers, start_server, stop_server
+from tests.router.serving import MAX_MODEL_LEN, RawClient, serving_pd
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +32,8 @@ def tok(model_dir) -> Tokenizer:
 @pytest.fixture(scope="package")
 def pd(model_dir, tmp_path_factory):
     """One prefill + one decode worker behind the router; stopped with SIGTERM."""
-    served = start_server(model_dir, tmp_path_factory.mktemp("serve_pd"), ["--prefill", "1", "--decode", "1"],
-                          MAX_MODEL_LEN)
-    try:
-        check_ready_file_workers(served, {"prefill-0": "prefill", "decode-0": "decode"})
+    with serving_pd(model_dir, tmp_path_factory.mktemp("serve_pd"), MAX_MODEL_LEN) as served:
         yield served
-    finally:
-        stop_server(served, signal.SIGTERM)
 
 
 @pytest.fixture(scope="package")

@@ -3,6 +3,7 @@ stop the real command (checking that no worker process survives it), and a raw c
 speaks the protocol of docs/protocol.md with nothing but pyzmq and msgpack."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import msgpack
 import pytest
@@ -100,6 +102,17 @@ def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len:
     served.info = json.loads(ready.read_text())
     assert served.info["pid"] == proc.pid
     return served
+
+
+@contextlib.contextmanager
+def serving_pd(model_dir: str, workdir: Path, max_model_len: int, timeout: float = 150.0) -> Iterator[Served]:
+    """One prefill + one decode worker behind the router, checked ready; stopped with SIGTERM."""
+    served = start_server(model_dir, workdir, ["--prefill", "1", "--decode", "1"], max_model_len, timeout)
+    try:
+        check_ready_file_workers(served, {"prefill-0": "prefill", "decode-0": "decode"})
+        yield served
+    finally:
+        stop_server(served, signal.SIGTERM)
 
 
 def _alive(pid: int) -> bool:
