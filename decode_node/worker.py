@@ -216,6 +216,9 @@ class DecodeWorker(WorkerBase):
         for out in outputs:
             req = self.requests.by_seq(out.seq.seq_id)
             assert req is not None, "the engine ran a sequence the table does not hold"
+            if out.error is not None:  # this request alone broke the step; the engine released it
+                self.fail(req, out.error, code="internal_error")
+                continue
             if req.local:
                 mark(req.timeline, Stamp.PREFILL_START, start, first=True)
                 mark(req.timeline, Stamp.PREFILL_END, now, first=True)

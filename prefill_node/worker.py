@@ -126,7 +126,10 @@ class PrefillWorker(WorkerBase):
         for out in outputs:
             job = self.jobs.by_seq(out.seq.seq_id)
             assert job is not None, "the engine ran a sequence with no prefill job"
-            self.hand_off(job, out, end)
+            if out.error is not None:  # this prompt alone broke the step: its D fails it, the rest go on
+                self.end(job, JobState.FAILED, out.error)
+            else:
+                self.hand_off(job, out, end)
 
     def hand_off(self, job: PrefillJob, out: StepOutput, prefill_end: float) -> None:
         """The prompt is computed: send the KV D still lacks, then KVReady with the first token."""
