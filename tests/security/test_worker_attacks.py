@@ -91,8 +91,12 @@ def test_replayed_generate_request_is_refused(pair, expected):
 def _fake_decode(pair, name: str, backend_info: dict):
     """A peer holding the secret that handshakes with P as decode worker `name`."""
     client = Client(pair.ctx, pair.prefill.address, identity=name.encode(), key=pair.key)
-    client.send(KVHandshake(name, "tcp://127.0.0.1:1", _layout(pair), "shm", backend_info))
-    return client, client.recv(timeout_ms=20000).msg
+    try:
+        client.send(KVHandshake(name, "tcp://127.0.0.1:1", _layout(pair), "shm", backend_info))
+        return client, client.recv(timeout_ms=20000).msg
+    except BaseException:
+        client.close()  # an open socket would hang the deployment's ctx.term() at teardown
+        raise
 
 
 def test_forged_prefill_request_is_refused(pair, expected):
@@ -101,15 +105,19 @@ def test_forged_prefill_request_is_refused(pair, expected):
     d_name = pair.decode.name
     req = PrefillRequest("steal", d_name, [99] * 20, SamplingParams.unchecked(temperature=0.0), 0, [0, 1])
     unsigned = Client(pair.ctx, pair.prefill.address, identity=d_name.encode() + b"x")
-    unsigned.send(req)
-    with pytest.raises(TimeoutError):
-        unsigned.recv(timeout_ms=1000)
-    unsigned.close()
+    try:
+        unsigned.send(req)
+        with pytest.raises(TimeoutError):
+            unsigned.recv(timeout_ms=1000)
+    finally:
+        unsigned.close()
     assert "refused an unauthenticated message" in _log(pair.prefill)
     other = Client(pair.ctx, pair.prefill.address, identity=b"intruder", key=pair.key)
-    other.send(req)
-    reply = other.recv(timeout_ms=20000).msg
-    other.close()
+    try:
+        other.send(req)
+        reply = other.recv(timeout_ms=20000).msg
+    finally:
+        other.close()
     assert isinstance(reply, PrefillFailed) and "handshake" in reply.message
     _still_serves(pair, expected)
 
@@ -119,12 +127,13 @@ def test_foreign_shm_name_is_refused(pair, expected):
     derives the name it will map from the deployment and the handshaking worker's id."""
     (d_segment,) = shm_segments(pair.decode)
     shape = [2, *_layout_shape(pair)]
-    for name in (d_segment.removeprefix("/dev/shm/"), "psm_12345", "../../etc/passwd"):
-        client, reply = _fake_decode(pair, "d-evil", {"shm_name": name, "shape": shape, "dtype": "float32",
-                                                      "num_blocks": 64})
+    for i, name in enumerate((d_segment.removeprefix("/dev/shm/"), "psm_12345", "../../etc/passwd")):
+        # a new identity each time: a ROUTER ignores a second connection under an identity it still holds
+        client, reply = _fake_decode(pair, f"d-evil{i}", {"shm_name": name, "shape": shape, "dtype": "float32",
+                                                          "num_blocks": 64})
         client.close()
         assert isinstance(reply, KVHandshakeReply) and not reply.ok and "is not decode worker" in reply.error
-    assert "refused decode worker d-evil" in _log(pair.prefill)
+    assert "refused decode worker d-evil2: shared-memory" in _log(pair.prefill)
     _still_serves(pair, expected)
 
 
@@ -141,13 +150,16 @@ def test_out_of_range_block_ids_are_refused(pair, expected):
                            shm_name_hint(name, pair.key.deployment_id))
     try:
         client, reply = _fake_decode(pair, name, dict(receiver.backend_info(), num_blocks=64))
-        assert isinstance(reply, KVHandshakeReply) and reply.ok, reply
-        for i, dst in enumerate(([10**6], [-1], [64], [3, 3])):
-            prompt = [7] * 16 * len(dst)
-            client.send(PrefillRequest(f"oob-{i}", name, prompt, SamplingParams.unchecked(temperature=0.0), 0, dst))
-            msg = client.recv(timeout_ms=20000).msg
-            assert isinstance(msg, PrefillFailed) and "reservation refused" in msg.message, msg
-        client.close()
+        try:
+            assert isinstance(reply, KVHandshakeReply) and reply.ok, reply
+            for i, dst in enumerate(([10**6], [-1], [64], [3, 3])):
+                prompt = [7] * 16 * len(dst)
+                client.send(PrefillRequest(f"oob-{i}", name, prompt, SamplingParams.unchecked(temperature=0.0),
+                                           0, dst))
+                msg = client.recv(timeout_ms=20000).msg
+                assert isinstance(msg, PrefillFailed) and "reservation refused" in msg.message, msg
+        finally:
+            client.close()
     finally:
         receiver.close()
     assert pair.prefill.proc.poll() is None
