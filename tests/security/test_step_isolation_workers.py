@@ -27,11 +27,11 @@ def pair(model_dirs, tmp_path_factory):
 
 
 def test_failing_prompt_fails_alone(pair):
-    clean = pair.run(PROMPTS, 8).outputs()
+    clean = pair.run(PROMPTS, 8, timeout_s=180).outputs()
     requests = [pair.request(p, 8) for p in PROMPTS]
     bad = pair.request([POISON, 20, 21, 22], 8)
     pair.send(requests[:1] + [bad] + requests[1:])  # all in flight: P batches them
-    result = pair.collect([r.request_id for r in requests] + [bad.request_id])
+    result = pair.collect([r.request_id for r in requests] + [bad.request_id], timeout_s=180)  # a loaded 2-core box
     assert set(result.errors) == {bad.request_id}
     assert "injected fault" in result.errors[bad.request_id].message
     assert result.outputs([r.request_id for r in requests]) == clean, pair.logs()
