@@ -15,6 +15,7 @@ from pathlib import Path
 import zmq
 
 from common.worker_spec import WorkerSpec
+from common.auth import DeploymentKey
 from router.launch import Launcher, free_port
 from common.sampling_params import SamplingParams
 from common.messages import ErrorReply, GenerateRequest, TokenOutput
@@ -103,7 +104,8 @@ def run_handoff(model_dir: Path, reps: int, bandwidth: list[dict]) -> dict:
     with Launcher() as launcher:
         addresses = start_pairs(launcher, str(model_dir))
         ctx = zmq.Context()
-        clients = {b: Client(ctx, addresses[b][1]) for b in CPU_BACKENDS}
+        key = DeploymentKey(launcher.secret)  # the secret the launcher wrote into the workers' configs
+        clients = {b: Client(ctx, addresses[b][1], key=key) for b in CPU_BACKENDS}
         try:
             for i, prompt in enumerate(prompts):
                 order = CPU_BACKENDS[i % 3:] + CPU_BACKENDS[:i % 3]

@@ -78,7 +78,7 @@ async def router_overhead(srv: Server, vocab: int, args: argparse.Namespace) -> 
     seeds = itertools.count(args.seed)  # a new prompt for every request
     short = lambda n: random_workload(n, SHORT_PROMPT_LEN, SHORT_MAX_TOKENS, 0.0, vocab, next(seeds))  # noqa: E731
     (worker,) = srv.workers("colocated").values()
-    router, direct = AsyncClient(srv.info["zmq"]), WorkerClient(worker)
+    router, direct = AsyncClient(srv.info["zmq"]), WorkerClient(worker, srv.key)
     paths: dict[str, Stream] = {
         "router": lambda ids, n: router.stream(ids, max_tokens=n, temperature=0.0, ignore_eos=True,
                                                return_timeline=True),
@@ -118,7 +118,7 @@ Run = tuple[list[RequestRecord], float, dict[str, dict[str, int]], dict[str, flo
 async def _policy_run(srv: Server, reqs: list[BenchRequest], vocab: int, seed: int, concurrency: int | None,
                       desc: str) -> Run:
     (decode,) = srv.workers("decode").values()
-    client = WorkerClient(decode)
+    client = WorkerClient(decode, srv.key)
     try:  # warm-up: 2 unrelated prompts on each prefill worker, sent directly
         for k, address in enumerate(srv.workers("prefill").values()):
             await drive(lambda ids, n, a=address: client.stream(ids, n, a),

@@ -23,9 +23,10 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 
 from common import messages as wire
+from common.auth import DeploymentKey, new_secret
 from common.sampling_params import SamplingParams
 from common.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
-from common.transport import Client
+from common.transport import Authenticator, Client
 from router.bench.metrics import RequestRecord
 from router.bench.workloads import BenchRequest
 from router.client import AsyncClient
@@ -49,6 +50,13 @@ class Server:
                     "--http-port", "0", "--zmq-port", "0", "--ready-file", str(self.ready_file),
                     "--num-kv-blocks", str(num_kv_blocks), "--max-model-len", str(max_model_len),
                     "--block-size", str(BLOCK_SIZE), "--num-threads", "1"]
+        # the deployment secret, so this harness can talk to the workers directly (0600, not argv)
+        secret_file = workdir / f"{name}.secret"
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(new_secret())
+        self.key = DeploymentKey(secret_file.read_text())
+        self.cmd += ["--secret-file", str(secret_file)]
         self.info: dict[str, Any] = {}
 
     def __enter__(self) -> "Server":
@@ -90,7 +98,7 @@ class Server:
         ctx, workers = zmq.Context(), {}
         try:
             for name, address in self.workers("prefill").items():
-                c = Client(ctx, address)
+                c = Client(ctx, address, key=self.key)
                 try:
                     c.send(StatusRequest())
                     msg = c.recv(timeout_ms=30_000).msg
@@ -109,7 +117,19 @@ class Server:
 # ---- clients, the closed-loop driver, timeline breakdown ---------------------------------
 class WorkerClient(AsyncClient):
     """Talks to a decode or colocated worker directly with GenerateRequest, as the router
-    does; reuses AsyncClient's socket and reply demultiplexing (workers reply one frame)."""
+    does (signed with the deployment's key); reuses AsyncClient's socket and reply
+    demultiplexing (workers reply one frame)."""
+
+    def __init__(self, address: str, key: DeploymentKey) -> None:
+        super().__init__(address)
+        self.auth = Authenticator(key, f"bench client of {address}")
+
+    async def _read(self) -> None:
+        while True:
+            msg = wire.decode(self.auth.open(await self.sock.recv()))
+            q = self._queues.get(getattr(msg, "request_id", ""))
+            if q is not None:
+                q.put_nowait(msg)
 
     async def stream(self, ids: list[int], max_tokens: int,  # type: ignore[override]
                      prefill_addr: str = "") -> AsyncIterator[TokenOutput]:
@@ -120,7 +140,7 @@ class WorkerClient(AsyncClient):
         try:
             req = GenerateRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                                   prefill_addr, return_timeline=True, timeline={"arrival": time.time()})
-            await self.sock.send(wire.encode(req))
+            await self.sock.send(self.auth.seal(req))
             while True:
                 msg = await q.get()
                 if isinstance(msg, ErrorReply):

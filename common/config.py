@@ -291,6 +291,8 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 30.0
     ready_file: str = ""
+    # the deployment's secret (hex, common.auth): only ever in the 0600 config file, never argv/env
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

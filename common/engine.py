@@ -4,6 +4,7 @@ decoding them when their KV lands) and the prefill worker (prefill-only: a seque
 handed off after its first token, its KV blocks reported as they complete)."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +16,7 @@ from common.graph_runner import GraphRunner
 from common.hashing import block_hashes
 from common.model_runner import ModelRunner
 from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
+from common.scheduler import ScheduledBatch, Scheduler
 from common.sequence import SeqIdCounter, Sequence, SequenceStatus
 from common.tokenizer import Tokenizer
 from common.validation import RequestError, check_sampling, prompt_token_ids
@@ -25,11 +26,13 @@ __all__ = ["KVProgress", "KVWriter", "LLMEngine", "RequestError", "StepOutput"]
 
 @dataclass
 class StepOutput:
-    """What one step produced for one sequence."""
+    """What one step produced for one sequence. `error` set: the step failed for this
+    sequence alone (new_token is -1); the engine has released it, its caller answers it."""
 
     seq: Sequence
     new_token: int
     finished: bool
+    error: str | None = None
 
 
 @dataclass
@@ -157,9 +160,23 @@ class LLMEngine:
                 progress.append(KVProgress(seq, -(-end // bs) if end == len(seq) else end // bs))
             if kv_writer.plan(progress):
                 layer_hook = kv_writer.write_layer
-        sampled = self.runner.execute(batch, layer_hook)
-        self.scheduler.advance(batch)
+        failed: dict[int, str] = {}
+        generators = self.runner.generator_states(batch.seqs)
+        try:
+            sampled = self.runner.execute(batch, layer_hook)
+        except Exception as e:
+            sampled, failed = self._isolate(batch, e, generators)
+            if kv_writer is not None and layer_hook is not None:
+                for layer in range(self.config.model.num_layers):  # every layer's KV is in the cache now
+                    kv_writer.write_layer(layer)
         outputs = []
+        if failed:
+            for seq in [s for s in batch.seqs if s.seq_id in failed]:
+                self.release(seq, "error")
+                outputs.append(StepOutput(seq, -1, True, error=failed[seq.seq_id]))
+            keep = [i for i, s in enumerate(batch.seqs) if s.seq_id not in failed]
+            batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
+        self.scheduler.advance(batch)
         for seq in batch.seqs:
             token = sampled.get(seq.seq_id)
             if token is None:
@@ -171,6 +188,38 @@ class LLMEngine:
             else:
                 outputs.append(self._finish_if_stopped(seq, token))
         return outputs
+
+    def _isolate(self, batch: ScheduledBatch, error: Exception, generators: dict[int, bytes]
+                 ) -> tuple[dict[int, int], dict[int, str]]:
+        """The batch's step raised: run it again in halves, down to single sequences, to
+        find which sequence(s) make it raise. Returns the tokens of the rest and an error
+        per culprit. Token-exact for the rest: a failed attempt advanced nothing (the
+        scheduler and the prefix cache only learn of a step after it succeeded), the
+        KV it wrote is overwritten by the re-run at the same slots, and seeded
+        generators are put back as they were before it."""
+        print(f"[engine] a step of {len(batch)} sequence(s) raised {type(error).__name__}: {error}; "
+              f"isolating the sequence(s) that cause it", file=sys.stderr, flush=True)
+        sampled: dict[int, int] = {}
+        failed: dict[int, str] = {}
+        parts = [list(range(len(batch)))]
+        while parts:
+            part = parts.pop()
+            if len(part) == len(batch):  # the whole batch raised already: split it
+                parts += [part[:len(part) // 2], part[len(part) // 2:]]
+                continue
+            sub = ScheduledBatch([batch.seqs[i] for i in part], [batch.num_tokens[i] for i in part])
+            self.runner.restore_generator_states(sub.seqs, generators)
+            try:
+                sampled.update(self.runner.execute(sub))
+            except Exception as e:
+                if len(part) == 1:
+                    seq = sub.seqs[0]
+                    failed[seq.seq_id] = f"the engine failed on this request: {type(e).__name__}: {e}"
+                    print(f"[engine] sequence {seq.seq_id} fails the step alone ({type(e).__name__}: {e}); "
+                          f"failing it, the other {len(batch) - 1} go on", file=sys.stderr, flush=True)
+                else:
+                    parts += [part[:len(part) // 2], part[len(part) // 2:]]
+        return sampled, failed
 
     def _finish_if_stopped(self, seq: Sequence, token: int) -> StepOutput:
         reason = self.check_stop(seq)

@@ -41,10 +41,12 @@ class LLM:
         for seq in seqs:
             self.engine.add(seq)
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
+        errors: dict[int, str] = {}  # seq_id -> why the engine failed it (finish_reason "error")
         try:
             while self.engine.has_work():
-                done = sum(o.finished for o in self.engine.step())
-                bar.update(done)
+                outputs = self.engine.step()
+                errors.update({o.seq.seq_id: o.error for o in outputs if o.error})
+                bar.update(sum(o.finished for o in outputs))
         except BaseException:
             for seq in seqs:
                 self.engine.abort(seq)
@@ -57,4 +59,5 @@ class LLM:
             "prompt_token_ids": s.token_ids[:s.num_prompt_tokens],
             "finish_reason": s.finish_reason,
             "num_cached_tokens": s.num_cached_tokens,
+            **({"error": errors[s.seq_id]} if s.seq_id in errors else {}),
         } for s in seqs]

@@ -19,6 +19,12 @@ from common.sequence import Sequence
 from common.weights import load_weights
 
 
+# Test hook, off unless set: a step whose sampled sequences include one holding this token
+# id raises after the forward (KV written), as a real per-request failure in a step would.
+# The multi-process tests of step isolation set it; nothing else should.
+FAULT_TOKEN_ENV = "PDSERVE_TEST_FAULT_TOKEN"
+
+
 def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
     """[2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim]."""
     m = config.model
@@ -76,6 +82,8 @@ class ModelRunner:
         self.model.kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(config.model.num_layers)]
         self.sampler = Sampler(config.seed, dev.device)
         self._generators: dict[int, torch.Generator] = {}
+        fault = os.environ.get(FAULT_TOKEN_ENV, "")
+        self._fault_token = int(fault) if fault.isdigit() else None
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -85,6 +93,16 @@ class ModelRunner:
         request to another engine mid-stream."""
         gen = self._generators.get(seq_id)
         return b"" if gen is None else gen.get_state().numpy().tobytes()
+
+    def generator_states(self, seqs: list[Sequence]) -> dict[int, bytes]:
+        """The generator states of `seqs` that have one, to put back if a step fails."""
+        return {s.seq_id: self.generator_state(s.seq_id) for s in seqs if s.seq_id in self._generators}
+
+    def restore_generator_states(self, seqs: list[Sequence], states: dict[int, bytes]) -> None:
+        for s in seqs:
+            gen = self._generators.get(s.seq_id)
+            if gen is not None and s.seq_id in states:
+                gen.set_state(torch.frombuffer(bytearray(states[s.seq_id]), dtype=torch.uint8))
 
     def restore_generator(self, seq: Sequence, state: bytes) -> None:
         """Continue `seq`'s random stream from `state` (from `generator_state` of an
@@ -115,6 +133,8 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
         """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
         logits = self.model.compute_logits(hidden)  # [S, V]
+        if self._fault_token is not None and any(self._fault_token in s.token_ids for s in seqs):
+            raise RuntimeError(f"injected fault: a sequence holds token {self._fault_token} ({FAULT_TOKEN_ENV})")
         tokens = self.sampler(logits, [s.sampling_params for s in seqs], [self._generator(s) for s in seqs])
         return {s.seq_id: t for s, t in zip(seqs, tokens)}
 

@@ -1,16 +1,62 @@
 """Typed ZeroMQ endpoints: every send encodes a declared message (plus optional raw
-frames) and every receive decodes one, so no ad-hoc dicts reach a socket."""
+frames) and every receive decodes one, so no ad-hoc dicts reach a socket. Internal
+endpoints (given the deployment's key) sign every message they send and drop, with a log
+line, every message that is not authentic (common.auth); the public front end has none."""
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from common import messages
+from common.auth import AuthError, DeploymentKey
 from common.messages import ErrorReply, MessageError
+
+
+class Authenticator:
+    """One socket's signer and verifier (None: an unauthenticated, public socket), and the
+    rate-limited log of what it refused."""
+
+    def __init__(self, key: DeploymentKey | None, where: str) -> None:
+        self.signer = key.signer() if key else None
+        self.verifier = key.verifier() if key else None
+        self.where = where
+        self.refused = 0
+        self._logged_at = 0.0
+
+    def seal(self, msg: Any, frames: list | tuple = ()) -> bytes:
+        payload = messages.encode(msg)
+        return self.signer.sign(payload, list(frames)) if self.signer else payload
+
+    def open(self, first: bytes | memoryview, frames: list | tuple = ()) -> bytes:
+        """The payload of an authentic frame; AuthError (logged here) if it is not."""
+        if self.verifier is None:
+            return bytes(first)
+        try:
+            return self.verifier.verify(first, list(frames))
+        except AuthError as e:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._logged_at >= 1.0:  # a flood of forgeries must not flood the log
+                self._logged_at = now
+                print(f"[pid {os.getpid()}] {self.where}: refused an unauthenticated message "
+                      f"({self.refused} so far): {e}", file=sys.stderr, flush=True)
+            raise
+
+
+_ENDPOINT = re.compile(r"^(tcp://[^\s:/]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:\d{1,5}|ipc://[^\s]+)$")
+
+
+def is_endpoint(address: str) -> bool:
+    """Whether a peer-supplied address is a ZeroMQ endpoint this side may connect to
+    (tcp://host:port, or ipc://path); inproc and odd strings are not."""
+    return isinstance(address, str) and len(address) <= 1024 and bool(_ENDPOINT.match(address)) and \
+        (not address.startswith("tcp://") or 0 < int(address.rsplit(":", 1)[1]) < 65536)
 
 
 def bind_address(sock: zmq.Socket, address: str) -> str:
@@ -32,11 +78,12 @@ class Server:
     """A ROUTER socket: requests come in with the sender's identity; replies go back to it.
     Malformed input is answered with an ErrorReply and never raises to the caller."""
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, key: DeploymentKey | None = None) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.address = bind_address(self.sock, address)
+        self.auth = Authenticator(key, f"server {self.address}")
 
     def recv(self) -> Incoming | None:
         parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -44,14 +91,18 @@ class Server:
         if not body:
             return None
         try:
-            msg = messages.decode(body[0])
+            payload = self.auth.open(body[0], body[1:])
+        except AuthError:
+            return None  # not from this deployment: no reply (it would be a signed frame)
+        try:
+            msg = messages.decode(payload)
         except MessageError as e:
             self.send(identity, ErrorReply(request_id="", message=str(e), code="malformed"))
             return None
         return Incoming(identity, msg, body[1:])
 
     def send(self, identity: bytes, msg: Any, frames: list = ()) -> None:
-        self.sock.send_multipart([identity, messages.encode(msg), *frames], copy=False)
+        self.sock.send_multipart([identity, self.auth.seal(msg, frames), *frames], copy=False)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -60,7 +111,8 @@ class Server:
 class Client:
     """A DEALER socket connected to one Server."""
 
-    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None,
+                 key: DeploymentKey | None = None) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity:
@@ -71,16 +123,18 @@ class Client:
             self.sock.close(0)  # an open socket would make Context.term() hang
             raise
         self.address = address
+        self.auth = Authenticator(key, f"client of {address}")
 
     def send(self, msg: Any, frames: list = ()) -> None:
-        self.sock.send_multipart([messages.encode(msg), *frames], copy=False)
+        self.sock.send_multipart([self.auth.seal(msg, frames), *frames], copy=False)
 
     def recv(self, timeout_ms: int | None = None) -> Incoming:
-        """Block for one message (TimeoutError after timeout_ms); MessageError if malformed."""
+        """Block for one message (TimeoutError after timeout_ms); MessageError if
+        malformed, AuthError if not authentic."""
         if timeout_ms is not None and not self.sock.poll(timeout_ms):
             raise TimeoutError(f"no reply from {self.address} within {timeout_ms} ms")
         parts = self.sock.recv_multipart()
-        return Incoming(None, messages.decode(parts[0]), parts[1:])
+        return Incoming(None, messages.decode(self.auth.open(parts[0], parts[1:])), parts[1:])
 
     def recv_nowait(self) -> Incoming | None:
         """One message if one is waiting; raw frames come as zero-copy memoryviews."""
@@ -88,8 +142,11 @@ class Client:
             parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        frames = [f.buffer for f in parts[1:]]
         try:
-            return Incoming(None, messages.decode(parts[0].bytes), [f.buffer for f in parts[1:]])
+            return Incoming(None, messages.decode(self.auth.open(parts[0].buffer, frames)), frames)
+        except AuthError:
+            return None  # logged by the authenticator
         except MessageError as e:  # a peer's bug or a forgery: say so, keep the connection
             print(f"[pid {os.getpid()}] malformed message from {self.address} dropped: {e}",
                   file=sys.stderr, flush=True)

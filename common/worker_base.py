@@ -13,7 +13,8 @@ from pathlib import Path
 
 import zmq
 
-from common.config import EngineConfig, WorkerConfig
+from common.auth import DeploymentKey
+from common.config import ConfigError, EngineConfig, WorkerConfig
 from common.engine import LLMEngine
 from common.kv_layout import layout_of
 from common.messages import WorkerStatus
@@ -30,11 +31,18 @@ class WorkerBase:
         self.config = engine_config
         self.wconfig = worker_config
         self.worker_id = worker_config.worker_id
+        if not worker_config.secret:
+            raise ConfigError("the worker config file has no deployment secret: every internal message is "
+                              "authenticated with it (the launcher writes it; `--secret-file` across hosts)")
+        try:
+            self.key = DeploymentKey(worker_config.secret)
+        except ValueError as e:
+            raise ConfigError(f"worker config field 'secret': {e}") from None
         self.ctx = zmq.Context()
-        self.server = Server(self.ctx, worker_config.bind)
+        self.server = Server(self.ctx, worker_config.bind, key=self.key)
         self.poller = zmq.Poller()
         self.poller.register(self.server.sock, zmq.POLLIN)
-        self.reporter = Client(self.ctx, worker_config.report_to) if worker_config.report_to else None
+        self.reporter = Client(self.ctx, worker_config.report_to, key=self.key) if worker_config.report_to else None
         self.counters: dict[str, int] = {}
         self._stop = False
         self._last_heartbeat = 0.0
@@ -147,7 +155,7 @@ class WorkerBase:
         """Background thread: repeat the last status (without KV events) while the loop is
         inside a long step, so a multi-second prefill does not look like a dead worker.
         It has its own socket: ZeroMQ sockets are not shared between threads."""
-        sock = Client(self.ctx, self.wconfig.report_to)
+        sock = Client(self.ctx, self.wconfig.report_to, key=self.key)
         try:
             while not self._stop:
                 time.sleep(self.wconfig.heartbeat_s)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from common.auth import DeploymentKey
 from common.config import ConfigError
 from common.messages import KVHandshake, KVHandshakeReply, KVLayout, StatusRequest
 from common.transport import Client, Incoming
@@ -64,8 +65,9 @@ class PrefillPeers:
     """Owns the sockets to prefill workers, keyed by address."""
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller, decode_id: str, timeout_s: float,
-                 backend: str) -> None:
+                 backend: str, key: DeploymentKey) -> None:
         self.ctx = ctx
+        self.key = key
         self.poller = poller
         self.decode_id = decode_id
         self.timeout_s = timeout_s
@@ -83,7 +85,7 @@ class PrefillPeers:
         if not _ENDPOINT.match(address):
             raise HandshakeError(f"prefill address {address!r} is not a ZeroMQ endpoint (tcp://host:port or ipc://path)")
         try:
-            client = Client(self.ctx, address, identity=self.decode_id.encode())
+            client = Client(self.ctx, address, identity=self.decode_id.encode(), key=self.key)
         except zmq.ZMQError as e:
             raise HandshakeError(f"cannot connect to prefill worker at {address}: {e}") from None
         client.send(hello)

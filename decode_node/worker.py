@@ -22,7 +22,7 @@ from common.transport import Incoming
 from common.worker_base import WorkerBase
 from decode_node.peers import HandshakeError, PeerLost, PeerMessage, PrefillPeers
 from decode_node.requests import DecodeRequest, RequestTable, State
-from kv_transfer import KVReceiver, TransferError, init_transfer_group, make_receiver, resolve_backend
+from kv_transfer import KVReceiver, TransferError, init_transfer_group, make_receiver, resolve_backend, shm_name_hint
 
 
 class DecodeWorker(WorkerBase):
@@ -38,7 +38,7 @@ class DecodeWorker(WorkerBase):
         self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0)
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
-                                  self.backend)
+                                  self.backend, self.key)
         init_transfer_group(worker_config)
         try:
             for address in worker_config.prefill_peers:
@@ -53,13 +53,15 @@ class DecodeWorker(WorkerBase):
         dev = self.config.device
         self.backend = resolve_backend(self.wconfig.kv_transfer, dev.device)
         shape = kv_cache_shape(self.config, decide_num_blocks(self.config))
-        self.receiver = make_receiver(self.backend, shape, dev.torch_dtype, dev.device, self.worker_id)
+        self.receiver = make_receiver(self.backend, shape, dev.torch_dtype, dev.device,
+                                      shm_name_hint(self.worker_id, self.key.deployment_id))
         return LLMEngine(self.config, self.receiver.kv_cache)
 
     def handshake(self) -> KVHandshake:
         assert self.receiver is not None
         return KVHandshake(self.worker_id, self.server.address, self.layout, self.backend,
-                           dict(self.receiver.backend_info(), **self.dist_info()))
+                           dict(self.receiver.backend_info(), num_blocks=self.engine.block_manager.num_blocks,
+                                **self.dist_info()))
 
     # ---- messages from the router -------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
@@ -215,6 +217,9 @@ class DecodeWorker(WorkerBase):
         for out in outputs:
             req = self.requests.by_seq(out.seq.seq_id)
             assert req is not None, "the engine ran a sequence the table does not hold"
+            if out.error is not None:  # this request alone broke the step; the engine released it
+                self.fail(req, out.error, code="internal_error")
+                continue
             if req.local:
                 mark(req.timeline, Stamp.PREFILL_START, start, first=True)
                 mark(req.timeline, Stamp.PREFILL_END, now, first=True)

@@ -7,8 +7,10 @@ import torch
 from common.config import BACKENDS, WorkerConfig
 from common.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.kv_layout
 from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
+from kv_transfer.peer_check import check_block_ids, check_peer_info, shm_name_hint
 
-__all__ = ["BACKENDS", "KVReceiver", "KVSender", "PendingReceive", "TransferError", "init_transfer_group",
+__all__ = ["BACKENDS", "KVReceiver", "KVSender", "PendingReceive", "TransferError", "check_block_ids",
+           "check_peer_info", "init_transfer_group", "shm_name_hint",
            "layout_mismatch", "layout_of", "make_receiver", "make_sender", "resolve_backend"]
 
 

@@ -23,11 +23,31 @@ def export_handle(t: torch.Tensor) -> dict:
             "storage_offset": t.storage_offset(), "dtype": dtype_name(t.dtype)}
 
 
+def _ints(v: object, what: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise ValueError(f"CUDA IPC view: {what} must be a list of non-negative integers, got {v!r}")
+    return v
+
+
 def view_from_storage(storage: torch.UntypedStorage, info: dict) -> torch.Tensor:
-    """Rebuild the exported tensor's view (dtype, shape, strides) over an opened storage."""
+    """Rebuild the exported tensor's view (dtype, shape, strides) over an opened storage.
+    The peer supplies shape, stride and offset: ValueError unless every element they
+    address lies inside the storage (set_ itself would let a view reach past it)."""
     dtype = parse_dtype(info["dtype"])
+    shape, stride = _ints(info.get("shape"), "shape"), _ints(info.get("stride"), "stride")
+    offset = info.get("storage_offset")
+    if len(shape) != len(stride) or len(shape) > 16:
+        raise ValueError(f"CUDA IPC view: shape {shape} and stride {stride} do not match")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ValueError(f"CUDA IPC view: storage_offset must be a non-negative integer, got {offset!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if 0 not in shape:
+        last = offset + sum((n - 1) * st for n, st in zip(shape, stride))  # the farthest element addressed
+        if (last + 1) * itemsize > storage.nbytes():
+            raise ValueError(f"CUDA IPC view: shape {shape}, stride {stride}, offset {offset} reach element {last}, "
+                             f"past the shared storage of {storage.nbytes() // itemsize} {info['dtype']} elements")
     t = torch.empty(0, dtype=dtype, device=storage.device)
-    t.set_(storage, info["storage_offset"], info["shape"], info["stride"])
+    t.set_(storage, offset, shape, stride)
     return t
 
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import socket
 import threading
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -18,10 +21,29 @@ from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
 
 
 def init_group(backend: str, init_method: str, rank: int, world_size: int) -> None:
-    """Join the transfer process group (every P and D of a deployment, ranks by launcher)."""
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=120))
+    """Join the transfer process group (every P and D of a deployment, ranks by launcher).
+
+    `init_method` is tcp://HOST:PORT. Rank 0's TCPStore listens on HOST only: torch's own
+    store binds every interface whatever host it is given, so rank 0 binds the listening
+    socket itself and hands torch its fd. On a loopback HOST gloo's pairs stay on `lo` too."""
+    if dist.is_initialized():
+        return
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"dist_init must be tcp://host:port, got {init_method!r}")
+    timeout = datetime.timedelta(seconds=120)
+    listen = None
+    if rank == 0:
+        listen = socket.create_server((url.hostname, url.port), backlog=128, reuse_port=False)
+    try:
+        store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout,
+                              wait_for_workers=False, **({"master_listen_fd": listen.fileno()} if listen else {}))
+    finally:
+        if listen is not None:
+            listen.detach()  # the store owns the fd now
+    if backend == "gloo" and url.hostname in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this process's own setting, read by gloo below
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 class Waiter:

@@ -17,7 +17,8 @@ from common.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeR
 from common.timeline import Stamp, mark
 from common.transport import Incoming
 from common.worker_base import WorkerBase
-from kv_transfer import KVSender, init_transfer_group, layout_mismatch, make_sender, resolve_backend
+from kv_transfer import (KVSender, TransferError, check_block_ids, check_peer_info, init_transfer_group,
+                         layout_mismatch, make_sender, resolve_backend)
 from prefill_node.jobs import JobState, JobTable, PrefillJob
 from prefill_node.kv_push import LayerPush
 
@@ -32,6 +33,7 @@ class PrefillWorker(WorkerBase):
         self.backend = resolve_backend(worker_config.kv_transfer, engine_config.device.device)
         self.engine = LLMEngine(engine_config, prefill_only=True)
         self.senders: dict[str, KVSender] = {}  # decode_id -> sender
+        self.peer_blocks: dict[str, int] = {}  # decode_id -> blocks in its cache (bounds every write)
         self.jobs = JobTable()
         self.counters.update(blocks_sent=0, bytes_sent=0, prefills=0, prefix_hit_tokens=0)
         init_transfer_group(worker_config)
@@ -52,6 +54,13 @@ class PrefillWorker(WorkerBase):
             self.server.send(inc.identity, ErrorReply("", f"a prefill worker does not take {msg.TYPE!r} messages"))
 
     def on_handshake(self, identity: bytes, hs: KVHandshake) -> None:
+        """Accept a decode worker (the message is authentic: it is of this deployment)
+        whose cache is the one the deployment gives it and whose layout matches ours."""
+        if identity != hs.decode_id.encode():
+            self.log(f"refused a handshake naming decode worker {hs.decode_id!r} from connection {identity!r}")
+            self.server.send(identity, KVHandshakeReply(self.worker_id, False, "decode_id does not match the "
+                                                        "connection's identity", self.layout))
+            return
         mismatch = layout_mismatch(self.layout, hs.layout)
         if hs.backend != self.backend:
             mismatch = (mismatch + "; " if mismatch else "") + \
@@ -61,10 +70,18 @@ class PrefillWorker(WorkerBase):
             self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"incompatible prefill/decode pair: {mismatch}", self.layout))
             return
         try:
+            num_blocks = check_peer_info(self.backend, hs.backend_info, hs.layout, hs.decode_id,
+                                         self.key.deployment_id, self.wconfig.world_size, self.wconfig.rank)
+        except TransferError as e:
+            self.log(f"refused decode worker {hs.decode_id}: {e}")
+            self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"refused: {e}", self.layout))
+            return
+        try:
             old = self.senders.pop(hs.decode_id, None)
             if old:
                 old.close()
             self.senders[hs.decode_id] = make_sender(self.backend, self.engine.runner.kv_cache, hs.backend_info)
+            self.peer_blocks[hs.decode_id] = num_blocks
         except Exception as e:  # e.g. the shm segment cannot be mapped
             self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"cannot reach decode cache: {e}", self.layout))
             return
@@ -74,14 +91,21 @@ class PrefillWorker(WorkerBase):
     def on_prefill(self, identity: bytes, req: PrefillRequest) -> None:
         now = time.time()
         try:
-            if req.decode_id not in self.senders:
-                raise RequestError(f"decode worker {req.decode_id!r} has not completed a handshake")
+            # only the decode worker that handshook on this connection writes into its own blocks
+            if req.decode_id not in self.senders or identity != req.decode_id.encode():
+                raise RequestError(f"decode worker {req.decode_id!r} has not completed a handshake on this connection")
+            if self.jobs.find_request(req.request_id):
+                raise RequestError(f"request id {req.request_id!r} is already being prefilled")
             seq = self.engine.new_sequence(req.prompt_token_ids, req.sampling, req.block_hashes)
             n_blocks = -(-len(seq) // self.engine.config.cache.block_size)
             if not 0 <= req.skip_blocks < n_blocks or len(req.dst_block_ids) != n_blocks - req.skip_blocks:
                 raise RequestError(f"reservation of {len(req.dst_block_ids)} blocks after skipping "
                                    f"{req.skip_blocks} does not cover a {len(seq)}-token prompt ({n_blocks} blocks)")
+            why = check_block_ids(req.dst_block_ids, self.peer_blocks[req.decode_id])
+            if why:
+                raise RequestError(f"reservation refused: {why}")
         except RequestError as e:
+            self.log(f"prefill request {req.request_id!r} from {req.decode_id!r} refused: {e}")
             self.server.send(identity, PrefillFailed(req.request_id, str(e)))
             return
         job = PrefillJob(req.request_id, seq, identity, req.decode_id, req.skip_blocks, req.dst_block_ids,
@@ -102,7 +126,10 @@ class PrefillWorker(WorkerBase):
         for out in outputs:
             job = self.jobs.by_seq(out.seq.seq_id)
             assert job is not None, "the engine ran a sequence with no prefill job"
-            self.hand_off(job, out, end)
+            if out.error is not None:  # this prompt alone broke the step: its D fails it, the rest go on
+                self.end(job, JobState.FAILED, out.error)
+            else:
+                self.hand_off(job, out, end)
 
     def hand_off(self, job: PrefillJob, out: StepOutput, prefill_end: float) -> None:
         """The prompt is computed: send the KV D still lacks, then KVReady with the first token."""

@@ -120,6 +120,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dep = plan_deployment(router, options, kv_transfer=args.kv_transfer, threads_per_worker=threads,
                               prefill_devices=_devices(args.prefill_devices, args.prefill, "--prefill-devices"),
                               decode_devices=_devices(args.decode_devices, args.decode, "--decode-devices"))
+    if args.secret_file:  # multi-host: every host's workers are given the same secret this way
+        from common.auth import read_secret_file
+        try:
+            dep = dataclasses.replace(dep, secret=read_secret_file(args.secret_file))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     run(dep, args.ready_file)
     return 0
 
@@ -167,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES)
     p.add_argument("--routing", default="prefix_load", choices=POLICIES)
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--secret-file", default="",
+                   help="file (mode 0600) holding the deployment secret, hex; default: a fresh one per run. "
+                        "Internal messages are authenticated with it; it is never passed in argv or env")
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--zmq-port", type=int, default=5555, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None)

@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from common import messages
+from common.auth import AuthError, DeploymentKey, new_secret
 from common.hashing import block_hashes
 from common.kv_layout import model_fingerprint
 from common.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
@@ -24,7 +25,7 @@ from common.timeline import Stamp, mark
 from common.chat_template import ChatTemplateError
 from common.tokenizer import Tokenizer
 from common.validation import RequestError, check_sampling, check_token_ids
-from common.transport import bind_address
+from common.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
@@ -71,10 +72,16 @@ class InFlight:
 
 
 class Router:
-    """Owns the worker registry, the sockets to workers and the requests in flight."""
+    """Owns the worker registry, the sockets to workers and the requests in flight, and
+    the deployment's secret: the control socket and the worker sockets accept only
+    messages signed with it (common.auth); `secret` "" makes a fresh one (single host)."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, secret: str = "") -> None:
         self.config = config
+        self.secret = secret or new_secret()
+        self.key = DeploymentKey(self.secret)
+        self._control_auth = Authenticator(self.key, "router control socket")
+        self._worker_auth = Authenticator(self.key, "router worker sockets")  # one signer for every worker
         self.tokenizer = Tokenizer(config.model_dir)
         self.model_fingerprint = model_fingerprint(config.model_dir)  # a worker must match it to register
         self.registry = WorkerRegistry(config.stale_after_s)
@@ -111,46 +118,70 @@ class Router:
 
     # ---- workers ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
+        """Hellos and heartbeats. No message can end this loop: each is handled inside its
+        own try, and what fails is logged and dropped."""
         while True:
             parts = await self.control.recv_multipart()
             try:
-                msg = messages.decode(parts[1])
-            except (MessageError, IndexError) as e:
-                reason = e if isinstance(e, MessageError) else f"{len(parts)} frame(s), expected 2"
-                print(f"router: dropped a malformed control message: {reason}", file=sys.stderr, flush=True)
-                continue
-            now = time.monotonic()
-            if isinstance(msg, WorkerHello):
-                why = refusal(msg, self.config.block_size, self.model_fingerprint)
-                if why is not None:
-                    print(f"router: {why}", file=sys.stderr, flush=True)
-                    continue
-                entry = self.registry.hello(msg, now)
-                if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
-                    self._connect_worker(entry)  # new, or restarted at a new address
-            elif isinstance(msg, WorkerStatus):
-                entry = self.registry.heartbeat(msg, now)
-                if entry:
-                    self.metrics.worker_status(msg)
+                self._on_control(parts)
+            except Exception as e:  # a bug or an input nothing checked: log it, keep serving
+                print(f"router: control message dropped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
-    def _connect_worker(self, entry: WorkerEntry) -> None:
-        wid = entry.worker_id
+    def _on_control(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            print(f"router: dropped a control message of {len(parts)} frame(s), expected 2", file=sys.stderr, flush=True)
+            return
+        try:
+            msg = messages.decode(self._control_auth.open(parts[1]))
+        except AuthError:
+            return  # logged by the authenticator
+        except MessageError as e:
+            print(f"router: dropped a malformed control message: {e}", file=sys.stderr, flush=True)
+            return
+        now = time.monotonic()
+        if isinstance(msg, WorkerHello):
+            why = refusal(msg, self.config.block_size, self.model_fingerprint)
+            if why is None and not is_endpoint(msg.address):  # connected to (D) or handed to D (P)
+                why = f"refused worker {msg.worker_id!r}: address {msg.address!r} is not a ZeroMQ endpoint"
+            if why is not None:
+                print(f"router: {why}", file=sys.stderr, flush=True)
+                return
+            if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
+                self._connect_worker(msg)  # new, or restarted at a new address
+            self.registry.hello(msg, now)
+        elif isinstance(msg, WorkerStatus):
+            entry = self.registry.heartbeat(msg, now)
+            if entry:
+                self.metrics.worker_status(msg)
+        else:
+            print(f"router: dropped a {msg.TYPE!r} message on the control socket", file=sys.stderr, flush=True)
+
+    def _connect_worker(self, hello: WorkerHello) -> None:
+        """Connect to a decode/colocated worker; zmq.ZMQError (left as it was) if its
+        address cannot be connected to."""
+        wid = hello.worker_id
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(hello.address)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
         old = self._worker_tasks.pop(wid, None)
         if old is not None:
             old.cancel()
             self.worker_socks.pop(wid).close(0)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(entry.hello.address)
         self.worker_socks[wid] = sock
-        self._worker_addr[wid] = entry.hello.address
+        self._worker_addr[wid] = hello.address
         self._worker_tasks[wid] = asyncio.create_task(self._worker_loop(wid, sock))
 
     async def _worker_loop(self, worker_id: str, sock: zmq.asyncio.Socket) -> None:
         while True:
             parts = await sock.recv_multipart()
             try:
-                msg = messages.decode(parts[0])
+                msg = messages.decode(self._worker_auth.open(parts[0], parts[1:]))
+            except AuthError:
+                continue  # logged by the authenticator
             except MessageError as e:
                 print(f"[router] malformed message from worker {worker_id} dropped: {e}", file=sys.stderr, flush=True)
                 continue
@@ -252,7 +283,7 @@ class Router:
                               sub.return_timeline, timeline, prep.block_hashes)
         finished = False
         try:
-            await self.worker_socks[decode.worker_id].send_multipart([messages.encode(msg)])
+            await self.worker_socks[decode.worker_id].send_multipart([self._worker_auth.seal(msg)])
             while not finished:
                 out = await req.queue.get()
                 if isinstance(out, ErrorReply):
@@ -274,7 +305,7 @@ class Router:
                 self.metrics.request_done("aborted")
                 sock = self.worker_socks.get(decode.worker_id)
                 if sock is not None:
-                    await sock.send_multipart([messages.encode(AbortRequest(req.request_id))])
+                    await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.request_id))])
 
     def _account(self, req: InFlight, out: TokenOutput) -> None:
         now = time.monotonic()

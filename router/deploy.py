@@ -3,7 +3,7 @@ options, worker config), filled once by `pdserve serve` and handed to the launch
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import ConfigError, EngineOptions, WorkerConfig
 from common.worker_spec import WorkerSpec
@@ -23,6 +23,7 @@ class DeploymentConfig:
     router: RouterConfig
     workers: tuple[WorkerSpec, ...]
     kv_transfer: str = ""  # the resolved backend; "" for a colocated deployment
+    secret: str = field(default="", repr=False)  # common.auth; "" = a fresh one per `serve` (single host)
 
     def __post_init__(self) -> None:
         for w in self.workers:  # the router routes by prefix hashes of its own block size and model
@@ -70,7 +71,7 @@ def plan_deployment(router: RouterConfig, engine: EngineOptions, *, prefill_devi
         raise ConfigError(str(e)) from None
     world = len(prefill_devices) + len(decode_devices)
     ranks = iter(range(world)) if backend in ("gloo", "nccl") else None
-    dist_init = f"tcp://127.0.0.1:{free_port()}" if ranks is not None else ""
+    dist_init = f"tcp://{router.host}:{free_port()}" if ranks is not None else ""  # rank 0's store binds there
 
     def dist() -> dict:
         return {"dist_init": dist_init, "rank": next(ranks), "world_size": world} if ranks is not None else {}

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.auth import new_secret
 from common.worker_spec import WorkerSpec
 
 
@@ -53,21 +54,25 @@ class WorkerProcess:
 
 
 class Launcher:
-    """Owns the worker processes of one deployment (tests, `pdserve serve`)."""
+    """Owns the worker processes of one deployment (tests, `pdserve serve`) and hands each
+    the deployment's secret (a fresh one unless given) through its config file only."""
 
-    def __init__(self, workdir: str | Path | None = None) -> None:
+    def __init__(self, workdir: str | Path | None = None, secret: str = "") -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.workdir, 0o700)  # config files hold the secret; logs hold prompts
         self.workers: list[WorkerProcess] = []
+        self.secret = secret or new_secret()
 
     def start(self, spec: WorkerSpec, env: dict | None = None) -> WorkerProcess:
         """Start the worker `spec` describes, named by its worker_id; the launcher sets
-        its ready file."""
+        its ready file and the deployment secret (in the file, never in argv or env)."""
         name = spec.worker.worker_id
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
-        spec = dataclasses.replace(spec, worker=dataclasses.replace(spec.worker, ready_file=str(ready)))
+        spec = dataclasses.replace(spec, worker=dataclasses.replace(spec.worker, ready_file=str(ready),
+                                                                   secret=self.secret))
         config_path = spec.write(self.workdir / f"{name}.json")
         package = "prefill_node" if spec.worker.role == "prefill" else "decode_node"
         cmd = [sys.executable, "-m", package, "--config", str(config_path)]

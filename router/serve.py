@@ -58,11 +58,11 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    router = Router(config)
+    router = Router(config, secret=dep.secret)
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
-    launcher = Launcher()
+    launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
     http = http_task = None
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))

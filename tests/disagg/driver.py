@@ -16,6 +16,7 @@ from pathlib import Path
 
 import zmq
 
+from common.auth import DeploymentKey
 from common.sampling_params import SamplingParams
 from common.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
 from common.transport import Client
@@ -73,7 +74,8 @@ class Deployment:
         self.decode = decode
         self.prefill = prefill
         self.ctx = zmq.Context()
-        self.client = Client(self.ctx, decode.address)  # requests and their replies
+        self.key = DeploymentKey(launcher.secret)  # the secret the launcher wrote into every worker's config
+        self.client = Client(self.ctx, decode.address, key=self.key)  # requests and their replies
         self._status_clients: dict[str, Client] = {}
         self._ids = itertools.count()
 
@@ -93,7 +95,7 @@ class Deployment:
         worker = worker or self.decode
         client = self._status_clients.get(worker.address)
         if client is None:
-            client = self._status_clients[worker.address] = Client(self.ctx, worker.address)
+            client = self._status_clients[worker.address] = Client(self.ctx, worker.address, key=self.key)
         client.send(StatusRequest())
         deadline = time.monotonic() + timeout_s
         while True:
@@ -116,9 +118,10 @@ class Deployment:
                                prefill_addr=self.prefill_addr)
 
     def send(self, requests: list[GenerateRequest], raw: list[list[bytes]] = ()) -> None:
-        """Put every request (and every raw multipart message) in flight before reading."""
+        """Put every request (and every raw multipart message, signed as this deployment's
+        own -- a malformed message from inside) in flight before reading."""
         for frames in raw:
-            self.client.sock.send_multipart(frames)
+            self.client.sock.send_multipart([self.client.auth.signer.sign(frames[0], frames[1:]), *frames[1:]])
         for req in requests:
             self.client.send(req)
 

@@ -39,3 +39,23 @@ def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="dtype"):
         view_from_storage(base.untyped_storage(), {"shape": [4], "stride": [1], "storage_offset": 0,
                                                    "dtype": "complex64"})
+
+
+@pytest.mark.parametrize("shape, stride, offset", [
+    ([10, 4], [4, 1], 1),  # one element past the end
+    ([41], [1], 0),
+    ([2, 2], [1000, 1], 0),  # a stride that jumps out
+    ([4], [1], 10**12),
+    ([4], [-1], 3),  # negative strides walk backwards out of it
+    ([4], [1], -1),
+    ([4, 4], [1], 0),  # stride rank differs
+], ids=["offset", "size", "stride", "huge-offset", "negative-stride", "negative-offset", "rank"])
+def test_out_of_bounds_views_are_refused(shape, stride, offset):
+    """The peer's shape/stride/offset must address only the storage it shared."""
+    base = torch.zeros(40, dtype=torch.float32)
+    with pytest.raises(ValueError, match="CUDA IPC view"):
+        view_from_storage(base.untyped_storage(), {"shape": shape, "stride": stride, "storage_offset": offset,
+                                                   "dtype": "float32"})
+    view = view_from_storage(base.untyped_storage(), {"shape": [10, 4], "stride": [4, 1], "storage_offset": 0,
+                                                      "dtype": "float32"})
+    assert view.shape == (10, 4)  # the exact fit is fine

@@ -12,7 +12,7 @@ import zmq.asyncio
 from common import messages
 from common.sampling_params import SamplingParams
 from common.messages import ErrorReply, GenerateRequest, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus
-from common.transport import bind_address
+from common.transport import Authenticator, bind_address
 from router.config import RouterConfig
 from router.core import Router
 
@@ -20,8 +20,9 @@ from router.core import Router
 class FakeWorker:
     """A colocated worker's server socket; answers nothing unless told to."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, fingerprint: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, fingerprint: str, auth: Authenticator) -> None:
         self.worker_id = worker_id
+        self.auth = auth  # signs with the router's deployment secret, as a launched worker would
         self.fingerprint = fingerprint  # the router refuses a worker of another model
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -35,10 +36,10 @@ class FakeWorker:
         if not await self.sock.poll(int(timeout_s * 1000)):
             return None
         identity, raw = await self.sock.recv_multipart()
-        return identity, messages.decode(raw)
+        return identity, messages.decode(self.auth.open(raw))
 
     async def reply(self, identity: bytes, msg) -> None:
-        await self.sock.send_multipart([identity, messages.encode(msg)])
+        await self.sock.send_multipart([identity, self.auth.seal(msg)])
 
 
 class Harness:
@@ -53,14 +54,19 @@ class Harness:
         self.report.setsockopt(zmq.LINGER, 0)
         self.report.connect(self.router.control_address)
         self.workers: list[FakeWorker] = []
+        self.auth = Authenticator(self.router.key, "test harness")
 
     def worker(self, worker_id: str) -> FakeWorker:
-        w = FakeWorker(self.ctx, worker_id, self.router.model_fingerprint)
+        w = FakeWorker(self.ctx, worker_id, self.router.model_fingerprint, Authenticator(self.router.key, worker_id))
         self.workers.append(w)
         return w
 
     async def send(self, msg) -> None:
-        await self.report.send(messages.encode(msg))
+        await self.report.send(self.auth.seal(msg))
+
+    async def send_raw(self, payload: bytes) -> None:
+        """Signed, whatever the payload: a malformed message from inside the deployment."""
+        await self.report.send(self.auth.signer.sign(payload))
 
     async def close(self) -> None:
         for w in self.workers:
@@ -172,7 +178,7 @@ def test_worker_of_another_model_or_block_size_is_refused(model_dirs, capfd):
             good = h.worker("c-good")
             await h.send(dataclasses.replace(other_model.hello(), model_fingerprint="0123456789abcdef"))
             await h.send(dataclasses.replace(other_block.hello(), block_size=32))
-            await h.report.send(messages.encode(WorkerStatus("c-model", "colocated", 0, 0, 64, 64))[:5])  # malformed
+            await h.send_raw(messages.encode(WorkerStatus("c-model", "colocated", 0, 0, 64, 64))[:5])  # malformed
             await h.send(good.hello())
             await h.router.wait_for_workers(0, 0, 1, timeout=5)
             assert set(h.router.registry.workers) == {"c-good"}
