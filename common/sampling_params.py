@@ -67,8 +67,10 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or not -1 <= self.top_k <= MAX_TOP_K:
             raise SamplingParamsError(f"top_k must be -1 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
-        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise SamplingParamsError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        if self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens > MAX_TOKENS_LIMIT:
+            raise SamplingParamsError(f"max_tokens must be <= {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
         if self.stop is not None:
             if len(self.stop) > MAX_STOP_STRINGS:
                 raise SamplingParamsError(f"stop may list at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
