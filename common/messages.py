@@ -8,6 +8,7 @@ field types with MessageError; a process answers that with an ErrorReply and goe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -237,11 +238,16 @@ def _to_wire(msg: Any) -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def _structure(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A message class's field types and fields, resolved once (get_type_hints costs ~1 ms)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def _from_wire(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise MessageError(f"{where}: expected a map, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields = _structure(cls)
     unknown = set(data) - set(fields)
     if unknown:
         raise MessageError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")

@@ -41,12 +41,13 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float
         return probs
     sorted_p, idx = probs.sort(dim=-1, descending=True)  # [R, V]
     vocab = probs.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
+    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=probs.device)  # int64-safe
     ranks = torch.arange(vocab, device=probs.device)[None, :]
     keep = ranks < ks[:, None]
     ps = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
-    # keep a token if the mass strictly before it is < top_p (the top token always stays)
-    keep &= (sorted_p.cumsum(-1) - sorted_p) < ps[:, None]
+    # keep a token if the mass strictly before it is < top_p; the top token always stays,
+    # also when top_p underflows to 0 in float32 (1e-300), or no token would be left
+    keep &= ((sorted_p.cumsum(-1) - sorted_p) < ps[:, None]) | (ranks == 0)
     sorted_p = sorted_p * keep
     filtered = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return filtered / filtered.sum(-1, keepdim=True)

@@ -24,11 +24,29 @@ def check_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -
     return token_ids
 
 
+def check_text(text: str, what: str = "prompt") -> str:
+    """`text` if UTF-8 can carry it; RequestError for a lone surrogate (JSON's "\\ud800"),
+    which the tokenizer and msgpack would otherwise meet."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} is not valid Unicode: lone surrogate at character {e.start}") from None
+    return text
+
+
+def check_prompt_chars(num_chars: int, max_chars: int) -> None:
+    """The size cap checked before tokenizing: tokenizing costs time in proportion to the
+    text, and a prompt this long could not fit max_model_len anyway (for sane limits)."""
+    if num_chars > max_chars:
+        raise RequestError(f"prompt has {num_chars} characters; the limit is {max_chars} "
+                           f"(a prompt must also fit max_model_len in tokens)")
+
+
 def prompt_token_ids(prompt: object, encode: Callable[[str], list[int]], vocab_size: int,
                      max_model_len: int) -> list[int]:
     """Token ids of a prompt given as text or ids, checked; RequestError names what is wrong."""
     if isinstance(prompt, str):
-        token_ids = encode(prompt)
+        token_ids = encode(check_text(prompt))
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         token_ids = list(prompt)
     else:

@@ -109,10 +109,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = dataclasses.replace(options, max_model_len=engine.scheduler.max_model_len)
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
+    # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
+    max_inflight = args.max_inflight or 4 * options.max_num_seqs * (args.colocated or args.decode)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY") or None
     router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
                           host=args.host, http_port=args.http_port, zmq_port=args.zmq_port, routing=args.routing,
                           max_model_len=engine.scheduler.max_model_len, block_size=options.block_size,
-                          enable_http=args.http_port >= 0)
+                          enable_http=args.http_port >= 0, max_inflight=max_inflight,
+                          max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
+                          api_key=api_key)
     if args.colocated:
         dep = plan_deployment(router, options, threads_per_worker=threads,
                               colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices"))
@@ -180,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zmq-port", type=int, default=5555, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--ready-file", default="", help="write connection info as JSON here once ready")
+    g = p.add_argument_group("client-facing limits (docs/security.md)")
+    g.add_argument("--max-inflight", type=int, default=0,
+                   help="requests admitted at once; beyond: HTTP 429 / ZeroMQ 'overloaded' "
+                        "(default 4 x max-num-seqs x decode or colocated workers)")
+    g.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="prompt size in characters, checked before tokenizing (default max(65536, 16 x max-model-len))")
+    g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="HTTP request body limit")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

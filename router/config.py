@@ -9,7 +9,8 @@ from router.policy import POLICIES
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Where the router listens and how it routes."""
+    """Where the router listens, how it routes, and the client-facing limits
+    (docs/security.md, "Client-facing edge")."""
 
     model_dir: str
     model_name: str = "pdserve"
@@ -23,6 +24,14 @@ class RouterConfig:
     stale_after_s: float = 5.0
     seed: int = 0
     enable_http: bool = True
+    # admission: requests being prepared or in flight (queued on a worker included);
+    # above it a new one is refused (HTTP 429 + Retry-After, ZeroMQ error "overloaded")
+    max_inflight: int = 256
+    retry_after_s: int = 1
+    max_prompt_chars: int = 0  # checked before tokenizing; 0: default_prompt_chars(max_model_len)
+    max_body_bytes: int = 16 * 1024 * 1024  # HTTP request body, however it is sent (chunked too)
+    api_key: str | None = None  # HTTP: required as "Authorization: Bearer <key>" on /v1/*
+    tokenizer_threads: int = 2  # chat template + tokenization run here, off the event loop
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
@@ -30,9 +39,26 @@ class RouterConfig:
         for name in ("http_port", "zmq_port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
+        for name in ("max_inflight", "retry_after_s", "max_body_bytes", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_chars < 0:
+            raise ConfigError(f"max_prompt_chars must be >= 0 (0: default), got {self.max_prompt_chars}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty (leave it out to serve without one)")
+
+    @property
+    def prompt_chars_limit(self) -> int:
+        return self.max_prompt_chars or default_prompt_chars(self.max_model_len)
 
     def zmq_address(self) -> str:
         return f"tcp://{self.host}:{self.zmq_port}"
 
     def control_address(self) -> str:
         return f"tcp://{self.host}:{self.control_port}"
+
+
+def default_prompt_chars(max_model_len: int) -> int:
+    """16 characters per token of context (a token averages ~4), at least 64 Ki: generous
+    for any prompt that can fit, while bounding tokenization to ~0.1 s per request."""
+    return max(64 * 1024, 16 * max_model_len)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import random
 import sys
 import time
@@ -24,7 +25,7 @@ from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
 from common.chat_template import ChatTemplateError
 from common.tokenizer import Tokenizer
-from common.validation import RequestError, check_sampling, check_token_ids
+from common.validation import RequestError, check_prompt_chars, check_sampling, check_text, check_token_ids
 from common.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
@@ -36,9 +37,10 @@ from router.registry import WorkerEntry, WorkerRegistry, refusal
 class RouteError(ValueError):
     """A request cannot be routed as given (bad input, or no live worker)."""
 
-    def __init__(self, message: str, code: str = "bad_request") -> None:
+    def __init__(self, message: str, code: str = "bad_request", retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s  # set with code "overloaded"
 
 
 @dataclass
@@ -72,9 +74,10 @@ class InFlight:
 
 
 class Router:
-    """Owns the worker registry, the sockets to workers and the requests in flight, and
-    the deployment's secret: the control socket and the worker sockets accept only
-    messages signed with it (common.auth); `secret` "" makes a fresh one (single host)."""
+    """Owns the worker registry, the sockets to workers, the requests in flight, admission
+    (how many may be prepared or in flight at once, `config.max_inflight`) and the
+    deployment's secret: the control socket and the worker sockets accept only messages
+    signed with it (common.auth); `secret` "" makes a fresh one (single host)."""
 
     def __init__(self, config: RouterConfig, secret: str = "") -> None:
         self.config = config
@@ -97,6 +100,9 @@ class Router:
         self._worker_addr: dict[str, str] = {}
         self._worker_tasks: dict[str, asyncio.Task] = {}
         self.inflight: dict[str, InFlight] = {}
+        self.preparing = 0  # admitted requests being tokenized (in the pool), not yet in flight
+        # tokenizers releases the GIL while encoding: the event loop keeps serving meanwhile
+        self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
 
@@ -112,6 +118,7 @@ class Router:
             sock.close(0)
         self.control.close(0)
         self.ctx.term()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{int(time.time() * 1000) % 100000}"
@@ -209,17 +216,46 @@ class Router:
             await asyncio.sleep(0.05)
 
     # ---- requests -----------------------------------------------------------------------
-    def prepare(self, sub: SubmitRequest) -> Prepared:
-        """Validate and tokenize once, at the edge; RouteError names what is wrong."""
+    def admit(self) -> None:
+        """RouteError "overloaded" when `max_inflight` requests are already being prepared
+        or in flight; the caller answers it at once (HTTP 429 + Retry-After)."""
+        busy = len(self.inflight) + self.preparing
+        if busy >= self.config.max_inflight:
+            self.metrics.request_done("overloaded")
+            wait = self.config.retry_after_s
+            raise RouteError(f"server overloaded: {busy} requests in flight (limit {self.config.max_inflight}); "
+                             f"retry after {wait} s", "overloaded", wait)
+
+    def check_request(self, sub: SubmitRequest) -> SamplingParams:
+        """The checks that need no tokenizer, cheap enough for the event loop: one prompt
+        form, sampling ranges, valid Unicode, the prompt's size in characters."""
         given = [x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)]
         if sum(given) != 1:
             raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
         try:
             params = check_sampling(sub.sampling)
+            limit = self.config.prompt_chars_limit
             if sub.messages is not None:
                 for m in sub.messages:
                     if set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
                         raise RouteError("each chat message needs 'role' and 'content'")
+                    for key, value in m.items():
+                        check_text(value, f"message {key}")
+                check_prompt_chars(sum(len(v) for m in sub.messages for v in m.values()), limit)
+            elif sub.prompt is not None:
+                check_prompt_chars(len(check_text(sub.prompt)), limit)
+            elif len(sub.prompt_token_ids or ()) >= self.config.max_model_len:  # before copying a huge list
+                check_token_ids(sub.prompt_token_ids or [], self.tokenizer.vocab_size, self.config.max_model_len)
+        except RequestError as e:
+            raise RouteError(str(e)) from None
+        return params
+
+    def prepare(self, sub: SubmitRequest) -> Prepared:
+        """Validate and tokenize once, at the edge; RouteError names what is wrong.
+        Blocks for as long as tokenizing takes: the serving path calls `prepare_async`."""
+        params = self.check_request(sub)
+        try:
+            if sub.messages is not None:
                 ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(sub.messages))
             elif sub.prompt is not None:
                 ids = self.tokenizer.encode(sub.prompt)
@@ -228,7 +264,20 @@ class Router:
             check_token_ids(ids, self.tokenizer.vocab_size, self.config.max_model_len)
         except (RequestError, ChatTemplateError) as e:
             raise RouteError(str(e)) from None
+        except Exception as e:  # a template that fails to render on this input, a tokenizer error
+            raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
         return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size))
+
+    async def prepare_async(self, sub: SubmitRequest) -> Prepared:
+        """Admission, the cheap checks on the loop, then template + tokens + hashes in the
+        tokenizer pool; the request counts against `max_inflight` from here."""
+        self.admit()
+        self.check_request(sub)  # refuse a 15 MB prompt before it costs a tokenizer thread
+        self.preparing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, sub)
+        finally:
+            self.preparing -= 1
 
     def route(self, prep: Prepared) -> tuple[WorkerEntry, WorkerEntry | None]:
         """(decode-or-colocated worker, prefill worker or None)."""
@@ -259,10 +308,11 @@ class Router:
         finished=True or is an ErrorReply. Cancelling the iterator aborts the request.
         A SubmitRequest is prepared here; the HTTP front end prepares before it answers."""
         try:
-            prep = request if isinstance(request, Prepared) else self.prepare(request)
+            prep = request if isinstance(request, Prepared) else await self.prepare_async(request)
             decode, prefill = self.route(prep)
         except RouteError as e:
-            self.metrics.request_done("error")
+            if e.code != "overloaded":  # admit() counted that one
+                self.metrics.request_done("error")
             yield ErrorReply(request.request_id if isinstance(request, SubmitRequest) else request.sub.request_id,
                              str(e), e.code)
             return
@@ -285,20 +335,20 @@ class Router:
         try:
             await self.worker_socks[decode.worker_id].send_multipart([self._worker_auth.seal(msg)])
             while not finished:
-                out = await req.queue.get()
-                if isinstance(out, ErrorReply):
-                    finished = True
-                    self.metrics.request_done("error")
+                for out in _drain(req.queue, await req.queue.get()):
+                    if isinstance(out, ErrorReply):
+                        finished = True
+                        self.metrics.request_done("error")
+                        yield out
+                        return
+                    finished = out.finished
+                    self._account(req, out)
+                    out.text = req.detok.add(out.token_ids, out.finished)
+                    if out.finished:
+                        out.num_prompt_tokens = len(prep.token_ids)
+                        if out.timeline is not None:
+                            mark(out.timeline, Stamp.ROUTER_DONE)
                     yield out
-                    return
-                finished = out.finished
-                self._account(req, out)
-                out.text = req.detok.add(out.token_ids, out.finished)
-                if out.finished:
-                    out.num_prompt_tokens = len(prep.token_ids)
-                    if out.timeline is not None:
-                        mark(out.timeline, Stamp.ROUTER_DONE)
-                yield out
         finally:
             self._release(req)
             if not finished:  # the caller went away: stop the work
@@ -332,3 +382,21 @@ class Router:
             return
         req.decode.inflight -= 1
         self._release_prefill(req)
+
+
+def _drain(queue: asyncio.Queue, first: TokenOutput | ErrorReply) -> list[TokenOutput | ErrorReply]:
+    """`first` and every output already queued behind it, consecutive token outputs merged
+    into one: under load the relay sends one message (one SSE chunk) per wake-up instead of
+    one per token, so it keeps up with the decode worker. Order and content are kept."""
+    outs = [first]
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        last = outs[-1]
+        if isinstance(nxt, TokenOutput) and isinstance(last, TokenOutput) and not last.finished:
+            last.token_ids = [*last.token_ids, *nxt.token_ids]
+            last.finished, last.finish_reason = nxt.finished, nxt.finish_reason
+            last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens
+            last.timeline = nxt.timeline
+        else:
+            outs.append(nxt)
+    return outs

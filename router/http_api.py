@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies, validated with pydantic at the HTTP edge."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
@@ -26,6 +26,39 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     return_timeline: StrictBool = False
     user: str | None = None
+    # OpenAI parameters pdserve does not implement: declared so that a request asking for
+    # them is refused (unsupported()) instead of silently served without them
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+
+# value(s) of an unsupported parameter that ask for nothing beyond what pdserve does
+_HARMLESS: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+}
+
+
+def unsupported(body: _Common) -> str | None:
+    """The first parameter the body sets to something pdserve cannot honour, or None."""
+    for name, harmless in _HARMLESS.items():
+        value = getattr(body, name)
+        if value is not None and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool)
+                                         for ok in harmless):
+            return name
+    return None
 
 
 class CompletionBody(_Common):

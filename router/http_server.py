@@ -3,55 +3,47 @@ same Router core as the ZeroMQ front end."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.core import Prepared, RouteError, Router
-from router.http_api import ChatBody, CompletionBody
+from router.http_api import ChatBody, CompletionBody, unsupported
+from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.text import merge_outputs, usage
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
+
+def _status_for(code: str) -> int:
+    return {"unavailable": 503, "worker_failed": 502, "transfer_error": 502, "overloaded": 429}.get(code, 400)
 
 
-def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                                   "param": param, "code": code}}, status_code=status)
-
-
-def _status_for(err: ErrorReply) -> int:
-    return {"unavailable": 503, "worker_failed": 502, "transfer_error": 502}.get(err.code, 400)
+def _route_error(e: RouteError) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+    return error(_status_for(e.code), str(e), code="rate_limit_exceeded" if e.code == "overloaded" else e.code,
+                 headers=headers)
 
 
 def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     model_name = router.config.model_name
+    app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.max_body_bytes, api_key=router.config.api_key)
+    install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return error(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}")
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            return error(400, f"malformed JSON: {msg}")
-        return error(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
-
-    def submission(body, **prompt: Any) -> Prepared | JSONResponse:
+    async def submission(body, **prompt: Any) -> Prepared | JSONResponse:
+        if body.model is not None and body.model != model_name:
+            return error(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                         param="model", code="model_not_found")
         if body.n != 1:
             return error(400, f"n={body.n} is not supported; only n=1", param="n")
+        if (name := unsupported(body)) is not None:
+            return error(400, f"{name} is not supported by this server; leave it out", param=name,
+                         code="unsupported_parameter")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -59,31 +51,37 @@ def create_app(router: Router) -> FastAPI:
                             ignore_eos=body.ignore_eos)
         sub = SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                             return_timeline=body.return_timeline, **prompt)
-        try:
-            return router.prepare(sub)  # now, so even a streamed request gets a 4xx, not an SSE error
+        try:  # now, so even a streamed request gets a 4xx (or a 429), not an SSE error
+            return await router.prepare_async(sub)
         except RouteError as e:
-            return error(400, str(e), code=e.code)
+            return _route_error(e)
 
     async def collect(sub: Prepared) -> tuple[dict | None, JSONResponse | None]:
         outs: list[TokenOutput] = []
         async for out in router.generate(sub):
             if isinstance(out, ErrorReply):
-                return None, error(_status_for(out), out.message, code=out.code)
+                return None, error(_status_for(out.code), out.message, code=out.code)
             outs.append(out)
         res = merge_outputs(outs)
         return {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
                 "usage": usage(res), "timeline": res.timeline}, None
 
     async def sse(sub: Prepared, chunk, include_usage: bool) -> AsyncIterator[str]:
+        """The event stream; an error after the 200 is one `data: {"error": ...}` event, and
+        `data: [DONE]` always ends the stream."""
         outs: list[TokenOutput] = []
-        async for out in router.generate(sub):
-            if isinstance(out, ErrorReply):
-                yield f"data: {json.dumps({'error': {'message': out.message, 'code': out.code}})}\n\n"
-                break
-            outs.append(out)
-            yield f"data: {json.dumps(chunk(out))}\n\n"
-            if out.finished and include_usage:
-                yield f"data: {json.dumps(chunk(None, usage=usage(merge_outputs(outs))))}\n\n"
+        try:
+            async for out in router.generate(sub):
+                if isinstance(out, ErrorReply):
+                    yield sse_error(_status_for(out.code), out.message, out.code)
+                    break
+                outs.append(out)
+                yield f"data: {json.dumps(chunk(out))}\n\n"
+                if out.finished and include_usage:
+                    yield f"data: {json.dumps(chunk(None, usage=usage(merge_outputs(outs))))}\n\n"
+        except Exception as e:  # the headers are out: say it in the stream
+            print(f"router: stream {sub.sub.request_id} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            yield sse_error(500, f"internal error: {type(e).__name__}", "internal_error")
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -93,7 +91,7 @@ def create_app(router: Router) -> FastAPI:
             if len(prompt) != 1:
                 return error(400, "a list of several prompts is not supported; send one", param="prompt")
             prompt = prompt[0]
-        sub = submission(body, **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}))
+        sub = await submission(body, **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}))
         if isinstance(sub, JSONResponse):
             return sub
         return await respond(body, sub, "cmpl", "text_completion", "text_completion",
@@ -102,7 +100,7 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
         msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-        sub = submission(body, messages=msgs)
+        sub = await submission(body, messages=msgs)
         if isinstance(sub, JSONResponse):
             return sub
 

@@ -23,9 +23,20 @@ async def _one_zmq(client, req: BenchRequest, rec: RequestRecord, temperature: f
             rec.timeline = out.timeline
 
 
-async def _one_http(http, url: str, req: BenchRequest, rec: RequestRecord, temperature: float,
+async def _served_model(http, url: str) -> str | None:
+    """The model the server names first in GET /v1/models (it refuses any other name), or
+    None to leave `model` out."""
+    try:
+        resp = await http.get(f"{url}/models")
+        return resp.json()["data"][0]["id"] if resp.status_code == 200 else None
+    except Exception:  # an older or other server: send no model name
+        return None
+
+
+async def _one_http(http, url: str, model: str | None, req: BenchRequest, rec: RequestRecord, temperature: float,
                     ignore_eos: bool, timeline: bool) -> None:
-    body = {"model": "pdserve", "prompt": req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt,
+    """One streamed request; any non-200 (a 429 included) fails it, with no retry."""
+    body = {**({"model": model} if model else {}), "prompt": req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt,
             "max_tokens": req.output_len, "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
             "return_timeline": timeline}
     async with http.stream("POST", f"{url}/completions", json=body) as resp:
@@ -57,7 +68,9 @@ async def run_workload(reqs: list[BenchRequest], backend: str, url: str, send_ti
     elif backend == "http":
         import httpx
         client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024))
-        one = lambda r, rec: _one_http(client, url.rstrip("/"), r, rec, temperature, ignore_eos, return_timeline)  # noqa: E731
+        model = await _served_model(client, url.rstrip("/"))
+        one = lambda r, rec: _one_http(client, url.rstrip("/"), model, r, rec, temperature, ignore_eos,  # noqa: E731
+                                       return_timeline)
     else:
         raise ValueError(f"backend must be 'zmq' or 'http', got {backend!r}")
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
