@@ -283,6 +283,8 @@ def _check(tp: Any, v: Any, where: str) -> Any:
         if not isinstance(v, list):
             raise MessageError(f"{where}: expected a list, got {type(v).__name__}")
         (arg,) = typing.get_args(tp)
+        if arg is int and all(type(x) is int for x in v):  # token ids: the common, long case (bool is no int)
+            return v
         return [_check(arg, x, f"{where}[{i}]") for i, x in enumerate(v)]
     if origin is dict:
         if not isinstance(v, dict):
