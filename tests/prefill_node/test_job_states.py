@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from common.auth import new_secret
 from common.config import EngineConfig, WorkerConfig
 from common.messages import AbortRequest, ErrorReply, KVReady, PrefillFailed, PrefillRequest
 from common.sampling_params import SamplingParams
@@ -78,11 +79,12 @@ def prefill_config(model_dirs) -> EngineConfig:
 
 class Harness:
     def __init__(self, config: EngineConfig, layerwise: bool) -> None:
-        self.worker = PrefillWorker(config, WorkerConfig(role="prefill", worker_id="p0", kv_transfer="tcp"))
+        self.worker = PrefillWorker(config, WorkerConfig(role="prefill", worker_id="p0", kv_transfer="tcp", secret=new_secret()))
         self.worker.server.close()
         self.server = self.worker.server = Recorder()
         self.sender = FakeSender(self.worker.engine.runner.kv_cache, 64, layerwise)
         self.worker.senders[D_ID] = self.sender
+        self.worker.peer_blocks[D_ID] = 64  # what D's handshake advertised
         self.baseline = self.worker.engine.block_manager.num_free_blocks
         self.next_dst = 0
         self.final_blocks: dict[str, list[int]] = {}  # P's block table of each job when it ended
