@@ -3,7 +3,6 @@ messages they send. It never touches requests: it reports events, and the worker
 decides what they mean for the requests that wait on a peer."""
 from __future__ import annotations
 
-import os
 import re
 import socket
 import sys
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from common.config import ConfigError
+from common.liveness import process_alive
 from common.messages import KVHandshake, KVHandshakeReply, KVLayout, StatusRequest
 from common.transport import Client, Incoming
 
@@ -132,7 +132,7 @@ class PrefillPeers:
             if self._writes_into_our_memory(peer):
                 # P writes straight into our blocks: only a P whose process is gone is dead
                 # (a P busy with a long prefill is silent but may still be writing)
-                if not _pid_alive(peer.info.get("pid", 0)):
+                if not process_alive(peer.info.get("pid", 0)):
                     lost.append(self._drop(peer, "its process exited"))
                     continue
             elif now - peer.last_seen > self.timeout_s:
@@ -161,18 +161,6 @@ class PrefillPeers:
         for peer in self.peers.values():
             peer.client.close()
         self.peers = {}
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # unknown: assume alive rather than free blocks P may write
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = ["HandshakeError", "KVLayout", "PeerEvent", "PeerLost", "PeerMessage", "PrefillPeer", "PrefillPeers"]

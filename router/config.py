@@ -23,10 +23,18 @@ class RouterConfig:
     stale_after_s: float = 5.0
     seed: int = 0
     enable_http: bool = True
+    # fault tolerance (docs/reliability.md)
+    retries: int = 2  # a request whose worker failed is re-routed up to this many times
+    restart_workers: bool = False  # the launcher starts a worker again when it exits
+    client_timeout_s: float = 10.0  # a ZeroMQ client that heartbeats and then falls silent this long is gone
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
+        if self.retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {self.retries}")
+        if not self.stale_after_s > 0 or not self.client_timeout_s > 0:
+            raise ConfigError("stale_after_s and client_timeout_s must be > 0 seconds")
         for name in ("http_port", "zmq_port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
