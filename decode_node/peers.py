@@ -129,9 +129,10 @@ class PrefillPeers:
                     lost.append(self._drop(peer, f"prefill worker at {peer.address} did not answer the "
                                                  f"handshake within {self.timeout_s:.0f} s"))
                 continue
-            if self._writes_into_our_memory(peer):
-                # P writes straight into our blocks: only a P whose process is gone is dead
-                # (a P busy with a long prefill is silent but may still be writing)
+            if self._writes_into_our_memory(peer) or peer.info.get("host") == socket.gethostname():
+                # on this host a P's death is confirmed, never guessed from silence: a P busy
+                # with a long prefill is silent (and, over shm / CUDA IPC, may still be writing
+                # into our blocks). A reaped or zombie process is dead (common/liveness.py).
                 if not process_alive(peer.info.get("pid", 0)):
                     lost.append(self._drop(peer, "its process exited"))
                     continue
