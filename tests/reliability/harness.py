@@ -76,6 +76,13 @@ def metrics(served: Served) -> dict[tuple[str, str], float]:
     return out
 
 
+def recoveries(served: Served) -> dict[str, float]:
+    """pdserve_request_recoveries by kind (reprefill, resume)."""
+    text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^pdserve_request_recoveries_total\{kind="(\w+)"\} ([\d.e+-]+)$', text, re.M)}
+
+
 def health(served: Served) -> dict:
     try:
         return json.loads(urllib.request.urlopen(served.base + "/health", timeout=10).read())
@@ -98,6 +105,13 @@ def wait_blocks_baseline(served: Served, workers: list[str], timeout: float = 30
         time.sleep(0.3)
 
 
+def stop(served: Served) -> None:
+    """SIGTERM to serve; every worker still alive must go with it (the killed ones were
+    reaped by serve: they are no longer its children)."""
+    served.info["workers"] = {n: w for n, w in served.info["workers"].items() if _alive(w["pid"])}
+    stop_server(served, signal.SIGTERM)
+
+
 def kill_worker(served: Served, name: str) -> int:
     pid = served.info["workers"][name]["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -114,5 +128,5 @@ def wait_gone(pids: list[int], timeout: float) -> float:
     return time.monotonic() - start
 
 
-__all__ = ["FAST", "Served", "complete", "complete_all", "health", "kill_worker", "metrics", "serve",
-           "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]
+__all__ = ["FAST", "Served", "complete", "complete_all", "health", "kill_worker", "metrics", "recoveries", "serve",
+           "stop", "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]
