@@ -21,11 +21,12 @@ FAST = ["--stale-after", "2", "--heartbeat", "0.2", "--peer-timeout", "2", "--ro
         "--lease", "3", "--drain", "3", "--num-threads", "1"]
 
 
-def serve(workdir: Path, roles: list[str], faults: str = "", extra: tuple[str, ...] = ()) -> Served:
+def serve(workdir: Path, roles: list[str], faults: str = "", extra: tuple[str, ...] = (),
+          max_model_len: int = MAX_MODEL_LEN) -> Served:
     old = os.environ.get("PDSERVE_FAULTS")
     os.environ["PDSERVE_FAULTS"] = faults  # Popen copies the environment; the workers inherit it
     try:
-        return start_server_with(workdir, [*roles, *FAST, *extra])
+        return start_server_with(workdir, [*roles, *FAST, *extra], max_model_len)
     finally:
         if old is None:
             os.environ.pop("PDSERVE_FAULTS", None)
@@ -33,9 +34,9 @@ def serve(workdir: Path, roles: list[str], faults: str = "", extra: tuple[str, .
             os.environ["PDSERVE_FAULTS"] = old
 
 
-def start_server_with(workdir: Path, args: list[str]) -> Served:
+def start_server_with(workdir: Path, args: list[str], max_model_len: int) -> Served:
     from tests.reliability.conftest import MODEL
-    return start_server(MODEL["dir"], workdir, args, MAX_MODEL_LEN)
+    return start_server(MODEL["dir"], workdir, args, max_model_len)
 
 
 def complete(served: Served, prompt_ids: list[int], max_tokens: int, timeout: float = 120) -> dict:
