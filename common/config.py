@@ -289,10 +289,16 @@ class WorkerConfig:
     prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers to handshake with at start
     report_to: str = ""  # router address to push WorkerStatus heartbeats to
     heartbeat_s: float = 0.5
-    peer_timeout_s: float = 30.0
+    peer_timeout_s: float = 10.0  # a silent peer (or an unanswered handshake) is lost after this
     ready_file: str = ""
     # the deployment's secret (hex, common.auth): only ever in the 0600 config file, never argv/env
     secret: str = field(default="", repr=False)
+    # fault tolerance (docs/reliability.md)
+    router_pid: int = 0  # the router's process; this worker exits when it is gone (0: not watched)
+    router_timeout_s: float = 3.0  # how often the router is checked; the worker stops within this
+    lease_s: float = 30.0  # decode: a reservation whose KV has not landed by then is given up
+    drain_s: float = 10.0  # SIGTERM: how long running requests may finish before the worker exits
+    verify_transfers: bool = False  # KVReady carries a checksum of the sent KV; D checks it
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -302,6 +308,9 @@ class WorkerConfig:
         if self.kv_transfer in ("gloo", "nccl") and self.role != "colocated":
             if not self.dist_init or self.rank < 0 or self.world_size < 2:
                 raise ConfigError(f"kv transfer {self.kv_transfer!r} needs dist_init, rank and world_size >= 2")
+        for name in ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

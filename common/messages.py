@@ -197,6 +197,7 @@ class KVReady:
     num_frames: int = 0
     timeline: dict[str, float] = field(default_factory=dict)
     sampler_state: bytes = b""
+    checksum: int = -1  # kv_transfer.integrity.kv_checksum of the sent blocks; -1: not computed
 
 
 @message("prefill_failed")
@@ -204,6 +205,16 @@ class PrefillFailed:
     """P -> D: the prefill could not be done; D releases the reservation and reports."""
     request_id: str
     message: str
+
+
+# ---- liveness (docs/reliability.md) --------------------------------------------------
+
+@message("client_heartbeat")
+class ClientHeartbeat:
+    """Client -> router, every few seconds while it has requests in flight: a ZeroMQ
+    ROUTER socket does not report a client that went away, so a client that heartbeats and
+    then falls silent past the router's limit is gone and its requests are aborted."""
+    interval_s: float = 2.0
 
 
 # ---- codec ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from common.auth import DeploymentKey
 from common.config import ConfigError, EngineConfig, WorkerConfig
 from common.engine import LLMEngine
 from common.kv_layout import layout_of
+from common.liveness import process_alive
 from common.messages import WorkerStatus
 from common.transport import Client, Incoming, Server
 
@@ -45,6 +46,10 @@ class WorkerBase:
         self.reporter = Client(self.ctx, worker_config.report_to, key=self.key) if worker_config.report_to else None
         self.counters: dict[str, int] = {}
         self._stop = False
+        self._closed = threading.Event()
+        self.draining_until: float | None = None  # SIGTERM: finish what is in flight until then
+        # watched as our parent when it is one: a reused pid cannot fool os.getppid()
+        self._router_is_parent = worker_config.router_pid > 0 and os.getppid() == worker_config.router_pid
         self._last_heartbeat = 0.0
         self._last_status: WorkerStatus | None = None
         self.layout = layout_of(engine_config)
@@ -72,6 +77,14 @@ class WorkerBase:
     def load(self) -> tuple[int, int]:
         """(waiting, running) for status reports."""
         raise NotImplementedError
+
+    def drained(self) -> bool:
+        """Nothing in flight: a draining worker may exit."""
+        return not self.has_work()
+
+    def release_shared(self) -> None:
+        """Last resort before a forced exit (called from the watchdog thread): give back
+        what outlives the process (a shared-memory segment's name)."""
 
     # ---- shared machinery ---------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -104,18 +117,30 @@ class WorkerBase:
         tmp.rename(path)
 
     def request_stop(self, *_: object) -> None:
-        self._stop = True
+        """First SIGTERM: drain (refuse new work, finish what runs, up to `drain_s`);
+        a second one, or SIGINT: stop now."""
+        if self.draining_until is None and self.wconfig.drain_s > 0:
+            self.draining_until = time.monotonic() + self.wconfig.drain_s
+            self.log(f"draining (up to {self.wconfig.drain_s:.0f} s)")
+        else:
+            self._stop = True
+
+    def router_gone(self) -> bool:
+        pid = self.wconfig.router_pid
+        if pid <= 0:
+            return False
+        return os.getppid() != pid if self._router_is_parent else not process_alive(pid)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         self.write_ready_file()
         if self.reporter is not None:
             from common.messages import WorkerHello
             self.reporter.send(WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
                                            self.engine.block_manager.num_blocks,
                                            self.config.cache.block_size, self.layout.model_fingerprint))
-            threading.Thread(target=self._keepalive, name="keepalive", daemon=True).start()
+        threading.Thread(target=self._keepalive, name="keepalive", daemon=True).start()
         self.log(f"ready on {self.server.address}")
         try:
             while not self._stop:
@@ -129,8 +154,11 @@ class WorkerBase:
                 if self.has_work():
                     self.step()
                 self._heartbeat()
+                if self.draining_until is not None and (self.drained() or time.monotonic() > self.draining_until):
+                    break
         finally:
             self.close()
+            self._closed.set()
 
     def _drain_server(self) -> None:
         while True:
@@ -152,18 +180,34 @@ class WorkerBase:
             self._last_status = dataclasses.replace(status, kv_stored=[], kv_evicted=[])
 
     def _keepalive(self) -> None:
-        """Background thread: repeat the last status (without KV events) while the loop is
-        inside a long step, so a multi-second prefill does not look like a dead worker.
-        It has its own socket: ZeroMQ sockets are not shared between threads."""
-        sock = Client(self.ctx, self.wconfig.report_to, key=self.key)
+        """Background thread, off the step loop: repeat the last status (without KV events)
+        while the loop is inside a long step, so a multi-second prefill does not look like a
+        dead worker; and watch the router: when it is gone, stop the loop (which closes
+        everything, the shm segment included) -- or, if the loop is stuck in a step for
+        another 5 s, release what outlives us and exit. It has its own socket: ZeroMQ
+        sockets are not shared between threads."""
+        cfg = self.wconfig
+        sock = Client(self.ctx, cfg.report_to, key=self.key) if cfg.report_to else None
+        tick = min(cfg.heartbeat_s, cfg.router_timeout_s / 2)
         try:
             while not self._stop:
-                time.sleep(self.wconfig.heartbeat_s)
-                if self._last_status is not None and \
-                        time.monotonic() - self._last_heartbeat > 2 * self.wconfig.heartbeat_s:
+                time.sleep(tick)
+                if sock is not None and self._last_status is not None and \
+                        time.monotonic() - self._last_heartbeat > 2 * cfg.heartbeat_s:
                     sock.send(self._last_status)
+                if self.router_gone():
+                    self.log(f"router (pid {cfg.router_pid}) is gone: stopping")
+                    self._stop = True
+                    if sock is not None:
+                        sock.close()  # close() terms the context, which waits for this socket
+                        sock = None
+                    if not self._closed.wait(5.0):
+                        self.log("the loop did not stop within 5 s: forced exit")
+                        self.release_shared()
+                        os._exit(70)
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
 
     def close(self) -> None:
         self._stop = True  # the keepalive thread closes its socket within heartbeat_s; term() waits

@@ -3,7 +3,6 @@ messages they send. It never touches requests: it reports events, and the worker
 decides what they mean for the requests that wait on a peer."""
 from __future__ import annotations
 
-import os
 import re
 import socket
 import sys
@@ -14,6 +13,7 @@ import zmq
 
 from common.auth import DeploymentKey
 from common.config import ConfigError
+from common.liveness import process_alive
 from common.messages import KVHandshake, KVHandshakeReply, KVLayout, StatusRequest
 from common.transport import Client, Incoming
 
@@ -131,10 +131,11 @@ class PrefillPeers:
                     lost.append(self._drop(peer, f"prefill worker at {peer.address} did not answer the "
                                                  f"handshake within {self.timeout_s:.0f} s"))
                 continue
-            if self._writes_into_our_memory(peer):
-                # P writes straight into our blocks: only a P whose process is gone is dead
-                # (a P busy with a long prefill is silent but may still be writing)
-                if not _pid_alive(peer.info.get("pid", 0)):
+            if self._writes_into_our_memory(peer) or peer.info.get("host") == socket.gethostname():
+                # on this host a P's death is confirmed, never guessed from silence: a P busy
+                # with a long prefill is silent (and, over shm / CUDA IPC, may still be writing
+                # into our blocks). A reaped or zombie process is dead (common/liveness.py).
+                if not process_alive(peer.info.get("pid", 0)):
                     lost.append(self._drop(peer, "its process exited"))
                     continue
             elif now - peer.last_seen > self.timeout_s:
@@ -163,18 +164,6 @@ class PrefillPeers:
         for peer in self.peers.values():
             peer.client.close()
         self.peers = {}
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # unknown: assume alive rather than free blocks P may write
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = ["HandshakeError", "KVLayout", "PeerEvent", "PeerLost", "PeerMessage", "PrefillPeer", "PrefillPeers"]

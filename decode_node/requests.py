@@ -63,6 +63,7 @@ class DecodeRequest:
     transfer: PendingReceive | None = None  # RECEIVING, or DRAINING after RECEIVING
     ready: KVReady | None = None  # RECEIVING: the first token and sampler state wait with the data
     outcome: State | None = None  # DRAINING: the terminal state it ends in
+    lease_until: float = 0.0  # RESERVED: monotonic time its KV must have landed by (WorkerConfig.lease_s)
 
     @property
     def local(self) -> bool:

@@ -8,12 +8,15 @@ Request states and their transitions: decode_node/requests.py. Prefill peers:
 decode_node/peers.py."""
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import zmq
 
 from common.config import EngineConfig, WorkerConfig
 from common.engine import LLMEngine, RequestError, StepOutput
+from common.faults import Faults
 from common.messages import (AbortRequest, ErrorReply, GenerateRequest, KVHandshake, KVReady, PrefillFailed,
                              PrefillRequest, StatusRequest, TokenOutput, WorkerStatus)
 from common.model_runner import decide_num_blocks, kv_cache_shape
@@ -23,6 +26,7 @@ from common.worker_base import WorkerBase
 from decode_node.peers import HandshakeError, PeerLost, PeerMessage, PrefillPeers
 from decode_node.requests import DecodeRequest, RequestTable, State
 from kv_transfer import KVReceiver, TransferError, init_transfer_group, make_receiver, resolve_backend, shm_name_hint
+from kv_transfer.integrity import kv_checksum
 
 
 class DecodeWorker(WorkerBase):
@@ -35,7 +39,9 @@ class DecodeWorker(WorkerBase):
         self.receiver: KVReceiver | None = None
         self.backend = ""
         self.requests = RequestTable()
-        self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0)
+        self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0, leases_expired=0,
+                             transfers_rejected=0)
+        self.faults = Faults.from_env(self.worker_id)
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
                                   self.backend, self.key)
@@ -61,7 +67,8 @@ class DecodeWorker(WorkerBase):
         assert self.receiver is not None
         return KVHandshake(self.worker_id, self.server.address, self.layout, self.backend,
                            dict(self.receiver.backend_info(), num_blocks=self.engine.block_manager.num_blocks,
-                                **self.dist_info()))
+                                **self.dist_info(), pid=os.getpid(),
+                                host=socket.gethostname()))  # P drops what it holds for us once we are gone
 
     # ---- messages from the router -------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
@@ -80,6 +87,10 @@ class DecodeWorker(WorkerBase):
     def on_generate(self, identity: bytes, msg: GenerateRequest) -> None:
         now = time.time()
         try:
+            if self.draining_until is not None:
+                self.server.send(identity, ErrorReply(msg.request_id, "decode worker is draining (SIGTERM)",
+                                                      "worker_draining"))
+                return
             if msg.request_id in self.requests:
                 raise RequestError(f"request id {msg.request_id!r} is already in use")
             seq = self.engine.new_sequence(msg.prompt_token_ids, msg.sampling, msg.block_hashes)
@@ -116,6 +127,7 @@ class DecodeWorker(WorkerBase):
                 return  # wait for blocks or a batch slot; FIFO, so nothing behind it jumps the queue
             self.requests.move(req, State.RESERVED)
             req.dst_blocks = dst
+            req.lease_until = time.monotonic() + self.wconfig.lease_s
             skip = len(req.seq.block_table) - len(dst)
             self.counters["blocks_reused"] += skip
             mark(req.timeline, Stamp.DECODE_RESERVED)
@@ -190,6 +202,11 @@ class DecodeWorker(WorkerBase):
         if req.state == State.DRAINING:
             self.end(req, State.ABORTED)  # P is done writing: its blocks can go
             return
+        if ready.checksum >= 0 and self.receiver is not None and \
+                kv_checksum(self.receiver.kv_cache, req.dst_blocks) != ready.checksum:
+            self.counters["transfers_rejected"] += 1
+            self.fail(req, "KV transfer corrupt: checksum mismatch", code="transfer_error")  # never decoded
+            return
         self.counters["blocks_received"] += len(req.dst_blocks)
         now = time.time()
         mark(req.timeline, Stamp.KV_READY, now)
@@ -232,7 +249,33 @@ class DecodeWorker(WorkerBase):
     def idle(self) -> None:
         self.poll_receives()
         self.on_peer_events(self.peers.check())
+        self.expire_leases()
         self.try_reserve()
+
+    def expire_leases(self) -> None:
+        """A reservation whose KV has not landed within lease_s (a lost, late or stuck
+        transfer) is answered with transfer_timeout -- the router re-prefills it -- and
+        waits in DRAINING, holding its blocks, until P is fenced: P answers the abort
+        (PrefillFailed, or a KVReady that crossed it) or is lost."""
+        now = time.monotonic()
+        for req in self.requests.in_state(State.RESERVED):
+            if now < req.lease_until:
+                continue
+            self.counters["leases_expired"] += 1
+            self.log(f"request {req.request_id}: lease of {self.wconfig.lease_s:g} s expired before its KV landed")
+            self.server.send(req.identity, ErrorReply(req.request_id, f"KV did not land within "
+                                                      f"{self.wconfig.lease_s:g} s", "transfer_timeout"))
+            self.counters["failed"] += 1
+            if (peer := self.peers.get(req.prefill_addr)) is not None:
+                peer.client.send(AbortRequest(req.request_id))
+            self.end(req, State.FAILED, fenced=False)
+
+    def drained(self) -> bool:
+        return len(self.requests) == 0
+
+    def release_shared(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()  # unlinks the shm segment's name first
 
     def load(self) -> tuple[int, int]:
         waiting = len(self.engine.scheduler.waiting) + self.requests.count(State.PENDING)
@@ -241,6 +284,8 @@ class DecodeWorker(WorkerBase):
     # ---- replies and exits -----------------------------------------------------------------
     def emit(self, req: DecodeRequest, out: StepOutput) -> None:
         """Send a step's token; a finished sequence has released its blocks in the engine."""
+        if self.faults.kill_mid_decode and self.faults.hit("kill_mid_decode"):
+            self.faults.kill(f"request {req.request_id} mid-decode")
         if not out.finished:
             self.server.send(req.identity, TokenOutput(req.request_id, [out.new_token]))
             return

@@ -67,6 +67,9 @@ class JobTable:
     def by_seq(self, seq_id: int) -> PrefillJob | None:
         return self._by_seq.get(seq_id)
 
+    def for_decode(self, decode_id: str) -> list[PrefillJob]:
+        return [j for j in self._by_seq.values() if j.decode_id == decode_id]
+
     def find_request(self, request_id: str) -> list[PrefillJob]:
         return [j for j in self._by_seq.values() if j.request_id == request_id]
 

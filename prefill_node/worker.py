@@ -12,6 +12,8 @@ import time
 
 from common.config import EngineConfig, WorkerConfig
 from common.engine import LLMEngine, RequestError, StepOutput
+from common.faults import Faults
+from common.liveness import process_alive
 from common.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeReply, KVReady, PrefillFailed,
                              PrefillRequest, StatusRequest)
 from common.timeline import Stamp, mark
@@ -19,6 +21,7 @@ from common.transport import Incoming
 from common.worker_base import WorkerBase
 from kv_transfer import (KVSender, TransferError, check_block_ids, check_peer_info, init_transfer_group,
                          layout_mismatch, make_sender, resolve_backend)
+from kv_transfer.integrity import kv_checksum
 from prefill_node.jobs import JobState, JobTable, PrefillJob
 from prefill_node.kv_push import LayerPush
 
@@ -35,12 +38,17 @@ class PrefillWorker(WorkerBase):
         self.senders: dict[str, KVSender] = {}  # decode_id -> sender
         self.peer_blocks: dict[str, int] = {}  # decode_id -> blocks in its cache (bounds every write)
         self.jobs = JobTable()
-        self.counters.update(blocks_sent=0, bytes_sent=0, prefills=0, prefix_hit_tokens=0)
+        self.counters.update(blocks_sent=0, bytes_sent=0, prefills=0, prefix_hit_tokens=0, decode_peers_lost=0)
+        self.decode_peers: dict[str, tuple[int, str]] = {}  # decode_id -> (pid, host) from its handshake
+        self.decode_seen: dict[str, float] = {}  # decode_id -> when it last sent anything (monotonic s)
+        self._next_peer_check = 0.0
+        self.faults = Faults.from_env(self.worker_id)
         init_transfer_group(worker_config)
 
     # ---- messages ----------------------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
         msg = inc.msg
+        self.decode_seen[inc.identity.decode(errors="replace")] = time.monotonic()  # D's identity is its id
         if isinstance(msg, KVHandshake):
             self.on_handshake(inc.identity, msg)
         elif isinstance(msg, PrefillRequest):
@@ -48,8 +56,11 @@ class PrefillWorker(WorkerBase):
         elif isinstance(msg, StatusRequest):
             self.server.send(inc.identity, self.status())
         elif isinstance(msg, AbortRequest):
-            for job in [j for j in self.jobs.find_request(msg.request_id)]:
+            jobs = self.jobs.find_request(msg.request_id)
+            for job in jobs:
                 self.end(job, JobState.ABORTED, "aborted")
+            if not jobs:  # done or never here: still fence the sender, whose blocks wait on our word
+                self.server.send(inc.identity, PrefillFailed(msg.request_id, "no such prefill job (done or unknown)"))
         else:
             self.server.send(inc.identity, ErrorReply("", f"a prefill worker does not take {msg.TYPE!r} messages"))
 
@@ -85,6 +96,8 @@ class PrefillWorker(WorkerBase):
         except Exception as e:  # e.g. the shm segment cannot be mapped
             self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"cannot reach decode cache: {e}", self.layout))
             return
+        pid, host = hs.backend_info.get("pid", 0), hs.backend_info.get("host", "")
+        self.decode_peers[hs.decode_id] = (pid if isinstance(pid, int) else 0, host if isinstance(host, str) else "")
         info = dict(self.dist_info(), pid=os.getpid(), host=socket.gethostname())
         self.server.send(identity, KVHandshakeReply(self.worker_id, True, "", self.layout, info))
 
@@ -119,7 +132,7 @@ class PrefillWorker(WorkerBase):
         return self.engine.has_work()
 
     def step(self) -> None:
-        push = LayerPush(self.jobs, self.senders)
+        push = LayerPush(self.jobs, self.senders, self.faults)
         outputs = self.engine.step(push)
         push.commit()
         end = time.time()
@@ -140,14 +153,29 @@ class PrefillWorker(WorkerBase):
         mark(job.timeline, Stamp.TRANSFER_START)
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
                         sampler_state=self.engine.sampler_state(seq))
+        src = seq.block_table[job.skip_blocks:]
+        if self.faults.hit("kill_after_prefill"):
+            self.faults.kill(f"request {job.request_id} prefilled, before KVReady")
         try:
-            frames = [] if sender.layerwise else sender.send(ready, seq.block_table[job.skip_blocks:], job.dst_block_ids)
+            frames = [] if sender.layerwise else sender.send(ready, src, job.dst_block_ids)
+            if self.wconfig.verify_transfers:
+                ready.checksum = kv_checksum(self.engine.runner.kv_cache, src)
         except Exception as e:  # e.g. the process group broke: this job fails, the worker goes on
             self.log(f"request {job.request_id}: KV send failed: {e}")
             self.end(job, JobState.FAILED, f"KV send failed: {e}")
             return
         mark(job.timeline, Stamp.TRANSFER_END)
-        self.server.send(job.identity, ready, frames)
+        if self.faults.hit("corrupt_transfer"):
+            self.log(f"request {job.request_id}: corrupting its transfer (injected)")
+            ready.checksum = (ready.checksum + 1) % (1 << 32) if ready.checksum >= 0 else ready.checksum
+        drop = self.faults.hit("drop_transfer")
+        if self.faults.delay_transfer_ms and self.faults.hit("delay_transfer_at"):
+            self.log(f"request {job.request_id}: delaying KVReady by {self.faults.delay_transfer_ms} ms (injected)")
+            time.sleep(self.faults.delay_transfer_ms / 1000)
+        if drop:
+            self.log(f"request {job.request_id}: dropping KVReady (injected)")
+        else:
+            self.server.send(job.identity, ready, frames)
         self.counters["blocks_sent"] += n_blocks
         self.counters["bytes_sent"] = sum(s.bytes_sent for s in self.senders.values())
         self.counters["prefills"] += 1
@@ -164,6 +192,36 @@ class PrefillWorker(WorkerBase):
     def idle(self) -> None:
         for s in self.senders.values():
             s.poll()
+        now = time.monotonic()
+        if now >= self._next_peer_check:
+            self._next_peer_check = now + min(1.0, self.wconfig.peer_timeout_s / 4)
+            self.check_decode_peers(now)
+
+    def check_decode_peers(self, now: float) -> None:
+        """P's side of the lease: a decode worker that is gone (its process exited, or,
+        on another host, silent past peer_timeout_s -- it pings every quarter of it) will
+        never take what we hold for it: its jobs end and its sender is closed (for shm:
+        its segment is unmapped)."""
+        here = socket.gethostname()
+        for decode_id in list(self.senders):
+            pid, host = self.decode_peers.get(decode_id, (0, ""))
+            if host == here and pid > 0:
+                gone = not process_alive(pid)
+            else:
+                gone = now - self.decode_seen.get(decode_id, now) > self.wconfig.peer_timeout_s
+            if not gone:
+                continue
+            jobs = self.jobs.for_decode(decode_id)
+            self.log(f"decode worker {decode_id} is gone: dropping its {len(jobs)} job(s) and its sender")
+            for job in jobs:
+                self.engine.release(job.seq, "abort")
+                self.jobs.move(job, JobState.ABORTED)
+            self.senders.pop(decode_id).close()
+            self.decode_peers.pop(decode_id, None)
+            self.counters["decode_peers_lost"] += 1
+
+    def drained(self) -> bool:
+        return len(self.jobs) == 0
 
     def load(self) -> tuple[int, int]:
         s = self.engine.scheduler

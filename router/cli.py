@@ -117,12 +117,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_model_len=engine.scheduler.max_model_len, block_size=options.block_size,
                           enable_http=args.http_port >= 0, max_inflight=max_inflight,
                           max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
-                          api_key=api_key)
+                          api_key=api_key, retries=args.retries, restart_workers=args.restart,
+                          stale_after_s=args.stale_after, client_timeout_s=args.client_timeout)
+    timeouts = {"heartbeat_s": args.heartbeat, "peer_timeout_s": args.peer_timeout,
+                "router_timeout_s": args.router_timeout, "lease_s": args.lease, "drain_s": args.drain,
+                "verify_transfers": args.verify_transfers}
     if args.colocated:
-        dep = plan_deployment(router, options, threads_per_worker=threads,
+        dep = plan_deployment(router, options, threads_per_worker=threads, worker_timeouts=timeouts,
                               colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices"))
     else:
         dep = plan_deployment(router, options, kv_transfer=args.kv_transfer, threads_per_worker=threads,
+                              worker_timeouts=timeouts,
                               prefill_devices=_devices(args.prefill_devices, args.prefill, "--prefill-devices"),
                               decode_devices=_devices(args.decode_devices, args.decode, "--decode-devices"))
     if args.secret_file:  # multi-host: every host's workers are given the same secret this way
@@ -194,6 +199,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="HTTP request body limit")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
+    g = p.add_argument_group("fault tolerance (docs/reliability.md)")
+    g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
+    g.add_argument("--retries", type=int, default=2, help="re-route a request whose worker failed this many times")
+    g.add_argument("--stale-after", type=float, default=5.0, help="a worker silent this long (s) is dead")
+    g.add_argument("--heartbeat", type=float, default=0.5, help="worker heartbeat interval (s)")
+    g.add_argument("--peer-timeout", type=float, default=10.0,
+                   help="a prefill/decode peer silent this long (s) is lost (same host: its process is watched)")
+    g.add_argument("--router-timeout", type=float, default=3.0, help="workers exit this long (s) after the router")
+    g.add_argument("--lease", type=float, default=30.0,
+                   help="a decode worker gives up a reservation whose KV has not landed after this long (s)")
+    g.add_argument("--drain", type=float, default=10.0, help="SIGTERM: a worker finishes its requests for up to (s)")
+    g.add_argument("--verify-transfers", action="store_true", help="checksum every KV transfer (D checks it)")
+    g.add_argument("--client-timeout", type=float, default=10.0,
+                   help="a heartbeating ZeroMQ client silent this long (s) is gone: its requests are aborted")
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

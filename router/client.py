@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from common import messages as wire
-from common.messages import AbortRequest, ErrorReply, SubmitRequest, TokenOutput
+from common.messages import AbortRequest, ClientHeartbeat, ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.text import merge_outputs
 
@@ -59,8 +59,12 @@ def _merge(request_id: str, outs: list[TokenOutput], times: list[float]) -> Comp
                       res.num_cached_tokens, res.timeline, times)
 
 
+HEARTBEAT_S = 2.0  # while a request is in flight (docs/protocol.md); well under the router's client timeout
+
+
 class Client:
-    """Blocking client; one DEALER socket, requests served one at a time."""
+    """Blocking client; one DEALER socket, requests served one at a time. While it waits
+    for a reply it heartbeats, so the router can tell it from a client that went away."""
 
     def __init__(self, address: str, timeout_s: float = 600.0) -> None:
         self.ctx = zmq.Context()
@@ -73,11 +77,12 @@ class Client:
                return_timeline: bool = False, **sampling: Any) -> Iterator[TokenOutput]:
         """Yield TokenOutput messages as tokens arrive; raises ServerError on an error reply."""
         sub = _submit(prompt, messages, True, return_timeline, sampling)
+        self.sock.send(wire.encode(ClientHeartbeat(HEARTBEAT_S)))
         self.sock.send(wire.encode(sub))
         finished = False
         try:
             while not finished:
-                if not self.sock.poll(self.timeout_ms):
+                if not self._wait(sub.request_id):
                     raise TimeoutError(f"no reply for request {sub.request_id} in {self.timeout_ms} ms")
                 msg = wire.decode(self.sock.recv())
                 if getattr(msg, "request_id", None) not in (sub.request_id, ""):
@@ -90,6 +95,17 @@ class Client:
         finally:
             if not finished:
                 self.sock.send(wire.encode(AbortRequest(sub.request_id)))
+
+    def _wait(self, request_id: str) -> bool:
+        """Poll for a reply up to the timeout, heartbeating meanwhile."""
+        waited = 0
+        step = int(HEARTBEAT_S * 1000)
+        while waited < self.timeout_ms:
+            if self.sock.poll(min(step, self.timeout_ms - waited)):
+                return True
+            waited += step
+            self.sock.send(wire.encode(ClientHeartbeat(HEARTBEAT_S)))
+        return False
 
     def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
         import time
@@ -120,6 +136,14 @@ class AsyncClient:
         self.sock.connect(address)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
+
+    async def _beat(self) -> None:
+        """Heartbeat while any request is in flight (docs/protocol.md)."""
+        while True:
+            if self._queues:
+                await self.sock.send(wire.encode(ClientHeartbeat(HEARTBEAT_S)))
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _read(self) -> None:
         while True:
@@ -132,6 +156,7 @@ class AsyncClient:
                      return_timeline: bool = False, **sampling: Any) -> AsyncIterator[TokenOutput]:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
+            self._heartbeat = asyncio.create_task(self._beat())
         sub = _submit(prompt, messages, True, return_timeline, sampling)
         q = self._queues[sub.request_id] = asyncio.Queue()
         finished = False
@@ -158,8 +183,9 @@ class AsyncClient:
         return _merge(outs[-1].request_id, outs, times)
 
     async def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
+        for t in (self._reader, self._heartbeat):
+            if t is not None:
+                t.cancel()
         self.sock.close(0)
         self.ctx.term()
 

@@ -32,10 +32,18 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024  # HTTP request body, however it is sent (chunked too)
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer <key>" on /v1/*
     tokenizer_threads: int = 2  # chat template + tokenization run here, off the event loop
+    # fault tolerance (docs/reliability.md)
+    retries: int = 2  # a request whose worker failed is re-routed up to this many times
+    restart_workers: bool = False  # the launcher starts a worker again when it exits
+    client_timeout_s: float = 10.0  # a ZeroMQ client that heartbeats and then falls silent this long is gone
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
+        if self.retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {self.retries}")
+        if not self.stale_after_s > 0 or not self.client_timeout_s > 0:
+            raise ConfigError("stale_after_s and client_timeout_s must be > 0 seconds")
         for name in ("http_port", "zmq_port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")

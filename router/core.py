@@ -31,6 +31,7 @@ from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
+from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
 
 
@@ -71,6 +72,9 @@ class InFlight:
     first_token_at: float | None = None
     num_output_tokens: int = 0
     prefill_released: bool = False  # its prefill worker's share of load was given back
+    wire_id: str = ""  # the id the current attempt travels under (router/recovery.py)
+    attempts: int = 0  # attempts after the first (re-routed after a worker failed)
+    output_ids: list[int] = field(default_factory=list)  # every token the caller has been sent
 
 
 class Router:
@@ -103,6 +107,7 @@ class Router:
         self.preparing = 0  # admitted requests being tokenized (in the pool), not yet in flight
         # tokenizers releases the GIL while encoding: the event loop keeps serving meanwhile
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self._by_wire: dict[str, InFlight] = {}  # attempt id -> request (router/recovery.py)
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
 
@@ -192,7 +197,7 @@ class Router:
             except MessageError as e:
                 print(f"[router] malformed message from worker {worker_id} dropped: {e}", file=sys.stderr, flush=True)
                 continue
-            req = self.inflight.get(getattr(msg, "request_id", ""))
+            req = self._by_wire.get(getattr(msg, "request_id", ""))
             if req is not None:
                 req.queue.put_nowait(msg)
 
@@ -200,10 +205,25 @@ class Router:
         while True:
             await asyncio.sleep(self.config.stale_after_s / 4)
             for dead in self.registry.expire(time.monotonic()):
-                for req in list(self.inflight.values()):
-                    if req.decode is dead or (req.prefill is dead and req.first_token_at is None):
-                        req.queue.put_nowait(ErrorReply(req.request_id, f"{dead.role} worker {dead.worker_id} "
-                                                        f"stopped responding", "worker_failed"))
+                self._worker_dead(dead, "stopped responding", "silent")
+
+    def worker_exited(self, worker_id: str, why: str) -> None:
+        """The launcher saw the worker's process exit: out of rotation now, not after
+        `stale_after_s` of silence."""
+        entry = self.registry.workers.get(worker_id)
+        if entry is not None and self.registry.mark_dead(entry):
+            self._worker_dead(entry, why, "exited")
+
+    def _worker_dead(self, dead: WorkerEntry, why: str, how: str) -> None:
+        """Every request that still needs `dead` gets a worker_failed error on its queue;
+        `generate` re-routes it (router/recovery.py)."""
+        print(f"router: {dead.role} worker {dead.worker_id} {why}", file=sys.stderr, flush=True)
+        self.metrics.worker_deaths.labels(how).inc()
+        self.metrics.forget_worker(dead.worker_id, dead.role)
+        for req in list(self.inflight.values()):
+            if req.decode is dead or (req.prefill is dead and req.first_token_at is None):
+                req.queue.put_nowait(ErrorReply(req.wire_id, f"{dead.role} worker {dead.worker_id} {why}",
+                                                "worker_failed"))
 
     async def wait_for_workers(self, prefill: int, decode: int, colocated: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -279,17 +299,23 @@ class Router:
         finally:
             self.preparing -= 1
 
-    def route(self, prep: Prepared) -> tuple[WorkerEntry, WorkerEntry | None]:
-        """(decode-or-colocated worker, prefill worker or None)."""
+    def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()) -> tuple[WorkerEntry, WorkerEntry | None]:
+        """(decode-or-colocated worker, prefill worker or None); workers in `avoid` (that
+        just failed this request) only when no other is live."""
         reg, policy = self.registry, self.config.routing
         hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
-        prefills, decodes = reg.live(("prefill",)), reg.live(("decode",))
+
+        def live(role: str) -> list[WorkerEntry]:
+            entries = reg.live((role,))
+            return [e for e in entries if e.worker_id not in avoid] or entries
+
+        prefills, decodes = live("prefill"), live("decode")
         if prefills and decodes:
             p_id = choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))
             d_id = choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))
             self._note_routed(reg.workers[p_id], hashes)
             return reg.workers[d_id], reg.workers[p_id]
-        colocated = reg.live(("colocated",))
+        colocated = live("colocated")
         if colocated:
             c_id = choose_prefill(reg.views(colocated, hashes), policy, self.rng, next(self._rr_prefill))
             self._note_routed(reg.workers[c_id], hashes)
@@ -321,28 +347,34 @@ class Router:
             yield ErrorReply(sub.request_id, f"request id {sub.request_id!r} is already in flight")
             return
         req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
-                       IncrementalDetokenizer(self.tokenizer, prep.params.stop), len(prep.token_ids), time.monotonic())
+                       IncrementalDetokenizer(self.tokenizer, prep.params.stop), len(prep.token_ids), time.monotonic(),
+                       wire_id=sub.request_id)
         self.inflight[req.request_id] = req
-        decode.inflight += 1
-        if prefill:
-            prefill.inflight += 1
-        timeline: dict[str, float] = {}
-        mark(timeline, Stamp.ARRIVAL, prep.arrival)
-        mark(timeline, Stamp.ROUTED)
-        msg = GenerateRequest(req.request_id, prep.token_ids, prep.params, prefill.hello.address if prefill else "",
-                              sub.return_timeline, timeline, prep.block_hashes)
+        self._by_wire[req.wire_id] = req
+        self._take_load(req)
         finished = False
         try:
-            await self.worker_socks[decode.worker_id].send_multipart([self._worker_auth.seal(msg)])
+            await self._send_attempt(req, prep, prep.token_ids, prep.block_hashes, prep.params)
             while not finished:
                 for out in _drain(req.queue, await req.queue.get()):
+                    if out.request_id != req.wire_id:
+                        continue  # a late reply to an earlier attempt
                     if isinstance(out, ErrorReply):
+                        if retryable(out, req.attempts, self.config.retries):
+                            try:
+                                await self._retry(req, prep, out)
+                                continue
+                            except RouteError as e:
+                                out = ErrorReply(req.request_id, f"{out.message}; no worker to retry on: {e}", out.code)
                         finished = True
                         self.metrics.request_done("error")
+                        out.request_id = req.request_id
                         yield out
                         return
                     finished = out.finished
+                    out.request_id = req.request_id
                     self._account(req, out)
+                    req.output_ids += out.token_ids
                     out.text = req.detok.add(out.token_ids, out.finished)
                     if out.finished:
                         out.num_prompt_tokens = len(prep.token_ids)
@@ -353,9 +385,54 @@ class Router:
             self._release(req)
             if not finished:  # the caller went away: stop the work
                 self.metrics.request_done("aborted")
-                sock = self.worker_socks.get(decode.worker_id)
+                sock = self.worker_socks.get(req.decode.worker_id)
                 if sock is not None:
-                    await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.request_id))])
+                    await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.wire_id))])
+
+    async def _send_attempt(self, req: InFlight, prep: Prepared, ids: list[int], hashes: list[int],
+                            params: SamplingParams) -> None:
+        timeline: dict[str, float] = {}
+        mark(timeline, Stamp.ARRIVAL, prep.arrival)
+        mark(timeline, Stamp.ROUTED)
+        prefill = req.prefill
+        msg = GenerateRequest(req.wire_id, ids, params, prefill.hello.address if prefill else "",
+                              prep.sub.return_timeline, timeline, hashes)
+        await self.worker_socks[req.decode.worker_id].send_multipart([self._worker_auth.seal(msg)])
+
+    async def _retry(self, req: InFlight, prep: Prepared, err: ErrorReply) -> None:
+        """Route the request again after `err` (router/recovery.py): re-prefill if nothing
+        was streamed, else resume from prompt + streamed tokens. RouteError: no worker."""
+        failed = {req.decode.worker_id}
+        if req.prefill is not None and req.decode.alive:  # D reported it: its prefill worker or transfer failed
+            failed = {req.prefill.worker_id}
+        old_wire, old_decode = req.wire_id, req.decode
+        ids, hashes = resume_prompt(prep.token_ids, req.output_ids, self.config.block_size)
+        params = resume_params(prep.params, len(req.output_ids))
+        decode, prefill = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival), frozenset(failed))
+        self._give_load(req)
+        req.attempts += 1
+        req.decode, req.prefill, req.prefill_released = decode, prefill, False
+        self._by_wire.pop(old_wire, None)
+        req.wire_id = attempt_id(req.request_id, req.attempts)
+        self._by_wire[req.wire_id] = req
+        self._take_load(req)
+        kind = "resume" if req.output_ids else "reprefill"
+        self.metrics.recoveries.labels(kind).inc()
+        print(f"router: request {req.request_id}: {err.code} ({err.message}); {kind} on {decode.worker_id}"
+              f"{' via ' + prefill.worker_id if prefill else ''} (attempt {req.attempts + 1})",
+              file=sys.stderr, flush=True)
+        if old_decode.alive and (sock := self.worker_socks.get(old_decode.worker_id)):
+            await sock.send_multipart([self._worker_auth.seal(AbortRequest(old_wire))])  # whatever it still holds
+        await self._send_attempt(req, prep, ids, hashes, params)
+
+    def _take_load(self, req: InFlight) -> None:
+        req.decode.inflight += 1
+        if req.prefill is not None and not req.prefill_released:
+            req.prefill.inflight += 1
+
+    def _give_load(self, req: InFlight) -> None:
+        req.decode.inflight -= 1
+        self._release_prefill(req)
 
     def _account(self, req: InFlight, out: TokenOutput) -> None:
         now = time.monotonic()
@@ -380,8 +457,8 @@ class Router:
         """The one place a request's load on its workers is given back (once)."""
         if self.inflight.pop(req.request_id, None) is None:
             return
-        req.decode.inflight -= 1
-        self._release_prefill(req)
+        self._by_wire.pop(req.wire_id, None)
+        self._give_load(req)
 
 
 def _drain(queue: asyncio.Queue, first: TokenOutput | ErrorReply) -> list[TokenOutput | ErrorReply]:
@@ -392,7 +469,8 @@ def _drain(queue: asyncio.Queue, first: TokenOutput | ErrorReply) -> list[TokenO
     while not queue.empty():
         nxt = queue.get_nowait()
         last = outs[-1]
-        if isinstance(nxt, TokenOutput) and isinstance(last, TokenOutput) and not last.finished:
+        if isinstance(nxt, TokenOutput) and isinstance(last, TokenOutput) and not last.finished \
+                and nxt.request_id == last.request_id:  # never across attempts (router/recovery.py)
             last.token_ids = [*last.token_ids, *nxt.token_ids]
             last.finished, last.finish_reason = nxt.finished, nxt.finish_reason
             last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens

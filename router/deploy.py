@@ -51,16 +51,20 @@ class DeploymentConfig:
 
 def plan_deployment(router: RouterConfig, engine: EngineOptions, *, prefill_devices: tuple[str, ...] = (),
                     decode_devices: tuple[str, ...] = (), colocated_devices: tuple[str, ...] = (),
-                    kv_transfer: str = "auto", threads_per_worker: int = 1) -> DeploymentConfig:
+                    kv_transfer: str = "auto", threads_per_worker: int = 1,
+                    worker_timeouts: dict[str, float | bool] | None = None) -> DeploymentConfig:
     """Every worker's spec: `engine` with the worker's device and thread count; P/D ranks
     0..P+D-1 (prefill first) and a free loopback port to form the group on when the
-    backend is gloo or nccl."""
+    backend is gloo or nccl. `worker_timeouts`: WorkerConfig's liveness fields
+    (heartbeat_s, peer_timeout_s, router_timeout_s, lease_s, drain_s, verify_transfers)
+    for every worker."""
     if colocated_devices and (prefill_devices or decode_devices):
         raise ConfigError("a deployment is either colocated or prefill/decode, not both")
 
     def spec(role: str, name: str, device: str, **worker: object) -> WorkerSpec:
         options = dataclasses.replace(engine, device=device, num_threads=threads_per_worker)
-        return WorkerSpec(router.model_dir, options, WorkerConfig(role=role, worker_id=name, **worker))  # type: ignore[arg-type]
+        return WorkerSpec(router.model_dir, options, WorkerConfig(role=role, worker_id=name, **worker,
+                                                                           **(worker_timeouts or {})))  # type: ignore[arg-type]
 
     if colocated_devices:
         workers = tuple(spec("colocated", f"colocated-{i}", dev) for i, dev in enumerate(colocated_devices))

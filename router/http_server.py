@@ -150,7 +150,9 @@ def create_app(router: Router) -> FastAPI:
         reg = router.registry
         live = {r: len(reg.live((r,))) for r in ("prefill", "decode", "colocated")}
         ok = (live["prefill"] and live["decode"]) or live["colocated"]
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live}, status_code=200 if ok else 503)
+        dead = sorted(e.worker_id for e in reg.workers.values() if not e.alive)  # docs/reliability.md
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -40,7 +40,9 @@ class WorkerProcess:
     proc: subprocess.Popen
     ready_file: Path
     log_path: Path
+    spec: WorkerSpec | None = None  # what it was started with (a restart starts it again)
     info: dict = field(default_factory=dict)
+    reaped: bool = False  # its exit was reported by `reap`
 
     @property
     def address(self) -> str:
@@ -66,13 +68,15 @@ class Launcher:
 
     def start(self, spec: WorkerSpec, env: dict | None = None) -> WorkerProcess:
         """Start the worker `spec` describes, named by its worker_id; the launcher sets
-        its ready file and the deployment secret (in the file, never in argv or env)."""
+        its ready file, the deployment secret (in the file, never in argv or env) and, unless
+        one is set, this process as the router it watches (it exits when this process is gone)."""
         name = spec.worker.worker_id
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
-        spec = dataclasses.replace(spec, worker=dataclasses.replace(spec.worker, ready_file=str(ready),
-                                                                   secret=self.secret))
+        spec = dataclasses.replace(spec, worker=dataclasses.replace(
+            spec.worker, ready_file=str(ready), secret=self.secret,
+            router_pid=spec.worker.router_pid or os.getpid()))
         config_path = spec.write(self.workdir / f"{name}.json")
         package = "prefill_node" if spec.worker.role == "prefill" else "decode_node"
         cmd = [sys.executable, "-m", package, "--config", str(config_path)]
@@ -80,9 +84,19 @@ class Launcher:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                     start_new_session=True)  # its own group: Ctrl-C goes to us first
-        wp = WorkerProcess(name, proc, ready, log_path)
-        self.workers.append(wp)
+        wp = WorkerProcess(name, proc, ready, log_path, spec)
+        self.workers = [w for w in self.workers if w.name != name] + [wp]  # a restart replaces its entry
         return wp
+
+    def reap(self) -> list[WorkerProcess]:
+        """Workers that exited since the last call (reaped: no zombie is left for a peer's
+        liveness check to mistake for a live process)."""
+        gone = []
+        for wp in self.workers:
+            if not wp.reaped and wp.proc.poll() is not None:
+                wp.reaped = True
+                gone.append(wp)
+        return gone
 
     def wait_ready(self, workers: list[WorkerProcess] | None = None, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout

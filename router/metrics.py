@@ -35,6 +35,9 @@ class RouterMetrics:
                                 "Share of queried prompt blocks found in the worker's prefix cache", labels, registry=r)
         self.w_kv_bytes = Gauge("pdserve_worker_kv_transfer_bytes", "KV bytes sent by a prefill worker", labels,
                                 registry=r)
+        self.recoveries = Counter("pdserve_request_recoveries", "Requests re-routed after a worker failed, by kind",
+                                  ["kind"], registry=r)
+        self.worker_deaths = Counter("pdserve_worker_deaths", "Workers found dead, by how", ["how"], registry=r)
 
     def worker_status(self, s: WorkerStatus) -> None:
         lab = (s.worker_id, s.role)
@@ -46,6 +49,14 @@ class RouterMetrics:
         self.w_hit_rate.labels(*lab).set(s.counters.get("prefix_hit_blocks", 0) / q if q else 0.0)
         if "bytes_sent" in s.counters:
             self.w_kv_bytes.labels(*lab).set(s.counters["bytes_sent"])
+
+    def forget_worker(self, worker_id: str, role: str) -> None:
+        """A dead worker leaves /metrics: its gauges would otherwise report its last load forever."""
+        for g in (self.w_waiting, self.w_running, self.w_free, self.w_total, self.w_hit_rate, self.w_kv_bytes):
+            try:
+                g.remove(worker_id, role)
+            except KeyError:
+                pass
 
     def routed_prefix(self, hashes: list[int], cached: set[int]) -> None:
         from router.policy import prefix_overlap

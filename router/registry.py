@@ -18,6 +18,7 @@ class WorkerEntry:
     cached: set[int] = field(default_factory=set)  # prefix index: block hashes it holds
     inflight: int = 0  # requests routed to it, not yet done with its phase
     alive: bool = True
+    exited: bool = False  # the launcher saw its process exit: only a new hello brings it back
 
     @property
     def worker_id(self) -> str:
@@ -58,8 +59,8 @@ class WorkerRegistry:
 
     def heartbeat(self, msg: WorkerStatus, now: float) -> WorkerEntry | None:
         entry = self.workers.get(msg.worker_id)
-        if entry is None:
-            return None  # heartbeat before hello: ignored until it says hello
+        if entry is None or entry.exited:
+            return None  # heartbeat before hello (or a late one from an exited process): ignored
         entry.status, entry.last_seen, entry.alive = msg, now, True
         entry.cached.update(msg.kv_stored)
         entry.cached.difference_update(msg.kv_evicted)
@@ -74,6 +75,12 @@ class WorkerRegistry:
                 e.cached.clear()
                 dead.append(e)
         return dead
+
+    def mark_dead(self, entry: WorkerEntry) -> bool:
+        """Its process exited: out of rotation at once; True if it was alive until now."""
+        was_alive, entry.alive, entry.exited = entry.alive, False, True
+        entry.cached.clear()
+        return was_alive
 
     def live(self, roles: tuple[str, ...]) -> list[WorkerEntry]:
         return [e for e in self.workers.values() if e.alive and e.role in roles]

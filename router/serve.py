@@ -19,6 +19,7 @@ from router.core import Router
 from router.deploy import DeploymentConfig
 from router.http_server import create_app
 from router.launch import Launcher, WorkerProcess
+from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
 
 
@@ -63,6 +64,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
     launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
+    supervisor = Supervisor(router, launcher, config.restart_workers)
     http = http_task = None
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
@@ -71,6 +73,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
             return
         launch.result()  # raises LaunchError with the worker's log tail
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
+        supervisor.start()
         http_url = "(disabled)"
         if config.enable_http:
             http = _QuietServer(uvicorn.Config(create_app(router), host=config.host, port=config.http_port,
@@ -96,6 +99,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         await stop.wait()
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
+        supervisor.close()
         if http is not None:
             http.should_exit = True
             with contextlib.suppress(Exception):

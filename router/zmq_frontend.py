@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import zmq
 import zmq.asyncio
 
 from common import messages
-from common.messages import AbortRequest, ErrorReply, MessageError, SubmitRequest
+from common.messages import AbortRequest, ClientHeartbeat, ErrorReply, MessageError, SubmitRequest
 from common.transport import bind_address
 from router.core import Router
 from router.text import merge_outputs
@@ -28,9 +29,29 @@ class ZmqFrontend:
         self.address = bind_address(self.sock, address)
         self._streams: dict[tuple[bytes, str], asyncio.Task] = {}
         self._task: asyncio.Task | None = None
+        # clients that heartbeat (docs/protocol.md): identity -> last message (monotonic s)
+        self._heartbeating: dict[bytes, float] = {}
+        self._reaper: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
+        self._reaper = asyncio.create_task(self._reap_silent())
+
+    async def _reap_silent(self) -> None:
+        """A ROUTER socket does not report a client that went away: a client that has
+        heartbeated and then is silent past client_timeout_s is gone; its streams are
+        cancelled, which aborts their requests on the workers (Router.generate)."""
+        limit = self.router.config.client_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for identity, seen in list(self._heartbeating.items()):
+                if now - seen <= limit:
+                    continue
+                del self._heartbeating[identity]
+                for (ident, _), task in list(self._streams.items()):
+                    if ident == identity:
+                        task.cancel()
 
     async def _send(self, identity: bytes, msg) -> None:
         await self.sock.send_multipart([identity, messages.encode(msg)])
@@ -46,6 +67,10 @@ class ZmqFrontend:
                 msg = messages.decode(parts[1])
             except MessageError as e:
                 await self._send(identity, ErrorReply("", str(e), "malformed"))
+                continue
+            if identity in self._heartbeating or isinstance(msg, ClientHeartbeat):
+                self._heartbeating[identity] = time.monotonic()
+            if isinstance(msg, ClientHeartbeat):
                 continue
             if isinstance(msg, SubmitRequest):
                 key = (identity, msg.request_id)
@@ -80,8 +105,9 @@ class ZmqFrontend:
             self._streams.pop((identity, sub.request_id), None)
 
     def close(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for t in (self._task, self._reaper):
+            if t is not None:
+                t.cancel()
         for t in self._streams.values():
             t.cancel()
         self.sock.close(0)

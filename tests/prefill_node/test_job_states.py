@@ -284,20 +284,26 @@ def test_abort_prefilling(h):
     assert h.state("a") is None and h.worker.engine.block_manager.num_free_blocks == h.baseline
     assert isinstance(h.terminal("a"), PrefillFailed)
     assert not h.worker.has_work()
-    h.abort("a")  # a late abort for a finished job is ignored
+    h.abort("a")  # a late abort for a finished job changes nothing; it is answered, which fences D's lease
     h.abort("nobody")
-    assert len(h.server.replies("a")) == 1
+    late = h.server.replies("a")
+    assert len(late) == 2 and all(isinstance(r, PrefillFailed) for r in late)
+    assert h.worker.engine.block_manager.num_free_blocks == h.baseline
     if h.sender.layerwise:
         assert {d for _, _, ds in h.sender.layer_writes for d in ds} <= set(dst)
     else:
         assert h.sender.sends == []
 
 
-def test_abort_after_sent_is_ignored(h):
+def test_abort_after_sent_changes_nothing(h):
+    """The job is done: the abort is answered (D's lease waits on an answer to fence P),
+    after the KVReady, which D has already acted on."""
     h.prefill("a", prompt(10, 9))
     h.run()
     h.abort("a")
-    assert isinstance(h.terminal("a"), KVReady)
+    replies = h.server.replies("a")
+    assert [type(r) for r in replies] == [KVReady, PrefillFailed]
+    assert h.worker.engine.block_manager.num_free_blocks == h.baseline
 
 
 @pytest.mark.parametrize("case", ["unknown_decode", "too_few_dst", "too_many_dst", "skip_all", "negative_skip",

@@ -99,7 +99,7 @@ def test_models_health_metrics(oai, pd):
     assert httpx.get(f"{pd.http}/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     health = httpx.get(f"{pd.base}/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "colocated": 0}}
+    assert health.json() == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "colocated": 0}, "dead": []}
 
     oai.completions.create(model="qwen3", prompt="metrics", max_tokens=3, temperature=0)
     deadline = time.monotonic() + 10

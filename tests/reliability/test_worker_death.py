@@ -1,0 +1,45 @@
+"""kill -9 of a worker with requests in flight: every request completes with the greedy
+output of the uninterrupted run (transformers' generate), the dead worker leaves /metrics
+and /health names it, and every surviving worker's blocks return to baseline."""
+from __future__ import annotations
+
+from tests.reliability.harness import complete_all, health, metrics, recoveries, serve, stop, wait_blocks_baseline
+
+MAX_NEW = 16
+
+
+def test_kill_prefill_mid_prefill_while_decode_full(tmp_path, prompts, greedy):
+    """prefill-0 dies after its first prefill, before KVReady; the decode worker takes two
+    sequences at a time (--max-num-seqs 2), so most requests wait for room while it dies."""
+    served = serve(tmp_path, ["--prefill", "2", "--decode", "1", "--routing", "round_robin", "--max-num-seqs", "2"],
+                   faults="kill_after_prefill=1@prefill-0")
+    try:
+        results = complete_all(served, prompts, MAX_NEW)
+        for ids, res in zip(prompts, results):
+            assert res["error"] is None, res
+            assert res["token_ids"] == greedy(ids, MAX_NEW)
+        assert recoveries(served).get("reprefill", 0) >= 1
+        h = health(served)
+        assert h["dead"] == ["prefill-0"] and h["status"] == "ok", h
+        assert not any(w == "prefill-0" for _, w in metrics(served)), "a dead worker's gauges stay in /metrics"
+        wait_blocks_baseline(served, ["prefill-1", "decode-0"])
+    finally:
+        stop(served)
+
+
+def test_kill_decode_mid_decode_resumes(tmp_path, prompts, greedy):
+    """decode-0 dies at its 20th token: its streams resume on decode-1 from prompt + tokens
+    streamed so far, nothing repeated, nothing dropped."""
+    served = serve(tmp_path, ["--prefill", "1", "--decode", "2", "--routing", "round_robin"],
+                   faults="kill_mid_decode=20@decode-0")
+    try:
+        some = prompts[:4]
+        results = complete_all(served, some, MAX_NEW)
+        for ids, res in zip(some, results):
+            assert res["error"] is None, res
+            assert res["token_ids"] == greedy(ids, MAX_NEW)
+        assert recoveries(served).get("resume", 0) >= 1
+        assert health(served)["dead"] == ["decode-0"]
+        wait_blocks_baseline(served, ["prefill-0", "decode-1"])
+    finally:
+        stop(served)
