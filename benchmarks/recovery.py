@@ -39,7 +39,7 @@ def start(model: str, workdir: Path, roles: list[str]) -> tuple[subprocess.Popen
 
 
 def one(http: str, i: int, max_tokens: int) -> dict:
-    body = json.dumps({"model": "x", "prompt": f"Request {i}: the router sends each request to", "stream": True,
+    body = json.dumps({"prompt": f"Request {i}: the router sends each request to", "stream": True,
                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
     t0 = time.perf_counter()
     ttft, n, err = None, 0, None

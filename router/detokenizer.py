@@ -38,14 +38,16 @@ class IncrementalDetokenizer:
         # Whole-sequence decode: decoders (byte-level, metaspace) are not all prefix-stable
         # token by token, but decode(all) is the contract; the cost is O(length) per call.
         text = self.tokenizer.decode(self.token_ids)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        # a trailing U+FFFD is a multi-byte character not complete yet: neither sent nor
+        # matched against stop strings until it is (it may become another character)
+        settled = text if finished else text.rstrip("\ufffd")
+        hits = [i for i in (settled.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped_at = end = min(hits)
         elif finished:
             end = len(text)
         else:
-            end = len(text.rstrip("\ufffd"))  # a multi-byte character is not complete yet
-            end -= held_back_tail(text[:end], self.stop)
+            end = len(settled) - held_back_tail(settled, self.stop)
         delta = text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return delta

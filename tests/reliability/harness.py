@@ -42,7 +42,7 @@ def start_server_with(workdir: Path, args: list[str], max_model_len: int) -> Ser
 def complete(served: Served, prompt_ids: list[int], max_tokens: int, timeout: float = 120) -> dict:
     """A greedy completion over HTTP, streamed (so a resumed stream is what is checked);
     returns {"token_ids", "error"}."""
-    body = json.dumps({"model": "x", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True, "return_token_ids": True}).encode()
     req = urllib.request.Request(served.http + "/completions", body, {"Content-Type": "application/json"})
     ids: list[int] = []

@@ -26,7 +26,7 @@ def test_http_and_zmq_clients_going_away(tmp_path, prompts):
     served = serve(tmp_path, ["--prefill", "1", "--decode", "1"], extra=("--client-timeout", "2"),
                    max_model_len=2048)
     try:
-        body = json.dumps({"model": "x", "prompt": prompts[0], "max_tokens": LONG, "temperature": 0,
+        body = json.dumps({"prompt": prompts[0], "max_tokens": LONG, "temperature": 0,
                            "stream": True, "ignore_eos": True}).encode()
         req = urllib.request.Request(served.http + "/completions", body, {"Content-Type": "application/json"})
         resp = urllib.request.urlopen(req, timeout=60)

@@ -30,6 +30,11 @@ def client(served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.http, api_key="unused", max_retries=0, timeout=120)
 
 
+def _model(client: openai.OpenAI) -> str:
+    """The served model's id, as an OpenAI client finds it (an unknown model is a 404)."""
+    return client.models.list().data[0].id
+
+
 @pytest.fixture(scope="module")
 def rtok(real_model_dir) -> Tokenizer:
     return Tokenizer(real_model_dir)
@@ -37,7 +42,7 @@ def rtok(real_model_dir) -> Tokenizer:
 
 def _stream_chat(client, messages, **kw):
     ids, text, reasons = [], [], []
-    for chunk in client.chat.completions.create(model="m", messages=messages, temperature=0, stream=True, **kw):
+    for chunk in client.chat.completions.create(model=_model(client), messages=messages, temperature=0, stream=True, **kw):
         for c in chunk.choices:
             ids += c.token_ids
             text.append(c.delta.content or "")
@@ -47,7 +52,7 @@ def _stream_chat(client, messages, **kw):
 
 def _stream_completion(client, prompt, **kw):
     ids, text, reasons = [], [], []
-    for chunk in client.completions.create(model="m", prompt=prompt, temperature=0, stream=True, **kw):
+    for chunk in client.completions.create(model=_model(client), prompt=prompt, temperature=0, stream=True, **kw):
         for c in chunk.choices:
             ids += c.token_ids
             text.append(c.text)
@@ -56,7 +61,7 @@ def _stream_completion(client, prompt, **kw):
 
 
 def test_chat_answer(client, rtok):
-    res = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=32, temperature=0)
+    res = client.chat.completions.create(model=_model(client), messages=QUESTION, max_tokens=32, temperature=0)
     assert res.choices[0].message.content == "The capital of France is Paris."
     assert res.choices[0].finish_reason == "stop"
     n_prompt = len(rtok.encode(rtok.apply_chat_template(QUESTION)))
@@ -65,7 +70,7 @@ def test_chat_answer(client, rtok):
 
 def test_chat_non_ascii_streamed_and_not_match_transformers(client, served, rtok, hf_greedy):
     want = hf_greedy(served.model_dir, rtok.encode(rtok.apply_chat_template(ACCENTS)), MAX_NEW)
-    res = client.chat.completions.create(model="m", messages=ACCENTS, max_tokens=MAX_NEW, temperature=0)
+    res = client.chat.completions.create(model=_model(client), messages=ACCENTS, max_tokens=MAX_NEW, temperature=0)
     assert res.choices[0].token_ids == want
     assert res.choices[0].message.content == rtok.decode(want)
     ids, text, reason = _stream_chat(client, ACCENTS, max_tokens=MAX_NEW)
@@ -74,7 +79,7 @@ def test_chat_non_ascii_streamed_and_not_match_transformers(client, served, rtok
 
 def test_completion_non_ascii_streamed_and_not_match_transformers(client, served, rtok, hf_greedy):
     want = hf_greedy(served.model_dir, rtok.encode(PROMPT), MAX_NEW)
-    res = client.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
+    res = client.completions.create(model=_model(client), prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
     assert res.choices[0].token_ids == want and res.choices[0].text == rtok.decode(want)
     assert res.choices[0].finish_reason == ("length" if len(want) == MAX_NEW else "stop")
     ids, text, reason = _stream_completion(client, PROMPT, max_tokens=MAX_NEW)
@@ -88,7 +93,7 @@ def test_stop_string_spanning_tokens(client, served, rtok, hf_greedy):
     first = rtok.decode(want[:3])
     stop = full[len(first) - 2:len(first) + 2]
     expected = full[:full.find(stop)]
-    res = client.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, stop=[stop])
+    res = client.completions.create(model=_model(client), prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, stop=[stop])
     assert (res.choices[0].text, res.choices[0].finish_reason) == (expected, "stop")
     _, text, reason = _stream_completion(client, PROMPT, max_tokens=MAX_NEW, stop=[stop])
     assert (text, reason) == (expected, "stop")
