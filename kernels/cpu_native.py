@@ -31,8 +31,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
-VECTOR_EXP = ["-fopenmp-simd", "-lmvec"]  # glibc's vector expf; the build retries without it
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
+# Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
+# constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.
+LINK_FLAGS = ["-shared", "-fopenmp"]
+VECTOR_EXP = (["-fopenmp-simd"], ["-lmvec"])  # glibc's vector expf (compile, link); retried without
 ERRORS = {1: "bad arguments (a context longer than its block table, or a block id outside the cache)",
           2: "out of memory"}
 
@@ -71,7 +74,8 @@ def build(cache_dir: Path | None = None) -> Path:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS + VECTOR_EXP), _compiler_version(cc),
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
+                                    _compiler_version(cc),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     root = cache_dir or Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
     lib = root / f"paged_decode_attention_cpu-{key}.so"
@@ -80,18 +84,23 @@ def build(cache_dir: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".build-", suffix=".so")
     os.close(fd)
+    obj = tmp + ".o"
     try:
-        for extra in (VECTOR_EXP, []):
-            res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *extra, "-lm"], capture_output=True,
+        for compile_extra, link_extra in (VECTOR_EXP, ([], [])):
+            res = subprocess.run([cc, *FLAGS, *compile_extra, "-c", "-o", obj, str(SOURCE)], capture_output=True,
                                  text=True, timeout=300)
+            if res.returncode == 0:
+                res = subprocess.run([cc, *LINK_FLAGS, "-o", tmp, obj, *link_extra, "-lm"], capture_output=True,
+                                     text=True, timeout=300)
             if res.returncode == 0:
                 break
         else:
             raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{res.stderr.strip()}")
         os.replace(tmp, lib)  # atomic: a concurrent builder's identical file may be replaced
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return lib
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -116,3 +119,14 @@ def test_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
         monkeypatch.undo()
         cpu_native.library.cache_clear()
     assert cpu_native.library() is not None
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path):
+    """Linking with -ffast-math would pull in crtfastmath.o, which sets flush-to-zero for
+    the whole process that loads the library (every worker, and the test process)."""
+    code = ("import sys, ctypes; from pathlib import Path; from kernels import cpu_native; "
+            f"ctypes.CDLL(str(cpu_native.build(Path({str(tmp_path)!r})))); "
+            "print(sys.float_info.min / 2 > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", "loading the native kernel turned on flush-to-zero"
