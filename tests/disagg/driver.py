@@ -102,7 +102,11 @@ class Deployment:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0:
                 raise AssertionError(f"no WorkerStatus from {worker.name} in {timeout_s} s\n{self.logs()}")
-            msg = client.recv(timeout_ms=left).msg
+            try:
+                msg = client.recv(timeout_ms=left).msg
+            except TimeoutError:
+                raise AssertionError(f"no WorkerStatus from {worker.name} in {timeout_s} s "
+                                     f"(alive: {worker.proc.poll() is None})\n{self.logs()}") from None
             if isinstance(msg, WorkerStatus):
                 return msg
 
