@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import zmq
@@ -33,48 +32,7 @@ from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
-
-
-class RouteError(ValueError):
-    """A request cannot be routed as given (bad input, or no live worker)."""
-
-    def __init__(self, message: str, code: str = "bad_request", retry_after_s: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retry_after_s = retry_after_s  # set with code "overloaded"
-
-
-@dataclass
-class Prepared:
-    """A client request made ready once, at the edge: its token ids, checked sampling
-    parameters and the chained hashes of its full blocks (what routing and every worker's
-    prefix cache use)."""
-
-    sub: SubmitRequest
-    token_ids: list[int]
-    params: SamplingParams
-    block_hashes: list[int]
-    arrival: float = field(default_factory=time.time)
-
-
-@dataclass
-class InFlight:
-    """One request the router is relaying."""
-
-    request_id: str
-    queue: asyncio.Queue
-    decode: WorkerEntry
-    prefill: WorkerEntry | None
-    detok: IncrementalDetokenizer
-    num_prompt_tokens: int
-    sent_at: float
-    timeline: dict[str, float] = field(default_factory=dict)
-    first_token_at: float | None = None
-    num_output_tokens: int = 0
-    prefill_released: bool = False  # its prefill worker's share of load was given back
-    wire_id: str = ""  # the id the current attempt travels under (router/recovery.py)
-    attempts: int = 0  # attempts after the first (re-routed after a worker failed)
-    output_ids: list[int] = field(default_factory=list)  # every token the caller has been sent
+from router.requests import InFlight, Prepared, RouteError, drain_outputs
 
 
 class Router:
@@ -356,7 +314,7 @@ class Router:
         try:
             await self._send_attempt(req, prep, prep.token_ids, prep.block_hashes, prep.params)
             while not finished:
-                for out in _drain(req.queue, await req.queue.get()):
+                for out in drain_outputs(req.queue, await req.queue.get()):
                     if out.request_id != req.wire_id:
                         continue  # a late reply to an earlier attempt
                     if isinstance(out, ErrorReply):
@@ -460,21 +418,3 @@ class Router:
         self._by_wire.pop(req.wire_id, None)
         self._give_load(req)
 
-
-def _drain(queue: asyncio.Queue, first: TokenOutput | ErrorReply) -> list[TokenOutput | ErrorReply]:
-    """`first` and every output already queued behind it, consecutive token outputs merged
-    into one: under load the relay sends one message (one SSE chunk) per wake-up instead of
-    one per token, so it keeps up with the decode worker. Order and content are kept."""
-    outs = [first]
-    while not queue.empty():
-        nxt = queue.get_nowait()
-        last = outs[-1]
-        if isinstance(nxt, TokenOutput) and isinstance(last, TokenOutput) and not last.finished \
-                and nxt.request_id == last.request_id:  # never across attempts (router/recovery.py)
-            last.token_ids = [*last.token_ids, *nxt.token_ids]
-            last.finished, last.finish_reason = nxt.finished, nxt.finish_reason
-            last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens
-            last.timeline = nxt.timeline
-        else:
-            outs.append(nxt)
-    return outs

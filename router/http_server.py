@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
-from router.core import Prepared, RouteError, Router
+from router.core import Router
+from router.requests import Prepared, RouteError
 from router.http_api import ChatBody, CompletionBody, unsupported
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.text import merge_outputs, usage

@@ -1,0 +1,74 @@
+"""What the router knows of one request: the form it is prepared into at the edge
+(`Prepared`), its relay state while in flight (`InFlight`), why it cannot be routed
+(`RouteError`), and how queued outputs are merged for the relay (`drain_outputs`)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from common.messages import ErrorReply, SubmitRequest, TokenOutput
+from common.sampling_params import SamplingParams
+from router.detokenizer import IncrementalDetokenizer
+from router.registry import WorkerEntry
+
+
+class RouteError(ValueError):
+    """A request cannot be routed as given (bad input, or no live worker)."""
+
+    def __init__(self, message: str, code: str = "bad_request", retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s  # set with code "overloaded"
+
+
+@dataclass
+class Prepared:
+    """A client request made ready once, at the edge: its token ids, checked sampling
+    parameters and the chained hashes of its full blocks (what routing and every worker's
+    prefix cache use)."""
+
+    sub: SubmitRequest
+    token_ids: list[int]
+    params: SamplingParams
+    block_hashes: list[int]
+    arrival: float = field(default_factory=time.time)
+
+
+@dataclass
+class InFlight:
+    """One request the router is relaying."""
+
+    request_id: str
+    queue: asyncio.Queue
+    decode: WorkerEntry
+    prefill: WorkerEntry | None
+    detok: IncrementalDetokenizer
+    num_prompt_tokens: int
+    sent_at: float
+    timeline: dict[str, float] = field(default_factory=dict)
+    first_token_at: float | None = None
+    num_output_tokens: int = 0
+    prefill_released: bool = False  # its prefill worker's share of load was given back
+    wire_id: str = ""  # the id the current attempt travels under (router/recovery.py)
+    attempts: int = 0  # attempts after the first (re-routed after a worker failed)
+    output_ids: list[int] = field(default_factory=list)  # every token the caller has been sent
+
+
+def drain_outputs(queue: asyncio.Queue, first: TokenOutput | ErrorReply) -> list[TokenOutput | ErrorReply]:
+    """`first` and every output already queued behind it, consecutive token outputs merged
+    into one: under load the relay sends one message (one SSE chunk) per wake-up instead of
+    one per token, so it keeps up with the decode worker. Order and content are kept."""
+    outs = [first]
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        last = outs[-1]
+        if isinstance(nxt, TokenOutput) and isinstance(last, TokenOutput) and not last.finished \
+                and nxt.request_id == last.request_id:  # never across attempts (router/recovery.py)
+            last.token_ids = [*last.token_ids, *nxt.token_ids]
+            last.finished, last.finish_reason = nxt.finished, nxt.finish_reason
+            last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens
+            last.timeline = nxt.timeline
+        else:
+            outs.append(nxt)
+    return outs
