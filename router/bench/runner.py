@@ -51,16 +51,21 @@ def fit_token_times(times: list[float], n: int) -> list[float]:
 def count_stream_tokens(chunks: list[tuple[float, dict]]) -> list[float]:
     """Token arrival times from the parsed SSE chunks of one completion stream, each with its
     client arrival time. pdserve sends every choice's `token_ids`: one time per id. Other
-    servers send text only: one time per chunk with non-empty text, then fitted to the
-    final usage chunk's `completion_tokens` (asked for with `stream_options.include_usage`)
-    when the server sends one."""
+    servers send text only. With a final usage chunk (asked for with
+    `stream_options.include_usage`), every chunk with a choice is an arrival, as in
+    `vllm bench serve` (a token can decode to empty text), fitted to the usage's
+    `completion_tokens`; without one, each chunk with non-empty text counts as one token."""
     times: list[float] = []
+    chunk_times: list[float] = []
     text_times: list[float] = []
     has_ids = False
     completion_tokens: int | None = None
     for now, chunk in chunks:
-        for choice in chunk.get("choices") or []:
-            if "token_ids" in choice and choice["token_ids"] is not None:
+        choices = chunk.get("choices") or []
+        if choices:
+            chunk_times.append(now)
+        for choice in choices:
+            if choice.get("token_ids") is not None:
                 has_ids = True
                 times += [now] * len(choice["token_ids"])
             elif choice.get("text") or (choice.get("delta") or {}).get("content"):
@@ -70,7 +75,7 @@ def count_stream_tokens(chunks: list[tuple[float, dict]]) -> list[float]:
             completion_tokens = int(usage["completion_tokens"])
     if has_ids:
         return times
-    return fit_token_times(text_times, completion_tokens) if completion_tokens is not None else text_times
+    return fit_token_times(chunk_times, completion_tokens) if completion_tokens is not None else text_times
 
 
 async def _one_http(http, url: str, model: str | None, req: BenchRequest, rec: RequestRecord, temperature: float,

@@ -26,13 +26,20 @@ def test_text_chunks_without_usage():
 
 
 def test_usage_with_more_tokens_than_chunks():
-    # vLLM: a chunk may carry several tokens (or none, while a UTF-8 character is incomplete)
+    # vLLM: a chunk may carry several tokens
     chunks = [_text(1.0, "a"), _text(2.0, "bc"), _text(4.0, "d"), _usage(4.0, 5)]
     times = count_stream_tokens(chunks)
     assert len(times) == 5 and times[0] == 1.0 and times[-1] == 4.0
     rec = RequestRecord(0.5, token_times=times)
     # what `vllm bench serve` reports: TTFT = first chunk, TPOT = (E2E - TTFT) / (usage - 1)
     assert rec.ttft == 0.5 and rec.e2e == 3.5 and rec.tpot == (3.5 - 0.5) / 4
+
+
+def test_with_usage_empty_text_chunks_are_arrivals():
+    # as in `vllm bench serve`: a token whose text is empty (a special token, half a UTF-8
+    # character) still arrived; the first and last chunk fix TTFT and E2E
+    chunks = [_text(1.0, ""), _text(2.0, "b"), _text(3.0, ""), _usage(3.0, 3)]
+    assert count_stream_tokens(chunks) == [1.0, 2.0, 3.0]
 
 
 def test_usage_with_fewer_tokens_than_chunks():
