@@ -33,26 +33,75 @@ async def _served_model(http, url: str) -> str | None:
         return None
 
 
+def fit_token_times(times: list[float], n: int) -> list[float]:
+    """Arrival times of `n` tokens from the arrival times of the streamed text chunks that
+    carried them, for a server that sends text but no token ids (vLLM, any OpenAI server).
+    The first and the last chunk time are kept, so TTFT, E2E and TPOT = (E2E - TTFT) / (n - 1)
+    are what `vllm bench serve` computes from the same stream and `usage.completion_tokens`;
+    tokens beyond the chunk count (a chunk carried several) arrive with the last chunk, and
+    surplus chunk times (should a server split one token over chunks) are dropped from the
+    middle. Only the ITLs of such a request are approximate."""
+    if n <= 0 or not times:
+        return []
+    if n >= len(times):
+        return times + [times[-1]] * (n - len(times))
+    return times[:1] if n == 1 else times[:n - 1] + [times[-1]]
+
+
+def count_stream_tokens(chunks: list[tuple[float, dict]]) -> list[float]:
+    """Token arrival times from the parsed SSE chunks of one completion stream, each with its
+    client arrival time. pdserve sends every choice's `token_ids`: one time per id. Other
+    servers send text only. With a final usage chunk (asked for with
+    `stream_options.include_usage`), every chunk with a choice is an arrival, as in
+    `vllm bench serve` (a token can decode to empty text), fitted to the usage's
+    `completion_tokens`; without one, each chunk with non-empty text counts as one token."""
+    times: list[float] = []
+    chunk_times: list[float] = []
+    text_times: list[float] = []
+    has_ids = False
+    completion_tokens: int | None = None
+    for now, chunk in chunks:
+        choices = chunk.get("choices") or []
+        if choices:
+            chunk_times.append(now)
+        for choice in choices:
+            if choice.get("token_ids") is not None:
+                has_ids = True
+                times += [now] * len(choice["token_ids"])
+            elif choice.get("text") or (choice.get("delta") or {}).get("content"):
+                text_times.append(now)
+        usage = chunk.get("usage")
+        if usage and usage.get("completion_tokens") is not None:
+            completion_tokens = int(usage["completion_tokens"])
+    if has_ids:
+        return times
+    return fit_token_times(chunk_times, completion_tokens) if completion_tokens is not None else text_times
+
+
 async def _one_http(http, url: str, model: str | None, req: BenchRequest, rec: RequestRecord, temperature: float,
                     ignore_eos: bool, timeline: bool) -> None:
-    """One streamed request; any non-200 (a 429 included) fails it, with no retry."""
+    """One streamed request; any non-200 (a 429 included) fails it, with no retry. Output
+    tokens are counted by `count_stream_tokens` (token ids if sent, else text chunks fitted
+    to the final usage)."""
     body = {**({"model": model} if model else {}), "prompt": req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt,
             "max_tokens": req.output_len, "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
-            "return_timeline": timeline}
-    async with http.stream("POST", f"{url}/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"].get("message", "server error"))
-            now = time.perf_counter()
-            for choice in chunk.get("choices", []):
-                rec.token_times += [now] * len(choice.get("token_ids", []))
-            if chunk.get("timeline"):
-                rec.timeline = chunk["timeline"]
+            "stream_options": {"include_usage": True}, **({"return_timeline": True} if timeline else {})}
+    chunks: list[tuple[float, dict]] = []
+    try:
+        async with http.stream("POST", f"{url}/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"].get("message", "server error"))
+                chunks.append((time.perf_counter(), chunk))
+                if chunk.get("timeline"):
+                    rec.timeline = chunk["timeline"]
+    finally:  # a failed stream keeps the tokens it got
+        rec.token_times += count_stream_tokens(chunks)
 
 
 async def run_workload(reqs: list[BenchRequest], backend: str, url: str, send_times: list[float],
