@@ -111,3 +111,13 @@ def test_bench_sweep_and_detailed_run(server, model_dirs, tmp_path):
                for tl in single["timelines"])
     assert {"mean_prefill_ms", "mean_kv_transfer_ms", "mean_decode_ms"} <= set(single)
     assert _is_png(plots / "latency_cdf.png") and _is_png(plots / "timelines.png")
+
+
+def test_bench_http_backend(server, model_dirs, tmp_path):
+    """The HTTP backend (the one that also drives vLLM) against pdserve: it asks for usage
+    (stream_options) and still counts pdserve's token ids, exactly output-len per request."""
+    res = _bench(server, model_dirs["qwen3"], tmp_path / "http.json", "--backend", "http", "--url", server["http"],
+                 "--request-rate", "16", "--save-detailed")
+    assert res["completed"] == NUM_PROMPTS and res["failed"] == 0
+    assert res["output_lens"] == [6] * NUM_PROMPTS
+    assert 0 < res["mean_ttft_ms"] <= res["mean_e2el_ms"] and res["mean_tpot_ms"] > 0
