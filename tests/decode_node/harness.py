@@ -171,6 +171,17 @@ class Harness:
         self.worker.peers.peers.pop(P_ADDR, None)
         self.worker.on_peer_events([PeerLost(P_ADDR, why, True)])
 
+    def receiving(self, rid: str) -> tuple[int, "FakeTransfer"]:
+        """Reserve `rid` and deliver its KVReady with the receive left in flight: (blocks
+        it holds, the transfer the test finishes)."""
+        self.worker.try_reserve()
+        held = self.held(rid)
+        t = FakeTransfer()
+        self.receiver.plan[rid] = t
+        self.kv_ready(rid)
+        assert self.state(rid) == State.RECEIVING
+        return held, t
+
     # -- the loop
     def turn(self) -> None:
         """One loop turn of WorkerBase.run without sockets: idle work, then a step if any."""

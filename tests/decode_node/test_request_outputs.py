@@ -1,0 +1,61 @@
+"""What a decode request streams: transformers' greedy tokens, computed locally or from a
+prefill engine's first token and KV landed in the reserved blocks (at once or in
+flight), and a seeded request going on whatever sampler state it is handed."""
+from __future__ import annotations
+
+import pytest
+
+from common.engine import LLMEngine
+from common.sampling_params import SamplingParams
+from decode_node.requests import State
+from tests.decode_node.harness import FakeTransfer, prompt
+
+
+def test_local_greedy_matches_transformers(h, model_dirs, hf_greedy):
+    p = prompt(45, 6)
+    h.generate("a", p, max_tokens=10, local=True, ignore_eos=False)
+    h.run_until_idle()
+    assert h.tokens("a") == hf_greedy(model_dirs["qwen3"], p, 10)
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_disaggregated_greedy_matches_transformers(h, decode_config, model_dirs, hf_greedy, in_flight):
+    """P's side played by an offline prefill-only engine: its first token and its KV,
+    copied into the blocks D reserved, make D stream exactly transformers' tokens."""
+    p = prompt(50, 7)
+    off = LLMEngine(decode_config, prefill_only=True)
+    seq = off.new_sequence(p, SamplingParams(temperature=0.0, max_tokens=12))
+    off.add(seq)
+    (out,) = off.step()  # 50 tokens fit one step of the 64-token budget
+    src = list(seq.block_table)
+    cache = h.worker.engine.runner.kv_cache
+
+    def fill(dst: list[int]) -> None:
+        assert len(dst) == len(src)
+        cache[:, :, dst] = off.runner.kv_cache[:, :, src]
+
+    h.generate("a", p, max_tokens=12, ignore_eos=False)
+    h.worker.try_reserve()
+    h.receiver.fill["a"] = fill
+    t = FakeTransfer()
+    if in_flight:
+        h.receiver.plan["a"] = t
+    h.kv_ready("a", first_token=out.new_token)
+    off.release(seq)
+    if in_flight:
+        h.turn()
+        assert h.state("a") == State.RECEIVING
+        t.finished = True
+    h.run_until_idle()
+    assert h.tokens("a") == hf_greedy(model_dirs["qwen3"], p, 12)
+
+
+@pytest.mark.parametrize("state", [b"", b"not a generator state"])
+def test_seeded_request_goes_on_whatever_the_sampler_state(h, state):
+    """A sampler state that does not fit this engine is logged; the seed alone goes on."""
+    h.generate("a", prompt(30, 26), max_tokens=5, temperature=1.0, seed=7)
+    h.worker.try_reserve()
+    h.kv_ready("a", first_token=4, sampler_state=state)
+    assert h.state("a") == State.RUNNING
+    h.run_until_idle()
+    assert len(h.tokens("a")) == 5 and h.terminal("a").finish_reason == "length"
