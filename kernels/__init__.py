@@ -7,6 +7,8 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     gather_blocks(cache, block_ids) -> buf
     scatter_blocks(cache, block_ids, buf) -> None
     paged_prefill_attention(...)   # torch reference only
+    linear(x, weight, bias, packed) -> y   # CPU: native kernel for a row or two, oneDNN
+    pack_linear_weight(weight) -> packed   # on a pre-packed weight for more; else F.linear
 
 Explicit flavors: ``kernels.reference.<fn>`` and ``kernels.triton_<fn>``. The
 Triton flavors also run on CPU tensors when ``TRITON_INTERPRET=1`` is set before
@@ -36,6 +38,8 @@ __all__ = [
     "store_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "linear",
+    "pack_linear_weight",
     "gather_blocks",
     "scatter_blocks",
     "triton_store_kv",
@@ -151,6 +155,43 @@ def paged_decode_attention(
             return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for x [m, k]. On CPU float32: up to a couple of rows (single-stream
+    decode) the native kernel, which reads ``weight`` at memory speed where MKL does not;
+    more rows with ``packed`` (from :func:`pack_linear_weight`) oneDNN on the pre-packed
+    weight, which MKL does not match below a few hundred rows."""
+    if x.device.type == "cpu" and x.dim() == 2:
+        native = _cpu_native()
+        if x.shape[0] <= native.SMALL_LINEAR_MAX_ROWS and native.supports_linear(x, weight):
+            return native.small_linear(x, weight, bias)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+# The row count oneDNN picks its packed layout for; the layout serves any row count
+# (measured best overall for decode batches of 8-64 and prefill chunks).
+PACK_ROWS_HINT = 64
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [n, k] reordered into oneDNN's blocked layout for :func:`linear`, or None
+    where that does not apply (not CPU float32, no oneDNN, or ``PDSERVE_CPU_LINEAR=torch``).
+    The packed copy is a second copy of the weight in memory."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
+            or not torch.backends.mkldnn.is_available()
+            or os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() == "torch"):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_native():
+    from . import cpu_native
+    return cpu_native
 
 
 def paged_prefill_attention(

@@ -31,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
+SOURCES = (SOURCE, SOURCE.with_name("small_linear_cpu.c"))  # built into one library
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
 # constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.
@@ -74,31 +75,34 @@ def build(cache_dir: Path | None = None) -> Path:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
+    key = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
                                     _compiler_version(cc),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     root = cache_dir or Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
-    lib = root / f"paged_decode_attention_cpu-{key}.so"
+    lib = root / f"pdserve_cpu-{key}.so"
     if lib.is_file():
         return lib
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".build-", suffix=".so")
     os.close(fd)
-    obj = tmp + ".o"
+    objs = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
     try:
         for compile_extra, link_extra in (VECTOR_EXP, ([], [])):
-            res = subprocess.run([cc, *FLAGS, *compile_extra, "-c", "-o", obj, str(SOURCE)], capture_output=True,
-                                 text=True, timeout=300)
+            for src, obj in zip(SOURCES, objs):
+                res = subprocess.run([cc, *FLAGS, *compile_extra, "-c", "-o", obj, str(src)], capture_output=True,
+                                     text=True, timeout=300)
+                if res.returncode:
+                    break
             if res.returncode == 0:
-                res = subprocess.run([cc, *LINK_FLAGS, "-o", tmp, obj, *link_extra, "-lm"], capture_output=True,
+                res = subprocess.run([cc, *LINK_FLAGS, "-o", tmp, *objs, *link_extra, "-lm"], capture_output=True,
                                      text=True, timeout=300)
             if res.returncode == 0:
                 break
         else:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{res.stderr.strip()}")
+            raise RuntimeError(f"{cc} failed to build {lib.name}:\n{res.stderr.strip()}")
         os.replace(tmp, lib)  # atomic: a concurrent builder's identical file may be replaced
     finally:
-        for path in (tmp, obj):
+        for path in (tmp, *objs):
             if os.path.exists(path):
                 os.unlink(path)
     return lib
@@ -115,6 +119,9 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.pd_small_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int]
     return lib
 
 
@@ -151,3 +158,36 @@ def paged_decode_attention(
     if status:
         raise NativeKernelError(f"native paged decode attention: {ERRORS.get(status, f'error {status}')}")
     return out
+
+
+# Rows of x up to which `kernels.linear` takes the native kernel; above it oneDNN on a
+# packed weight is faster (benchmarks/cpu_linear.py on the 2-core AVX2 machine).
+SMALL_LINEAR_MAX_ROWS = 8
+
+
+def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `small_linear` takes this call: enabled, CPU float32, few rows, unit
+    stride along the reduced dim, built."""
+    return (enabled() and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == 2
+            and weight.dim() == 2 and weight.stride(1) == 1
+            and x.shape[1] == weight.shape[1] and library() is not None)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU (see
+    kernels/csrc/small_linear_cpu.c): reads the weight once at memory speed."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see the warning above)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype)
+    status = lib.pd_small_linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                                 m, n, k, x.stride(0), weight.stride(0), n, torch.get_num_threads())
+    if status:
+        raise NativeKernelError(f"native small linear: bad arguments (status {status})")
+    return y

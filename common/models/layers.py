@@ -6,6 +6,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product goes through `kernels.linear` (CPU: a native kernel for a
+    row or two, oneDNN on a packed copy of the weight for more; the same result up to
+    float rounding order). The packed copy is made on first use and again whenever the
+    weight has been written since."""
+
+    _packed: torch.Tensor | None = None
+    _packed_of: tuple[int, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias, self.packed_weight())
+
+    def packed_weight(self) -> torch.Tensor | None:
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._packed_of != key:
+            self._packed, self._packed_of = kernels.pack_linear_weight(w), key
+        return self._packed
+
 
 class RMSNorm(nn.Module):
     """Owns the scale vector; normalizes in float32 like transformers."""
@@ -51,8 +73,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
