@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.attention import AttentionMetadata, attend
@@ -46,19 +47,37 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self._qk_weight: torch.Tensor | None = None
+        self._qk_weight_of: tuple[int, ...] | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """x [N, hidden]; `rope` is the step's (cos, signed sin) tables (`RotaryEmbedding.tables`)."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in the fused output: norm and rotate them as one [N, Hq + Hkv, D]
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            qk = self.qk_norm(qk)
+        qk = RotaryEmbedding.apply(qk, rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
+
+    def qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head q and k norms on the joint [N, Hq + Hkv, D] view: one
+        normalization, then each head row scaled by its own norm's weight (the same
+        products as norming q and k apart)."""
+        if qk.dtype != torch.float32:
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        key = (qw.data_ptr(), qw._version, kw.data_ptr(), kw._version)
+        if self._qk_weight_of != key:
+            self._qk_weight = torch.cat((qw.expand(self.num_heads, -1), kw.expand(self.num_kv_heads, -1)))
+            self._qk_weight_of = key
+        return F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps) * self._qk_weight
 
 
 class DecoderLayer(nn.Module):
@@ -72,9 +91,9 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         mark_shards(self.mlp.gate_up_proj, (cfg.intermediate_size, cfg.intermediate_size))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,8 +126,9 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions [N] -> hidden states [N, hidden] (final norm applied).
         `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push)."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rope.tables(positions, x.dtype)  # once per step, for every layer
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.kv_caches)):
-            x = layer(x, positions, self.model.rope, kv, meta)
+            x = layer(x, rope, kv, meta)
             if layer_hook is not None:
                 layer_hook(i)
         return self.model.norm(x)
