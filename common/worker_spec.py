@@ -84,9 +84,13 @@ class WorkerSpec:
         return cls(str(model_dir), engine, worker)
 
     def engine_config(self) -> EngineConfig:
-        """The engine of this worker; decode and colocated workers step their decode
-        batches through the graph runner (CUDA graphs on GPU, the same buckets on CPU)."""
-        decode_graphs = self.engine.decode_graphs or self.worker.role != "prefill"
+        """The engine of this worker; on a GPU, decode and colocated workers step their
+        decode batches through the graph runner (CUDA graphs). On the CPU there is no
+        graph to replay, and padding a batch to its bucket only adds rows to compute
+        (a batch of 9 ran as 16), so the graph runner is used there only when asked for
+        (`decode_graphs`, which the tests set to exercise the bucketing)."""
+        on_gpu = self.engine.device.startswith("cuda")
+        decode_graphs = self.engine.decode_graphs or (on_gpu and self.worker.role != "prefill")
         return dataclasses.replace(self.engine, decode_graphs=decode_graphs).engine_config(self.model_dir)
 
 

@@ -26,6 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--decode-graphs", action="store_true",
+                   help="decode batches through the bucketed static buffers on the CPU too (always on for a CUDA "
+                        "decode worker); on the CPU it only pads batches, for testing the bucketing")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -33,7 +36,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-                         enable_prefix_caching=not args.no_prefix_caching)
+                         enable_prefix_caching=not args.no_prefix_caching,
+                         decode_graphs=getattr(args, "decode_graphs", False))
 
 
 def cmd_convert_gguf(args: argparse.Namespace) -> int:

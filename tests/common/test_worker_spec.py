@@ -67,3 +67,22 @@ def test_worker_config_round_trips():
     w = WorkerConfig(role="prefill", worker_id="p0", kv_transfer="gloo", dist_init="tcp://127.0.0.1:1", rank=0,
                      world_size=2)
     assert WorkerConfig.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+
+
+@pytest.mark.parametrize("role, device, asked, expected", [
+    ("decode", "cpu", False, False),  # no graph to replay on the CPU: padding would only add rows
+    ("colocated", "cpu", False, False),
+    ("decode", "cpu", True, True),  # asked for (tests of the bucketing)
+    ("decode", "cuda:0", False, True),
+    ("colocated", "cuda:0", False, True),
+    ("prefill", "cuda:0", False, False),
+])
+def test_graph_runner_only_where_it_replays_graphs(tmp_path, monkeypatch, role, device, asked, expected):
+    import torch
+
+    from common.model_factory import make_model
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the choice is logic: no GPU needed
+    model = make_model(tmp_path / "m", "qwen3", "tiny", seed=0)
+    s = WorkerSpec.of(str(model), role, f"{role}-0", num_kv_blocks=64, max_model_len=256, device=device,
+                      decode_graphs=asked)
+    assert s.engine_config().decode_graphs is expected
