@@ -36,8 +36,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D]; caches [num_blocks, block_size, Hkv, D] -> [N, Hq, D]."""
     kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
     nd = meta.num_decode
+    if nd == q.shape[0]:  # a pure decode batch: the kernel's output is the whole answer
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                              scale)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = kernels.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)

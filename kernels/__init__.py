@@ -9,6 +9,8 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     paged_prefill_attention(...)   # torch reference only
     linear(x, weight, bias, packed) -> y   # CPU: native kernel for a row or two, oneDNN
     pack_linear_weight(weight) -> packed   # on a pre-packed weight for more; else F.linear
+    add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)   # fused on CPU
+    silu_mul(gate_up) -> silu(gate) * up                              # fused on CPU
 
 Explicit flavors: ``kernels.reference.<fn>`` and ``kernels.triton_<fn>``. The
 Triton flavors also run on CPU tensors when ``TRITON_INTERPRET=1`` is set before
@@ -40,6 +42,8 @@ __all__ = [
     "paged_prefill_attention",
     "linear",
     "pack_linear_weight",
+    "add_rms_norm",
+    "silu_mul",
     "gather_blocks",
     "scatter_blocks",
     "triton_store_kv",
@@ -170,6 +174,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm residual step: h = x + residual (x when residual is None), returned
+    with RMSNorm(h) * weight (float32 statistics, as transformers). Fused on CPU float32."""
+    if x.dim() == 2 and x.device.type == "cpu":
+        native = _cpu_native()
+        if native.supports_rows(x, *(() if residual is None else (residual,))):
+            return native.add_rms_norm(x, residual, weight, eps)
+    h = x if residual is None else x + residual
+    return reference.rms_norm(h, weight, eps), h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: gate_up [rows, 2 * dim] -> silu(gate) * up. Fused on CPU float32."""
+    if gate_up.dim() == 2 and gate_up.device.type == "cpu" and _cpu_native().supports_rows(gate_up):
+        return _cpu_native().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 # The row count oneDNN picks its packed layout for; the layout serves any row count

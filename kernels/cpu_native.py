@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
-SOURCES = (SOURCE, SOURCE.with_name("small_linear_cpu.c"))  # built into one library
+SOURCES = (SOURCE, SOURCE.with_name("small_linear_cpu.c"), SOURCE.with_name("elementwise_cpu.c"))  # one library
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
 # constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.
@@ -122,6 +122,12 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_small_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int]
+    fn = lib.pd_add_rms_norm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    fn = lib.pd_silu_mul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return lib
 
 
@@ -191,3 +197,36 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if status:
         raise NativeKernelError(f"native small linear: bad arguments (status {status})")
     return y
+
+
+def supports_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels take these [rows, dim] tensors: enabled, CPU
+    float32, unit stride along dim, built."""
+    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+                              for t in tensors) and library() is not None)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) in one pass; residual None: (rms_norm(x) * weight, x)."""
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    res_out = torch.empty((rows, dim), dtype=x.dtype)
+    weight = weight.contiguous()
+    status = library().pd_add_rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                       eps, out.data_ptr(), res_out.data_ptr(), rows, dim, x.stride(0),
+                                       dim if residual is None else residual.stride(0), torch.get_num_threads())
+    if status:
+        raise NativeKernelError(f"native add_rms_norm: bad arguments (status {status})")
+    return out, res_out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * dim] -> silu(gate) * up [rows, dim]."""
+    rows, two_dim = gate_up.shape
+    out = torch.empty((rows, two_dim // 2), dtype=gate_up.dtype)
+    status = library().pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, two_dim // 2, gate_up.stride(0),
+                                   torch.get_num_threads())
+    if status:
+        raise NativeKernelError(f"native silu_mul: bad arguments (status {status})")
+    return out

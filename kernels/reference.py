@@ -170,3 +170,12 @@ def scatter_blocks(
         block_ids.to(device=cache.device, dtype=torch.long),
         buf.to(device=cache.device, dtype=cache.dtype),
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: float32 statistics, weight * normed in x's dtype."""
+    if x.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)  # the same bits, fewer ops
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

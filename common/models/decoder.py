@@ -81,7 +81,10 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block."""
+    """Pre-norm attention + MLP block, in the residual-stream form: it takes the previous
+    layer's output `h` and the residual stream so far, and returns both; each norm adds
+    its input to the stream and normalizes the sum in one step (the same additions, in
+    the same order, as x = x + attn(norm(x)); x = x + mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -91,10 +94,14 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         mark_shards(self.mlp.gate_up_proj, (cfg.intermediate_size, cfg.intermediate_size))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual None (the first layer): h is the embeddings, the stream starts there."""
+        x, residual = self.input_layernorm(h, residual) if residual is not None else (self.input_layernorm(h), h)
+        h = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -127,11 +134,12 @@ class DecoderForCausalLM(nn.Module):
         `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rope.tables(positions, x.dtype)  # once per step, for every layer
+        residual = None
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.kv_caches)):
-            x = layer(x, rope, kv, meta)
+            x, residual = layer(x, residual, rope, kv, meta)
             if layer_hook is not None:
                 layer_hook(i)
-        return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]

@@ -3,7 +3,6 @@ transformers' implementations (float32 norm statistics, rotate-half RoPE)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -30,21 +29,20 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Owns the scale vector; normalizes in float32 like transformers (`F.rms_norm` gives
-    the same bits as transformers' pow/mean/rsqrt in float32, in fewer ops)."""
+    """Owns the scale vector; normalizes in float32 like transformers. Called with a
+    residual it is the pre-norm residual step: returns (norm(x + residual), x + residual),
+    fused into one pass on the CPU (`kernels.add_rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None and x.dim() != 2:
+            return kernels.reference.rms_norm(x, self.weight, self.eps)
+        out, res = kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, res)
 
 
 class RotaryEmbedding(nn.Module):
@@ -91,5 +89,4 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))

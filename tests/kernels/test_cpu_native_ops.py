@@ -1,6 +1,7 @@
-"""`kernels.linear` on CPU: the native few-rows kernel (kernels/csrc/small_linear_cpu.c)
-and oneDNN on a packed weight, each against float64 `F.linear`, plus the dispatch and
-the layer's re-packing after a weight is written."""
+"""The native CPU ops besides attention, each against a float64 torch reference:
+`kernels.linear` (the few-rows kernel, kernels/csrc/small_linear_cpu.c, and oneDNN on a
+packed weight, with the dispatch and the layer's re-packing after a weight is written),
+and the fused elementwise steps (kernels/csrc/elementwise_cpu.c)."""
 from __future__ import annotations
 
 import pytest
@@ -85,3 +86,36 @@ def test_layer_repacks_after_weight_written():
         torch.testing.assert_close(layer(x), expected(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
         layer.weight.copy_(torch.randn(10, 24))
         torch.testing.assert_close(layer(x), expected(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
+
+
+def rms_norm64(h, w, eps):
+    h = h.double()
+    return (w.double() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])  # 70 x 576 is over the threshold where two threads split the rows
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_vs_float64(rows, with_residual):
+    x_wide = torch.randn(rows, 600)
+    x = x_wide[:, :576]  # rows further apart than dim
+    residual = torch.randn(rows, 576) if with_residual else None
+    w = torch.randn(576)
+    out, h = cpu_native.add_rms_norm(x, residual, w, 1e-6)
+    want_h = x if residual is None else x + residual
+    assert torch.equal(h, want_h)  # the residual stream's add is exact
+    torch.testing.assert_close(out, rms_norm64(want_h, w, 1e-6), rtol=1e-5, atol=1e-5)
+    # and the dispatcher's torch path (what a GPU or bfloat16 runs) agrees
+    ref_out, ref_h = kernels.add_rms_norm(x.double(), None if residual is None else residual.double(), w.double(), 1e-6)
+    torch.testing.assert_close(out, ref_out.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_silu_mul_vs_float64(rows):
+    gate_up = torch.randn(rows, 2 * 1536) * 4
+    g, u = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_native.silu_mul(gate_up), (F.silu(g) * u).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_elementwise_refuses_bad_shapes():
+    with pytest.raises(cpu_native.NativeKernelError):
+        cpu_native.silu_mul(torch.randn(2, 0))

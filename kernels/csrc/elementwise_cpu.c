@@ -1,0 +1,61 @@
+/* The decoder layer's elementwise steps on CPU, fused: each is one pass over its rows
+ * where torch runs four to six ops (and as many dispatches) for it. float32 only.
+ *
+ * pd_add_rms_norm: for each of `rows` rows of `dim` values,
+ *     res_out = x + residual            (skipped when residual is NULL: res_out = x)
+ *     out     = res_out * rsqrt(mean(res_out^2) + eps) * weight
+ *   as transformers computes it (the residual stream's add, then RMSNorm in float32).
+ * pd_silu_mul: out[r, i] = silu(gate_up[r, i]) * gate_up[r, dim + i]  (SwiGLU's gate).
+ *
+ * Row pointers step by the given leading dimensions; `out` and `res_out` are written
+ * contiguously. Rows are split between `num_threads` OpenMP threads when there are
+ * enough of them to pay for waking the threads (torch's own libgomp pool).
+ * Built by kernels/cpu_native.py with the system C compiler at first use.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN_ELEMS 32768 /* below this one thread is faster than waking two */
+
+static void add_rms_norm_row(const float *x, const float *residual, const float *weight, float eps, float *out,
+                             float *res_out, int64_t dim) {
+    float ss = 0.0f;
+    if (residual) {
+        for (int64_t i = 0; i < dim; i++) {
+            const float h = x[i] + residual[i];
+            res_out[i] = h;
+            ss += h * h;
+        }
+    } else {
+        for (int64_t i = 0; i < dim; i++) {
+            res_out[i] = x[i];
+            ss += x[i] * x[i];
+        }
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (res_out[i] * inv);
+}
+
+int pd_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out, float *res_out,
+                    int64_t rows, int64_t dim, int64_t ldx, int64_t ldr, int num_threads) {
+    if (rows < 0 || dim <= 0 || ldx < dim || (residual && ldr < dim) || num_threads < 1) return 1;
+    if (rows * dim < PARALLEL_MIN_ELEMS) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(x + r * ldx, residual ? residual + r * ldr : 0, weight, eps, out + r * dim, res_out + r * dim,
+                         dim);
+    return 0;
+}
+
+int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads) {
+    if (rows < 0 || dim <= 0 || ld < 2 * dim || num_threads < 1) return 1;
+    if (rows * dim < PARALLEL_MIN_ELEMS) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * ld, *u = g + dim;
+        float *o = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
