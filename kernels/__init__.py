@@ -42,6 +42,7 @@ __all__ = [
     "paged_prefill_attention",
     "linear",
     "pack_linear_weight",
+    "LinearPlan",
     "add_rms_norm",
     "silu_mul",
     "gather_blocks",
@@ -194,6 +195,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return _cpu_native().silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+class LinearPlan:
+    """One weight (and bias) made ready for :func:`linear`'s CPU paths once, so a call
+    with a decode batch costs one native call and no re-checking: the native kernel's
+    eligibility (CPU float32, unit stride along k, built, enabled) and oneDNN's packed
+    copy are settled here. A plan is for the weight as it is now: re-plan after writing
+    it (`common.models.layers.Linear` does, by the weight's version)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = pack_linear_weight(weight)
+        native = _cpu_native()
+        self.native = (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+                       and weight.stride(1) == 1 and native.enabled() and native.library() is not None
+                       and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+        if self.native:
+            self._fn = native.library().pd_small_linear
+            self._n, self._k = weight.shape
+            self._w, self._ldw = weight.data_ptr(), weight.stride(0)
+            self._b = 0 if bias is None else bias.data_ptr()
+        self._max_rows = native.SMALL_LINEAR_MAX_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.native and x.dim() == 2 and x.shape[0] <= self._max_rows and x.dtype == torch.float32
+                and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"):
+            m, n = x.shape[0], self._n
+            y = torch.empty((m, n), dtype=torch.float32)
+            if self._fn(x.data_ptr(), self._w, self._b, y.data_ptr(), m, n, self._k, x.stride(0), self._ldw, n,
+                        torch.get_num_threads()):
+                raise _cpu_native().NativeKernelError("native small linear: bad arguments")
+            return y
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 # The row count oneDNN picks its packed layout for; the layout serves any row count

@@ -10,22 +10,20 @@ import kernels
 
 class Linear(nn.Linear):
     """nn.Linear whose product goes through `kernels.linear` (CPU: a native kernel for a
-    row or two, oneDNN on a packed copy of the weight for more; the same result up to
-    float rounding order). The packed copy is made on first use and again whenever the
-    weight has been written since."""
+    few rows, oneDNN on a packed copy of the weight for more; the same result up to
+    float rounding order). The plan (`kernels.LinearPlan`: the packed copy and the native
+    kernel's arguments) is made on first use and again whenever the weight or the bias
+    has been written since."""
 
-    _packed: torch.Tensor | None = None
-    _packed_of: tuple[int, int] | None = None
+    _plan: kernels.LinearPlan | None = None
+    _plan_of: tuple[int, ...] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed_weight())
-
-    def packed_weight(self) -> torch.Tensor | None:
-        w = self.weight
-        key = (w.data_ptr(), w._version)
-        if self._packed_of != key:
-            self._packed, self._packed_of = kernels.pack_linear_weight(w), key
-        return self._packed
+        w, b = self.weight, self.bias
+        key = (w.data_ptr(), w._version) if b is None else (w.data_ptr(), w._version, b.data_ptr(), b._version)
+        if self._plan_of != key:
+            self._plan, self._plan_of = kernels.LinearPlan(w.detach(), None if b is None else b.detach()), key
+        return self._plan(x)
 
 
 class RMSNorm(nn.Module):
