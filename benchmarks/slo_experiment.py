@@ -49,7 +49,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,46 +137,20 @@ class Server:
 
 class VllmServer:
     """vLLM's CPU build (`vllm.entrypoints.openai.api_server` from `--vllm-python`'s venv)
-    on both cores, started the way benchmarks/vs_vllm.py starts it; the client talks to it
+    on both cores, started by benchmarks/vs_vllm.py's `start_vllm`; the client talks to it
     over HTTP (tokens counted from the streamed text fitted to the usage chunk)."""
 
     backend = "http"
 
     def __init__(self, name: str, args: argparse.Namespace, workdir: Path):
-        from vs_vllm import free_port, vllm_env
+        from vs_vllm import start_vllm
         self.name = name
-        self.log_path = workdir / f"vllm-{time.time_ns()}.log"
-        port = free_port()
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", "float32",
-               "--max-model-len", str(args.max_model_len), "--max-num-seqs", "64",
-               "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, args.max_model_len)),
-               "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-        t0 = time.monotonic()
-        with open(self.log_path, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(args.vllm_python),
-                                         start_new_session=True)
-        while True:
-            if self.proc.poll() is not None or time.monotonic() - t0 > 900:  # a first start compiles (~100 s)
-                self.stop()
-                raise RuntimeError(f"{name}: server did not start:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(1.0)
-        self.url = f"http://127.0.0.1:{port}/v1"
-        log(f"{name}: ready at {self.url} after {time.monotonic() - t0:.1f} s")
+        self.server = start_vllm(args.vllm_python, args.model, workdir, max_model_len=args.max_model_len,
+                                 max_batched=max(args.max_num_batched_tokens, args.max_model_len), name=name)
+        self.url = self.server.url
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its engine core is a child process
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        self.server.stop()
 
 
 def start_servers(args: argparse.Namespace, workdir: Path) -> dict[str, Server | VllmServer]:

@@ -175,12 +175,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_vllm(vllm_python: str, model: str, logdir: Path) -> Server:
+def start_vllm(vllm_python: str, model: str, logdir: Path, *, max_model_len: int = MAX_MODEL_LEN,
+               max_batched: int = MAX_BATCHED, name: str = "vllm") -> Server:
+    """vLLM's OpenAI server on a free loopback port, both cores; returns once /v1/models answers."""
     port = free_port()
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-num-batched-tokens", str(MAX_BATCHED), "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    s = Server("vllm", cmd, vllm_env(vllm_python), logdir / "vllm.log")
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-num-batched-tokens", str(max_batched), "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    s = Server(name, cmd, vllm_env(vllm_python), logdir / "vllm.log")
     s.cmd = " ".join(cmd[1:])  # type: ignore[attr-defined]
     while True:
         s.fail_if_dead(900)  # the first start compiles (~100 s on 2 cores)
@@ -192,7 +194,7 @@ def start_vllm(vllm_python: str, model: str, logdir: Path) -> Server:
             pass
         time.sleep(1.0)
     s.url = f"http://127.0.0.1:{port}/v1"
-    log(f"vllm: ready at {s.url} after {time.monotonic() - s.t0:.1f} s")
+    log(f"{name}: ready at {s.url} after {time.monotonic() - s.t0:.1f} s")
     return s
 
 
