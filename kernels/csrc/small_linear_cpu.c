@@ -120,6 +120,37 @@ static void run_rows(const float *x, const float *w, const float *bias, float *y
     }
 }
 
+/* One row of x (single-stream decode): nothing to reuse a tile for, so take 8 rows of w
+ * at a time, 8 independent streams and accumulators per thread, to keep more of the
+ * memory system busy. Rows past the last full 8 go through run_rows. */
+static void run_one_row(const float *x, const float *w, const float *bias, float *y, int64_t k, int64_t ldw,
+                        int64_t begin, int64_t end) {
+    int64_t j = begin;
+#ifdef PD_AVX2
+    for (; j + 8 <= end; j += 8) {
+        if (j + 8 * (PREFETCH_TILES + 1) <= end)
+            for (int t = 0; t < 8; t++) {
+                const char *row = (const char *)(w + (j + 8 * PREFETCH_TILES + t) * ldw);
+                for (int64_t off = 0; off < k * (int64_t)sizeof(float); off += 64) __builtin_prefetch(row + off);
+            }
+        const float *r0 = w + j * ldw;
+        __m256 a[8];
+        for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8) {
+            const __m256 p = _mm256_loadu_ps(x + i);
+            for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + t * ldw + i), p, a[t]);
+        }
+        for (int t = 0; t < 8; t++) {
+            float acc = hsum(a[t]);
+            for (int64_t q = i; q < k; q++) acc += r0[t * ldw + q] * x[q];
+            y[j + t] = acc + (bias ? bias[j + t] : 0.0f);
+        }
+    }
+#endif
+    if (j < end) run_rows(x, w, bias, y, 1, k, k, ldw, 0, j, end);
+}
+
 int pd_small_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                     int64_t ldx, int64_t ldw, int64_t ldy, int num_threads) {
     if (m < 0 || n < 0 || k < 0 || ldx < k || ldw < k || ldy < n || num_threads < 1) return 1;
@@ -134,7 +165,10 @@ int pd_small_linear(const float *x, const float *w, const float *bias, float *y,
         const int64_t begin = tiles * t / num_threads * TILE_N;
         int64_t end = tiles * (t + 1) / num_threads * TILE_N;
         if (end > n) end = n;
-        run_rows(x, w, bias, y, m, k, ldx, ldw, ldy, begin, end);
+        if (m == 1)
+            run_one_row(x, w, bias, y, k, ldw, begin, end);
+        else
+            run_rows(x, w, bias, y, m, k, ldx, ldw, ldy, begin, end);
     }
     return 0;
 }
