@@ -7,7 +7,7 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     gather_blocks(cache, block_ids) -> buf
     scatter_blocks(cache, block_ids, buf) -> None
     paged_prefill_attention(...)   # torch reference only
-    linear(x, weight, bias, packed) -> y   # CPU: native kernel for a row or two, oneDNN
+    linear(x, weight, bias, packed) -> y   # CPU: native kernel up to 8 rows, oneDNN
     pack_linear_weight(weight) -> packed   # on a pre-packed weight for more; else F.linear
     add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)   # fused on CPU
     silu_mul(gate_up) -> silu(gate) * up                              # fused on CPU
@@ -164,10 +164,10 @@ def paged_decode_attention(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for x [m, k]. On CPU float32: up to a couple of rows (single-stream
-    decode) the native kernel, which reads ``weight`` at memory speed where MKL does not;
-    more rows with ``packed`` (from :func:`pack_linear_weight`) oneDNN on the pre-packed
-    weight, which MKL does not match below a few hundred rows."""
+    """``F.linear`` for x [m, k]. On CPU float32: up to ``SMALL_LINEAR_MAX_ROWS`` (8) rows,
+    a decode batch, the native kernel, which reads ``weight`` at memory speed where MKL
+    does not; more rows with ``packed`` (from :func:`pack_linear_weight`) oneDNN on the
+    pre-packed weight, which MKL does not match below a few hundred rows."""
     if x.device.type == "cpu" and x.dim() == 2:
         native = _cpu_native()
         if x.shape[0] <= native.SMALL_LINEAR_MAX_ROWS and native.supports_linear(x, weight):
