@@ -22,6 +22,16 @@ def aborted(served) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def wait_aborted_and_released(served, n: int, why: str) -> None:
+    """Until the router has aborted `n` requests in all (15 s at most), then until every
+    worker's blocks are back to baseline."""
+    t0 = time.monotonic()
+    while aborted(served) < n and time.monotonic() - t0 < 15:
+        time.sleep(0.1)
+    assert aborted(served) == n, why
+    wait_blocks_baseline(served, ["prefill-0", "decode-0"], timeout=20)
+
+
 def test_http_and_zmq_clients_going_away(tmp_path, prompts):
     served = serve(tmp_path, ["--prefill", "1", "--decode", "1"], extra=("--client-timeout", "2"),
                    max_model_len=2048)
@@ -33,10 +43,7 @@ def test_http_and_zmq_clients_going_away(tmp_path, prompts):
         resp.readline()  # the first chunk: it is decoding
         resp.close()
         t0 = time.monotonic()
-        while aborted(served) < 1 and time.monotonic() - t0 < 15:
-            time.sleep(0.1)
-        assert aborted(served) == 1, "the HTTP client's request was not aborted"
-        wait_blocks_baseline(served, ["prefill-0", "decode-0"], timeout=20)
+        wait_aborted_and_released(served, 1, "the HTTP client's request was not aborted")
         http_s = time.monotonic() - t0
 
         ctx = zmq.Context()
@@ -52,10 +59,7 @@ def test_http_and_zmq_clients_going_away(tmp_path, prompts):
         sock.close(0)
         ctx.term()
         t0 = time.monotonic()
-        while aborted(served) < 2 and time.monotonic() - t0 < 15:
-            time.sleep(0.1)
-        assert aborted(served) == 2, "the silent ZeroMQ client's request was not aborted"
-        wait_blocks_baseline(served, ["prefill-0", "decode-0"], timeout=20)
+        wait_aborted_and_released(served, 2, "the silent ZeroMQ client's request was not aborted")
         print(f"released after: http {http_s:.2f} s, zmq {time.monotonic() - t0:.2f} s")
     finally:
         stop(served)
