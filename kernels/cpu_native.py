@@ -31,7 +31,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
-SOURCES = (SOURCE, SOURCE.with_name("small_linear_cpu.c"), SOURCE.with_name("elementwise_cpu.c"))  # one library
+SOURCES = (SOURCE, SOURCE.with_name("small_linear_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
+           SOURCE.with_name("decode_layers_cpu.c"))  # one library
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
 # constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.
@@ -128,6 +129,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_silu_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = lib.pd_decode_layers
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 5
+                   + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
     return lib
 
 

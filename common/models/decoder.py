@@ -13,6 +13,7 @@ from common.config import ModelConfig
 from common.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from common.models.rope import rope_frequencies
 from common.rope_config import RopeConfig
+from kernels.cpu_decode import DecodeStack, LayerTensors, StackDims
 
 # HF weight name fragment -> (our fused parameter fragment, shard index)
 PACKED_MODULES = {
@@ -127,12 +128,23 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._stack: DecodeStack | None = None
+        self._stack_of: tuple[object, list[torch.Tensor], list[int]] | None = None  # (caches, weights, their data_ptrs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> hidden states [N, hidden] (final norm applied).
-        `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push)."""
+        `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push).
+        A pure decode batch of a few sequences on CPU runs every layer in one native call
+        (`kernels.cpu_decode`) where that applies; the layers below otherwise."""
         x = self.model.embed_tokens(input_ids)
+        if layer_hook is None and meta.num_decode == x.shape[0] and DecodeStack.takes(x):
+            stack = self.decode_stack()
+            if stack is not None:
+                rope = self.model.rope
+                h, residual = stack(x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                    rope.cos[positions], rope.sin_signed[positions])
+                return self.model.norm(h, residual)[0]
         rope = self.model.rope.tables(positions, x.dtype)  # once per step, for every layer
         residual = None
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.kv_caches)):
@@ -140,6 +152,33 @@ class DecoderForCausalLM(nn.Module):
             if layer_hook is not None:
                 layer_hook(i)
         return self.model.norm(x, residual)[0]
+
+    def decode_stack(self) -> DecodeStack | None:
+        """The native decode stack for the current weights and caches (None where it does
+        not apply). It reads the weights where they lie, so writes into them are seen; it
+        is set up again when the caches are rebound or a weight's storage is swapped."""
+        if self._stack_of is not None:
+            caches, params, ptrs = self._stack_of
+            if caches is self.kv_caches and ptrs == [p.data_ptr() for p in params]:
+                return self._stack
+        layers = []
+        for layer, (k_cache, v_cache) in zip(self.model.layers, self.kv_caches):
+            attn = layer.self_attn
+            layers.append(LayerTensors(
+                input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                qkv_w=attn.qkv_proj.weight, qkv_b=attn.qkv_proj.bias,
+                q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+                k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+                o_w=attn.o_proj.weight, gate_up_w=layer.mlp.gate_up_proj.weight, down_w=layer.mlp.down_proj.weight,
+                k_cache=k_cache, v_cache=v_cache))
+        cfg = self.config
+        dims = StackDims(hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
+                         qk_eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5)  # as DecoderLayer's
+        self._stack = DecodeStack.build(layers, dims) if len(layers) == len(self.model.layers) else None
+        params = [t for layer in layers for t in layer.tensors()]
+        self._stack_of = (self.kv_caches, params, [p.data_ptr() for p in params])
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]

@@ -1,0 +1,146 @@
+"""A decode step's decoder layers in one native call on CPU (kernels/csrc/decode_layers_cpu.c).
+
+On the CPU there is no graph to capture, and at a few sequences a decoder layer's Python
+dispatch (a dozen torch ops and ctypes calls, each a few microseconds) costs more than
+its arithmetic: ~0.4 ms per layer, 12 of SmolLM2's ~36 ms per token. `DecodeStack` holds
+every layer's weight and cache pointers, set up once, and runs all layers of a pure
+decode batch of up to ``cpu_native.SMALL_LINEAR_MAX_ROWS`` sequences in one call, through
+the same native kernels the per-op path uses (the same results up to float rounding in
+the q/k norm and rotary step).
+
+`DecodeStack.build` returns None where it does not apply (not CPU float32, the native
+library unavailable or turned off with ``PDSERVE_CPU_ATTENTION=torch``, a weight without
+unit stride along its input); the caller keeps the per-op path then.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_native
+
+_POINTERS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "gate_up_w", "down_w",
+             "k_cache", "v_cache")
+_STRIDES = ("ld_qkv", "ld_o", "ld_gate_up", "ld_down", "k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
+
+
+class _LayerStruct(ctypes.Structure):
+    """pd_layer_t in decode_layers_cpu.c, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in _POINTERS] + [(name, ctypes.c_int64) for name in _STRIDES]
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One decoder layer's tensors as the native stack reads them. Matrices are
+    nn.Linear's [out, in]; qkv_b, q_norm and k_norm may be None (q_norm and k_norm
+    together); caches are [num_blocks, block_size, Hkv, D]."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.input_norm, self.post_norm, self.qkv_w, self.qkv_b, self.q_norm, self.k_norm,
+                            self.o_w, self.gate_up_w, self.down_w) if t is not None]
+
+
+@dataclass(frozen=True)
+class StackDims:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    norm_eps: float
+    qk_eps: float
+    scale: float
+
+
+def _eligible(layer: LayerTensors, d: StackDims) -> bool:
+    vec = [layer.input_norm, layer.post_norm] + [t for t in (layer.qkv_b, layer.q_norm, layer.k_norm) if t is not None]
+    mats = [(layer.qkv_w, ((d.num_heads + 2 * d.num_kv_heads) * d.head_dim, d.hidden)),
+            (layer.o_w, (d.hidden, d.num_heads * d.head_dim)),
+            (layer.gate_up_w, (2 * d.intermediate, d.hidden)),
+            (layer.down_w, (d.hidden, d.intermediate))]
+    caches = (layer.k_cache, layer.v_cache)
+    if (layer.q_norm is None) != (layer.k_norm is None):
+        return False
+    for t in vec + [m for m, _ in mats] + list(caches):
+        if t.device.type != "cpu" or t.dtype != torch.float32:
+            return False
+    return (all(v.is_contiguous() for v in vec)
+            and all(tuple(m.shape) == shape and m.stride(1) == 1 for m, shape in mats)
+            and all(c.dim() == 4 and tuple(c.shape[2:]) == (d.num_kv_heads, d.head_dim) and c.stride(3) == 1
+                    for c in caches)
+            and layer.k_cache.shape[:2] == layer.v_cache.shape[:2])
+
+
+class DecodeStack:
+    """Every layer's pointers, set up once: a call runs them all for a decode batch."""
+
+    def __init__(self, layers: list[LayerTensors], dims: StackDims) -> None:
+        self.layers, self.dims = layers, dims
+        self._fn = cpu_native.library().pd_decode_layers
+        self._structs = (_LayerStruct * len(layers))()
+        for s, layer in zip(self._structs, layers):
+            for name in _POINTERS:
+                t = getattr(layer, name)
+                setattr(s, name, 0 if t is None else t.data_ptr())
+            s.ld_qkv, s.ld_o = layer.qkv_w.stride(0), layer.o_w.stride(0)
+            s.ld_gate_up, s.ld_down = layer.gate_up_w.stride(0), layer.down_w.stride(0)
+            s.k_sb, s.k_st, s.k_sh = layer.k_cache.stride()[:3]
+            s.v_sb, s.v_st, s.v_sh = layer.v_cache.stride()[:3]
+        self.num_blocks, self.block_size = layers[0].k_cache.shape[:2] if layers else (0, 1)
+
+    @classmethod
+    def build(cls, layers: list[LayerTensors], dims: StackDims) -> DecodeStack | None:
+        """The stack, or None where the native path does not apply to these tensors."""
+        if (not layers or not cpu_native.enabled() or cpu_native.library() is None
+                or dims.head_dim % 2 or not all(_eligible(layer, dims) for layer in layers)
+                or len({tuple(layer.k_cache.shape[:2]) for layer in layers}) != 1):
+            return None
+        return cls(layers, dims)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether a batch of these embedded rows fits: CPU float32, at most
+        SMALL_LINEAR_MAX_ROWS rows (above that oneDNN's batched linear beats the native
+        one), and the native kernels not turned off."""
+        return (x.dim() == 2 and 0 < x.shape[0] <= cpu_native.SMALL_LINEAR_MAX_ROWS and x.dtype == torch.float32
+                and x.device.type == "cpu" and cpu_native.enabled())
+
+    def __call__(self, h: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [m, hidden] embeddings (overwritten); slots [m]; tables [m, max_blocks];
+        lens [m]; cos, sin [m, head_dim] (sin's first half negated) -> (h, residual): the
+        last layer's MLP output and the residual stream, for the final norm."""
+        d = self.dims
+        m = h.shape[0]
+        h = h.contiguous()
+        residual = torch.empty_like(h)
+        slots = slots.to(torch.int64).contiguous()
+        tables = tables.to(torch.int32).contiguous()
+        lens = lens.to(torch.int32).contiguous()
+        cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+        if not (slots.shape == lens.shape == (m,) and tables.dim() == 2 and tables.shape[0] == m
+                and cos.shape == sin.shape == (m, d.head_dim)):
+            raise ValueError("DecodeStack: slots, tables, lens, cos and sin must have one row per token")
+        status = self._fn(ctypes.addressof(self._structs), len(self.layers), m, d.hidden, d.num_heads, d.num_kv_heads,
+                          d.head_dim, d.intermediate, self.block_size, self.num_blocks, d.norm_eps, d.qk_eps, d.scale,
+                          h.data_ptr(), residual.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                          tables.shape[1], cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+        if status:
+            raise cpu_native.NativeKernelError(
+                f"native decode layers: {cpu_native.ERRORS.get(status, f'error {status}')}")
+        return h, residual

@@ -1,0 +1,133 @@
+/* A decode step's decoder layers on CPU in one native call: the CPU's counterpart of
+ * replaying a captured CUDA graph. float32 only.
+ *
+ * For a batch of `m` sequences with one new token each (m small: a decode batch), every
+ * layer runs the same steps as common.models.decoder.DecoderLayer, through the same
+ * kernels the Python path calls one by one:
+ *     x, residual = add_rms_norm(h, residual, input_norm)     (pd_add_rms_norm)
+ *     qkv = x @ qkv_w^T (+ qkv_b)                             (pd_small_linear)
+ *     q, k: per-head RMSNorm (Qwen3, when given), rotary embedding; k and v stored
+ *           into the paged cache at the token's slot          (here)
+ *     a = paged decode attention(q, cache)                    (pd_paged_decode_attention)
+ *     h = a @ o_w^T                                           (pd_small_linear)
+ *     x, residual = add_rms_norm(h, residual, post_norm)      (pd_add_rms_norm)
+ *     h = down(silu(gate) * up)                               (pd_small_linear, pd_silu_mul)
+ * Between layers Python dispatch cost ~0.4 ms per layer (a dozen torch ops and ctypes
+ * calls, each a few microseconds, plus module calls): more than the layer's own work at
+ * one sequence. Here it is one call per step.
+ *
+ *   h         [m, hidden] in: the embeddings; out: the last layer's MLP output
+ *   residual  [m, hidden] out: the residual stream (the final norm adds h to it)
+ *   slots     [m] int64: cache slot (block * block_size + offset) of each token; < 0 skips the store
+ *   tables    [m, max_blocks] int32, lens [m] int32: as pd_paged_decode_attention
+ *   cos, sin  [m, head_dim]: the token's rotary rows; sin's first half stored negated, so
+ *             that rotate_half(x) * sin = roll(x, D/2) * sin_signed (common.models.layers)
+ * Returns 0, 1 (bad arguments: a slot or block id outside the cache, a length past its
+ * table), or 2 (out of memory). Built by kernels/cpu_native.py with the rest.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+int pd_small_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                    int64_t ldx, int64_t ldw, int64_t ldy, int num_threads);
+int pd_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out, float *res_out,
+                    int64_t rows, int64_t dim, int64_t ldx, int64_t ldr, int num_threads);
+int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads);
+int pd_paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *tables,
+                              const int32_t *lens, float *out, int64_t batch, int64_t hq, int64_t hkv,
+                              int64_t d, int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb,
+                              int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,
+                              int num_threads);
+
+/* One layer's weights and cache (kernels.cpu_decode.LayerWeights mirrors this). Weight
+ * matrices are [out, in] with unit stride along `in` and rows `ld_*` apart. */
+typedef struct {
+    const float *input_norm, *post_norm;  /* [hidden] */
+    const float *qkv_w, *qkv_b;           /* [(hq + 2 hkv) d, hidden], bias or NULL */
+    const float *q_norm, *k_norm;         /* [d] each, or both NULL */
+    const float *o_w;                     /* [hidden, hq d] */
+    const float *gate_up_w;               /* [2 inter, hidden] */
+    const float *down_w;                  /* [hidden, inter] */
+    float *k_cache, *v_cache;             /* [num_blocks, block_size, hkv, d] by element strides */
+    int64_t ld_qkv, ld_o, ld_gate_up, ld_down;
+    int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+} pd_layer_t;
+
+/* RMSNorm of one head vector (optional), then the rotary embedding, into `dst`. */
+static void norm_rope(const float *src, const float *norm_w, float eps, const float *cos, const float *sin,
+                      float *dst, float *tmp, int64_t d) {
+    const int64_t half = d / 2;
+    const float *x = src;
+    if (norm_w) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < d; i++) ss += src[i] * src[i];
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) tmp[i] = (src[i] * inv) * norm_w[i];
+        x = tmp;
+    }
+    for (int64_t i = 0; i < d; i++) {
+        const float rolled = i < half ? x[i + half] : x[i - half];
+        dst[i] = x[i] * cos[i] + rolled * sin[i];
+    }
+}
+
+int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, int64_t hidden, int64_t hq,
+                     int64_t hkv, int64_t d, int64_t inter, int64_t block_size, int64_t num_blocks, float norm_eps,
+                     float qk_eps, float scale, float *h, float *residual, const int64_t *slots,
+                     const int32_t *tables, const int32_t *lens, int64_t max_blocks, const float *cos,
+                     const float *sin, int num_threads) {
+    if (m <= 0 || num_layers < 0 || hidden <= 0 || hkv <= 0 || hq % hkv != 0 || d <= 0 || d % 2 || inter <= 0
+        || block_size <= 0 || num_threads < 1)
+        return 1;
+    for (int64_t r = 0; r < m; r++)
+        if (slots[r] >= num_blocks * block_size) return 1;
+    const int64_t nqkv = (hq + 2 * hkv) * d;
+    /* scratch: x [m, hidden], qkv [m, nqkv], q [m, hq d], attention out [m, hq d],
+       gate_up [m, 2 inter], act [m, inter], one head vector */
+    const int64_t need = m * (hidden + nqkv + 2 * hq * d + 3 * inter) + d;
+    float *buf = malloc((size_t)need * sizeof(float));
+    if (!buf) return 2;
+    float *x = buf, *qkv = x + m * hidden, *q = qkv + m * nqkv, *att = q + m * hq * d, *gu = att + m * hq * d;
+    float *act = gu + m * 2 * inter, *tmp = act + m * inter;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && !status; l++) {
+        const pd_layer_t *L = &layers[l];
+        /* the first layer starts the stream: residual = h */
+        status = pd_add_rms_norm(h, l ? residual : NULL, L->input_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
+                                 num_threads);
+        if (!status)
+            status = pd_small_linear(x, L->qkv_w, L->qkv_b, qkv, m, nqkv, hidden, hidden, L->ld_qkv, nqkv, num_threads);
+        if (status) break;
+        for (int64_t r = 0; r < m; r++) {
+            const float *row = qkv + r * nqkv, *c = cos + r * d, *s = sin + r * d;
+            for (int64_t i = 0; i < hq; i++)
+                norm_rope(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);
+            if (slots[r] < 0) continue;
+            const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
+            for (int64_t i = 0; i < hkv; i++) {
+                float *kd = L->k_cache + blk * L->k_sb + off * L->k_st + i * L->k_sh;
+                float *vd = L->v_cache + blk * L->v_sb + off * L->v_st + i * L->v_sh;
+                const float *vs = row + (hq + hkv + i) * d;
+                norm_rope(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kd, tmp, d);
+                for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
+            }
+        }
+        status = pd_paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, att, m, hq, hkv, d, block_size,
+                                           max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st,
+                                           L->v_sh, scale, num_threads);
+        if (!status)
+            status = pd_small_linear(att, L->o_w, NULL, h, m, hidden, hq * d, hq * d, L->ld_o, hidden, num_threads);
+        if (!status)
+            status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
+                                     num_threads);
+        if (!status)
+            status = pd_small_linear(x, L->gate_up_w, NULL, gu, m, 2 * inter, hidden, hidden, L->ld_gate_up, 2 * inter,
+                                     num_threads);
+        if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
+        if (!status)
+            status = pd_small_linear(act, L->down_w, NULL, h, m, hidden, inter, inter, L->ld_down, hidden, num_threads);
+    }
+    free(buf);
+    return status;
+}

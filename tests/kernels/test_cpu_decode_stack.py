@@ -1,0 +1,164 @@
+"""The native decode stack (kernels/cpu_decode.py, kernels/csrc/decode_layers_cpu.c): a
+pure decode batch's layers in one call, against the per-op path with the native kernels
+turned off (plain torch), on every architecture: the hidden states and the K/V it stores.
+Greedy output against transformers goes through it too (tests/common)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import LLM, SamplingParams
+from kernels import cpu_native
+from kernels.cpu_decode import DecodeStack
+
+ARCHS = ("qwen3", "qwen2", "llama")  # q/k norm; qkv bias; neither (GQA in all three)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_native.library() is not None, "the native kernels did not build (is a C compiler installed?)"
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs):
+    return {arch: LLM(model_dirs[arch], num_threads=2, num_kv_blocks=64, max_model_len=256).engine for arch in ARCHS}
+
+
+def decode_inputs(engine, batch: int):
+    """`batch` sequences prefilled (prompt lengths that straddle block edges), then the
+    next decode step's model inputs, scheduled but not run."""
+    params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0)
+    seqs = []
+    for i in range(batch):
+        seq = engine.new_sequence([3 + (7 * i + j) % 200 for j in range(15 + 9 * i)], params)
+        engine.add(seq)
+        seqs.append(seq)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+        engine.step()
+    sched = engine.scheduler.schedule()
+    assert sched.num_tokens == [1] * batch
+    return seqs, engine.runner.prepare(sched.seqs, sched.num_tokens)
+
+
+def slot_rows(model, slots):
+    """Every layer's K and V rows at these cache slots, copied."""
+    out = []
+    for k_cache, v_cache in model.kv_caches:
+        for cache in (k_cache, v_cache):
+            out.append(cache.flatten(0, 1)[slots].clone())
+    return out
+
+
+def spy(monkeypatch):
+    calls = []
+    real = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 3, cpu_native.SMALL_LINEAR_MAX_ROWS])
+def test_stack_matches_torch_path(engines, arch, batch, monkeypatch):
+    engine = engines[arch]
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, batch)
+    model = engine.runner.model
+    calls = spy(monkeypatch)
+    try:
+        with torch.inference_mode():
+            fast = model(ids, positions, meta)
+            fast_kv = slot_rows(model, meta.slot_mapping)
+            assert calls == [batch], "the decode batch did not take the native stack"
+            monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")  # every native kernel off: plain torch
+            slow = model(ids, positions, meta)
+            slow_kv = slot_rows(model, meta.slot_mapping)
+        assert calls == [batch]
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+        for a, b in zip(fast_kv, slow_kv):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        for s in seqs:
+            engine.abort(s)
+
+
+def test_negative_slot_is_not_stored(engines, monkeypatch):
+    engine = engines["qwen3"]
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 2)
+    model = engine.runner.model
+    try:
+        real_slots = meta.slot_mapping.clone()
+        before = slot_rows(model, real_slots)
+        meta.slot_mapping = torch.tensor([-1, int(real_slots[1])])
+        with torch.inference_mode():
+            model(ids, positions, meta)
+        after = slot_rows(model, real_slots)
+        for a, b in zip(before, after):
+            torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)  # the skipped token's rows untouched
+        assert any(not torch.equal(a[1], b[1]) for a, b in zip(before, after)), "the other token was not stored"
+    finally:
+        for s in seqs:
+            engine.abort(s)
+
+
+def test_slot_outside_cache_is_refused_before_any_write(engines):
+    engine = engines["llama"]
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 1)
+    model = engine.runner.model
+    try:
+        snapshot = [c.clone() for kv in model.kv_caches for c in kv]
+        k_cache = model.kv_caches[0][0]
+        meta.slot_mapping = torch.tensor([k_cache.shape[0] * k_cache.shape[1]])
+        with pytest.raises(cpu_native.NativeKernelError, match="bad arguments"), torch.inference_mode():
+            model(ids, positions, meta)
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, (c for kv in model.kv_caches for c in kv)))
+    finally:
+        for s in seqs:
+            engine.abort(s)
+
+
+def test_swapped_weight_storage_is_followed(model_dirs, monkeypatch):
+    """A weight whose storage is replaced (`param.data = ...`) after the stack was set up:
+    the next step reads the new one (the stack's pointers would otherwise dangle)."""
+    engine = LLM(model_dirs["qwen2"], num_threads=2, num_kv_blocks=32, max_model_len=128).engine
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 2)
+    model = engine.runner.model
+    with torch.inference_mode():
+        model(ids, positions, meta)  # sets the stack up
+        down = model.model.layers[0].mlp.down_proj
+        down.weight.data = torch.randn_like(down.weight) * 0.5
+        qkv = model.model.layers[1].self_attn.qkv_proj
+        qkv.bias.data = torch.randn_like(qkv.bias)
+        fast = model(ids, positions, meta)
+        monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+        slow = model(ids, positions, meta)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+
+
+def test_not_taken_where_it_does_not_apply(engines, monkeypatch):
+    """Above SMALL_LINEAR_MAX_ROWS decodes, with a layer hook (layer-wise KV push), and
+    with the native kernels off, the per-op path runs."""
+    engine = engines["qwen3"]
+    calls = spy(monkeypatch)
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, cpu_native.SMALL_LINEAR_MAX_ROWS + 1)
+    try:
+        with torch.inference_mode():
+            engine.runner.model(ids, positions, meta)
+    finally:
+        for s in seqs:
+            engine.abort(s)
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 2)
+    try:
+        with torch.inference_mode():
+            hooked = []
+            engine.runner.model(ids, positions, meta, layer_hook=hooked.append)
+            assert hooked == list(range(len(engine.runner.model.model.layers)))
+            monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+            engine.runner.model(ids, positions, meta)
+    finally:
+        for s in seqs:
+            engine.abort(s)
+    assert calls == []
+
+
+def test_no_stack_for_other_dtypes(model_dirs):
+    engine = LLM(model_dirs["llama"], num_threads=1, num_kv_blocks=16, max_model_len=64, dtype="bfloat16").engine
+    assert engine.runner.model.decode_stack() is None
