@@ -4,9 +4,10 @@ On the CPU there is no graph to capture, and at a few sequences a decoder layer'
 dispatch (a dozen torch ops and ctypes calls, each a few microseconds) costs more than
 its arithmetic: ~0.4 ms per layer, 12 of SmolLM2's ~36 ms per token. `DecodeStack` holds
 every layer's weight and cache pointers, set up once, and runs all layers of a pure
-decode batch of up to ``cpu_native.SMALL_LINEAR_MAX_ROWS`` sequences in one call, through
-the same native kernels the per-op path uses (the same results up to float rounding in
-the q/k norm and rotary step).
+decode batch of up to ``MAX_ROWS`` sequences in one call, through the native kernels
+the per-op path uses for few rows (the same results up to float rounding: the q/k norm
+and rotary step, and the linears' summation order above 8 rows, where the per-op path
+takes oneDNN).
 
 `DecodeStack.build` returns None where it does not apply (not CPU float32, the native
 library unavailable or turned off with ``PDSERVE_CPU_ATTENTION=torch``, a weight without
@@ -24,6 +25,14 @@ from . import cpu_native
 _POINTERS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "gate_up_w", "down_w",
              "k_cache", "v_cache")
 _STRIDES = ("ld_qkv", "ld_o", "ld_gate_up", "ld_down", "k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
+
+
+# Decode batches up to this many sequences take the stack. Its linears are the native
+# few-rows kernel, which oneDNN beats above 8 rows, but the Python dispatch it saves
+# outweighs that up to here: step times, stack vs per-op path, 2-core AVX2 machine:
+# small qwen3 16 rows 30.7 vs 44.6 ms, 32 rows 51.5 vs 57.9, 64 rows 111.7 vs 100.1;
+# SmolLM2-135M 8 rows 57.1 vs 74.0, 16 rows 99.2 vs 122.7, 32 rows 161.7 vs 149.3.
+MAX_ROWS = 16
 
 
 class _LayerStruct(ctypes.Structure):
@@ -114,10 +123,9 @@ class DecodeStack:
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether a batch of these embedded rows fits: CPU float32, at most
-        SMALL_LINEAR_MAX_ROWS rows (above that oneDNN's batched linear beats the native
-        one), and the native kernels not turned off."""
-        return (x.dim() == 2 and 0 < x.shape[0] <= cpu_native.SMALL_LINEAR_MAX_ROWS and x.dtype == torch.float32
+        """Whether a batch of these embedded rows fits: CPU float32, at most MAX_ROWS
+        rows, and the native kernels not turned off."""
+        return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
                 and x.device.type == "cpu" and cpu_native.enabled())
 
     def __call__(self, h: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 
 from common import LLM, SamplingParams
 from kernels import cpu_native
-from kernels.cpu_decode import DecodeStack
+from kernels.cpu_decode import MAX_ROWS, DecodeStack
 
 ARCHS = ("qwen3", "qwen2", "llama")  # q/k norm; qkv bias; neither (GQA in all three)
 
@@ -21,7 +21,7 @@ def built():
 
 @pytest.fixture(scope="module")
 def engines(model_dirs):
-    return {arch: LLM(model_dirs[arch], num_threads=2, num_kv_blocks=64, max_model_len=256).engine for arch in ARCHS}
+    return {arch: LLM(model_dirs[arch], num_threads=2, num_kv_blocks=256, max_model_len=256).engine for arch in ARCHS}
 
 
 def decode_inputs(engine, batch: int):
@@ -57,7 +57,7 @@ def spy(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("batch", [1, 3, cpu_native.SMALL_LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("batch", [1, 3, MAX_ROWS])
 def test_stack_matches_torch_path(engines, arch, batch, monkeypatch):
     engine = engines[arch]
     seqs, (ids, positions, meta, _, _) = decode_inputs(engine, batch)
@@ -134,11 +134,11 @@ def test_swapped_weight_storage_is_followed(model_dirs, monkeypatch):
 
 
 def test_not_taken_where_it_does_not_apply(engines, monkeypatch):
-    """Above SMALL_LINEAR_MAX_ROWS decodes, with a layer hook (layer-wise KV push), and
+    """Above MAX_ROWS decodes, with a layer hook (layer-wise KV push), and
     with the native kernels off, the per-op path runs."""
     engine = engines["qwen3"]
     calls = spy(monkeypatch)
-    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, cpu_native.SMALL_LINEAR_MAX_ROWS + 1)
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, MAX_ROWS + 1)
     try:
         with torch.inference_mode():
             engine.runner.model(ids, positions, meta)
