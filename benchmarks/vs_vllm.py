@@ -2,6 +2,7 @@
 
     python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
         [--configs colocated,1p1d] [--rates 1,3] [--num-prompts 60] [--skip-offline] [--skip-serving]
+        [--crosscheck-rate 1]
         [--model DIR] [--out-dir results/vs_vllm]
 
 Not part of CI. Without --vllm-python (or with one that cannot import vllm) the vLLM side is
@@ -29,6 +30,11 @@ chunks fitted to the final usage chunk). Each point: `--num-prompts` fresh rando
 same prompts and Poisson send times for every server); the servers take turns, the order
 reversed at every point. SLOs: TTFT <= 1 s, TPOT <= 100 ms; goodput = requests meeting both
 per second; goodput rate = the highest rate with >= 90% attainment (interpolated).
+
+Client cross-check (`--crosscheck-rate R`): after the sweep, every server gets one more
+point at R req/s from our client and then one from vLLM's own `vllm bench serve` (random
+dataset, the same lengths, count and rate; its prompts are its own), back to back; both
+clients' TTFT and TPOT land in results.json under serving._crosscheck.
 
 Writes results.json and vs_vllm.png into --out-dir, server logs under logs/.
 """
@@ -294,7 +300,21 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
                     f"TTFT mean {res['mean_ttft_ms']:7.0f} p99 {res['p99_ttft_ms']:7.0f} ms  TPOT mean "
                     f"{res['mean_tpot_ms']:6.1f} p99 {res['p99_tpot_ms']:6.1f} ms  goodput {res['request_goodput']:.2f} "
                     f"req/s  out {res['output_throughput']:.1f} tok/s  idle others cpu {res['idle_others_cpu_s']}")
-        out = {}
+        crosscheck = {}
+        if args.crosscheck_rate and args.vllm_python:
+            i = len(rates)
+            for s in (servers if i % 2 == 0 else list(reversed(servers))):
+                log(f"crosscheck at {args.crosscheck_rate} req/s: {s.name}, pdserve bench then vllm bench serve")
+                reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=100 + i)
+                times = arrival_times(args.num_prompts, args.crosscheck_rate, 1.0, seed=i)
+                ours = measure(s, [o for o in servers if o is not s], reqs, times)
+                theirs = vllm_bench_serve(args, s, model, logdir, seed=i)
+                crosscheck[s.name] = {"pdserve_bench": ours, "vllm_bench_serve": theirs}
+                if "error" not in ours and "error" not in theirs:
+                    log(f"  {s.name:<18} TTFT mean {ours['mean_ttft_ms']:.0f} vs {theirs['mean_ttft_ms']:.0f} ms, "
+                        f"TPOT mean {ours['mean_tpot_ms']:.1f} vs {theirs['mean_tpot_ms']:.1f} ms "
+                        f"(pdserve bench vs vllm bench serve)")
+        out = {"_crosscheck": crosscheck} if crosscheck else {}
         for s in servers:
             pts = points[s.name]
             ok = [p for p in pts if "error" not in p]
@@ -307,6 +327,33 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
             s.stop()
 
 
+def vllm_bench_serve(args: argparse.Namespace, server: Server, model: str, logdir: Path, seed: int) -> dict:
+    """One point of vLLM's own load generator (`vllm bench serve`, random dataset, the
+    same lengths, rate and count as ours, Poisson) against `server`'s /v1/completions."""
+    base = server.url.removesuffix("/").removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
+        model_id = json.loads(r.read())["data"][0]["id"]
+    result = logdir / f"vllm_bench_{server.name}.json"
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+           "--base-url", base, "--endpoint", "/v1/completions", "--model", model_id, "--tokenizer", model,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
+           "--num-prompts", str(args.num_prompts), "--request-rate", str(args.crosscheck_rate), "--ignore-eos",
+           "--seed", str(seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "90,99", "--save-result", "--result-dir", str(logdir),
+           "--result-filename", result.name]
+    with open(logdir / f"vllm_bench_{server.name}.log", "wb") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(args.vllm_python),
+                              timeout=POINT_TIMEOUT_S + 300)
+    if done.returncode != 0 or not result.exists():
+        return {"error": f"vllm bench serve exit {done.returncode}; see logs/vllm_bench_{server.name}.log"}
+    res = json.loads(result.read_text())
+    keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
+            "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "mean_e2el_ms", "total_input_tokens",
+            "total_output_tokens")
+    return {k: res[k] for k in keep if k in res} | {"command": " ".join(cmd[1:])}
+
+
 # ---- report -------------------------------------------------------------------------------
 
 def plot(report: dict, path: Path) -> None:
@@ -316,6 +363,8 @@ def plot(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, r in report.get("serving", {}).items():
+        if name == "_crosscheck":
+            continue
         pts = sorted((p for p in r["sweep"] if "error" not in p), key=lambda p: p["request_rate"])
         x = [p["request_rate"] for p in pts]
         line = axes[0].plot(x, [p["slo_attainment"] * 100 for p in pts], marker="o", label=name)[0]
@@ -354,6 +403,9 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--offline-prompts", type=int, default=64)
     p.add_argument("--offline-repeats", type=int, default=1)
+    p.add_argument("--crosscheck-rate", type=float, default=None,
+                   help="after the sweep, one more point at this rate per server with our client and then "
+                        "with `vllm bench serve` (needs --vllm-python), to check the two clients agree")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--py-spy-pid-file", default=None,
@@ -402,6 +454,8 @@ def main() -> int:
         if off["vllm"]:
             print(f"offline tok/s: vllm {off['vllm']['tokens_per_s']:.1f}; ratio pdserve/vllm {off['ratio_pdserve_over_vllm']:.2f}")
     for name, r in report.get("serving", {}).items():
+        if name == "_crosscheck":
+            continue
         for pt in r["sweep"]:
             if "error" in pt:
                 print(f"{name:<18} rate {pt['request_rate']}: {pt['error']}")
