@@ -14,6 +14,7 @@ only. Counting faults fire once, at the Nth occurrence (1-based) in that worker:
 | drop_transfer=N | prefill | the Nth KVReady is never sent (a lost transfer) |
 | corrupt_transfer=N | prefill | the Nth transfer's checksum does not match its data (as if bytes flipped) |
 | delay_transfer_ms=MS | prefill | KVReady of transfer `delay_transfer_at` (default 1) waits MS ms (a slow writer) |
+| delay_step_ms=MS | decode | every step waits MS ms first (a slow worker: a long output outlasts a test's timeouts) |
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Faults:
     corrupt_transfer: int = 0
     delay_transfer_ms: int = 0
     delay_transfer_at: int = 1
+    delay_step_ms: int = 0
     seen: dict[str, int] = field(default_factory=dict)
 
     @classmethod

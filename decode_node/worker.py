@@ -224,6 +224,8 @@ class DecodeWorker(WorkerBase):
         return self.engine.has_work()
 
     def step(self) -> None:
+        if self.faults.delay_step_ms:  # an injected slow worker
+            time.sleep(self.faults.delay_step_ms / 1000)
         start = time.time()
         outputs = self.engine.step()
         now = time.time()

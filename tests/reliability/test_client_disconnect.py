@@ -13,7 +13,8 @@ import zmq
 
 from tests.reliability.harness import serve, stop, wait_blocks_baseline
 
-LONG = 2000  # tokens: far more than the few seconds each client stays
+LONG = 2000  # tokens, at >= 5 ms each (an injected slow decode step): far longer than each client stays
+SLOW_DECODE = "delay_step_ms=5@decode-0"  # the tiny model alone decodes 2000 tokens in ~2 s, as fast as an abort
 
 
 def aborted(served) -> float:
@@ -33,7 +34,7 @@ def wait_aborted_and_released(served, n: int, why: str) -> None:
 
 
 def test_http_and_zmq_clients_going_away(tmp_path, prompts):
-    served = serve(tmp_path, ["--prefill", "1", "--decode", "1"], extra=("--client-timeout", "2"),
+    served = serve(tmp_path, ["--prefill", "1", "--decode", "1"], faults=SLOW_DECODE, extra=("--client-timeout", "2"),
                    max_model_len=2048)
     try:
         body = json.dumps({"prompt": prompts[0], "max_tokens": LONG, "temperature": 0,
