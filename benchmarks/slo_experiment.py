@@ -137,13 +137,13 @@ class Server:
 
 class VllmServer:
     """vLLM's CPU build (`vllm.entrypoints.openai.api_server` from `--vllm-python`'s venv)
-    on both cores, started by benchmarks/vs_vllm.py's `start_vllm`; the client talks to it
+    on both cores, started by benchmarks/servers.py's `start_vllm`; the client talks to it
     over HTTP (tokens counted from the streamed text fitted to the usage chunk)."""
 
     backend = "http"
 
     def __init__(self, name: str, args: argparse.Namespace, workdir: Path):
-        from vs_vllm import start_vllm
+        from servers import start_vllm
         self.name = name
         self.server = start_vllm(args.vllm_python, args.model, workdir, max_model_len=args.max_model_len,
                                  max_batched=max(args.max_num_batched_tokens, args.max_model_len), name=name)

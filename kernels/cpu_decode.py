@@ -77,8 +77,13 @@ class StackDims:
 
 
 def _eligible(layer: LayerTensors, d: StackDims) -> bool:
-    vec = [layer.input_norm, layer.post_norm] + [t for t in (layer.qkv_b, layer.q_norm, layer.k_norm) if t is not None]
-    mats = [(layer.qkv_w, ((d.num_heads + 2 * d.num_kv_heads) * d.head_dim, d.hidden)),
+    nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+    sized = [(layer.input_norm, d.hidden), (layer.post_norm, d.hidden), (layer.qkv_b, nqkv),
+             (layer.q_norm, d.head_dim), (layer.k_norm, d.head_dim)]
+    vec = [t for t, _ in sized if t is not None]
+    if any(t is not None and tuple(t.shape) != (n,) for t, n in sized):
+        return False  # the native code reads exactly these lengths
+    mats = [(layer.qkv_w, (nqkv, d.hidden)),
             (layer.o_w, (d.hidden, d.num_heads * d.head_dim)),
             (layer.gate_up_w, (2 * d.intermediate, d.hidden)),
             (layer.down_w, (d.hidden, d.intermediate))]

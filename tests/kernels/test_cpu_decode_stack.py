@@ -4,6 +4,8 @@ turned off (plain torch), on every architecture: the hidden states and the K/V i
 Greedy output against transformers goes through it too (tests/common)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -162,3 +164,16 @@ def test_not_taken_where_it_does_not_apply(engines, monkeypatch):
 def test_no_stack_for_other_dtypes(model_dirs):
     engine = LLM(model_dirs["llama"], num_threads=1, num_kv_blocks=16, max_model_len=64, dtype="bfloat16").engine
     assert engine.runner.model.decode_stack() is None
+
+
+def test_no_stack_for_a_wrong_length_vector(engines):
+    """The native code reads each norm and bias at the model's sizes: a tensor of another
+    length is refused at set-up, not read past its end."""
+    model = engines["qwen2"].runner.model
+    stack = model.decode_stack()
+    assert stack is not None
+    for field in ("input_norm", "qkv_b"):
+        layers = list(stack.layers)
+        layers[1] = dataclasses.replace(layers[1], **{field: getattr(layers[1], field)[:-1]})
+        assert DecodeStack.build(layers, stack.dims) is None, field
+    assert DecodeStack.build(list(stack.layers), stack.dims) is not None
