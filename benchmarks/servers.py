@@ -27,6 +27,11 @@ VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VL
             "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH with the repository first, keeping what was there (wheels installed aside)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -108,12 +113,14 @@ class Server:
                 pass
 
 
-def start_pdserve(cfg: str, model: str, logdir: Path) -> Server:
+def start_pdserve(cfg: str, model: str, logdir: Path, extra: list[str] = ()) -> Server:
+    """`pdserve serve` in one of PDSERVE_CONFIGS, plus `extra` flags (devices, say)."""
     ready = logdir / f"pdserve-{cfg}-{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "router.cli", "serve", model, *PDSERVE_CONFIGS[cfg], "--http-port", "0",
            "--zmq-port", "0", "--ready-file", str(ready), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-           "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED), "--num-kv-blocks", "2048"]
-    s = Server(f"pdserve-{cfg}", cmd, dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)),
+           "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED), "--num-kv-blocks", "2048",
+           *extra]
+    s = Server(f"pdserve-{cfg}", cmd, dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=repo_pythonpath()),
                logdir / f"pdserve-{cfg}.log")
     s.cmd = " ".join(cmd[1:])  # type: ignore[attr-defined]
     while not ready.exists():

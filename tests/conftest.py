@@ -2,7 +2,7 @@
 module is imported, and nothing may reach a model hub."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # TRITON_INTERPRET=0 on a GPU: compiled kernels
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

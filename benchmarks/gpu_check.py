@@ -1,0 +1,475 @@
+"""The GPU paths, run on a GPU (docs/gpu.md has what it printed): Triton kernels compiled
+for the device against their torch references, CUDA-graph capture and replay in the
+decode runner (greedy tokens against eager and transformers, decode step times), CUDA IPC
+and NCCL between two processes, and a served disaggregated run with P and D on the GPU
+next to a colocated worker.
+
+    python benchmarks/gpu_check.py --out results/gpu_check.json [--device cuda:0] [--only engine,ipc]
+
+Each check reports ok or failed with its error, so one broken path does not hide the
+others; the JSON is rewritten after every check. With `--device cpu` the same checks run
+through the CPU stand-ins (interpreted Triton, eager buckets, shm, gloo), which is how the
+script itself is tried on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import msgpack  # noqa: E402
+import torch  # noqa: E402
+
+from servers import log, repo_pythonpath, start_pdserve  # noqa: E402
+
+ARCHS = ("qwen3", "qwen2", "llama")
+MAX_NEW = 16
+
+
+def on_gpu(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def sync(device: str) -> None:
+    if on_gpu(device):
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: str, reps: int = 20) -> float:
+    """Mean seconds per call after two warm-up calls."""
+    fn(), fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+# ---- models and the transformers oracle -----------------------------------------------------
+
+def make_models(root: Path) -> dict[str, str]:
+    from common.model_factory import make_model
+    dirs = {arch: str(make_model(root / arch, arch, "tiny", seed=1)) for arch in ARCHS}
+    dirs["small-qwen3"] = str(make_model(root / "small-qwen3", "qwen3", "small", seed=0))
+    return dirs
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: str) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+            outs.append(out[0, len(p):].tolist())
+    del model
+    return outs
+
+
+def prompts_for(model_dir: str) -> list[list[int]]:
+    from common.config import ModelConfig
+    from tests.helpers import mixed_prompts  # the prompts the CPU tests use: block edges, shared prefixes
+    return mixed_prompts(ModelConfig.from_dir(model_dir).vocab_size, seed=7)
+
+
+# ---- checks -----------------------------------------------------------------------------------
+
+def check_env(args, models) -> dict:
+    import triton
+    out = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
+           "device": args.device}
+    if on_gpu(args.device):
+        p = torch.cuda.get_device_properties(args.device)
+        out.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count,
+                   cuda=torch.version.cuda)
+    return out
+
+
+def check_triton(args, models) -> dict:
+    """The Triton kernels' tests, compiled for the device, then the kernels timed at a
+    serving-sized shape against the torch references."""
+    env = dict(os.environ, TRITON_INTERPRET="0" if on_gpu(args.device) else "1", PYTHONPATH=repo_pythonpath())
+    t = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_kernels.py"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out: dict = {"pytest_rc": t.returncode, "pytest_tail": t.stdout.strip().splitlines()[-1:], "ok": t.returncode == 0}
+    if not on_gpu(args.device):
+        return out
+    torch.manual_seed(0)
+    rows = [_kernel_row(dtype, args.device) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    out["kernels"] = rows
+    out["ok"] = out["ok"] and all(r["store_kv_exact"] and r["gather_exact"] and r["scatter_exact"] for r in rows)
+    return out
+
+
+def _kernel_row(dtype: torch.dtype, dev: str) -> dict:
+    """One dtype: decode attention (64 sequences of up to 1024 tokens, 32 query and 8 KV
+    heads of 128), store_kv, gather and scatter, against the references."""
+    import kernels
+    from kernels import reference as R
+    b, hq, hkv, d, bs, ctx = 64, 32, 8, 128, 16, 1024
+    nb = b * ctx // bs
+    kc = torch.randn(nb, bs, hkv, d, device=dev).to(dtype)
+    vc = torch.randn(nb, bs, hkv, d, device=dev).to(dtype)
+    q = torch.randn(b, hq, d, device=dev).to(dtype)
+    tables = torch.randperm(nb, device=dev).view(b, ctx // bs).to(torch.int32)
+    lens = torch.randint(1, ctx + 1, (b,), device=dev, dtype=torch.int32)
+    ref = R.paged_decode_attention(q.float(), kc.float(), vc.float(), tables, lens, d ** -0.5)
+    got = kernels.triton_paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5)
+    t_tri = timed(lambda: kernels.triton_paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5), dev)
+    t_ref = timed(lambda: R.paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5), dev, reps=5)
+    kv_bytes = 2 * int(lens.sum()) * hkv * d * kc.element_size()
+    slots = torch.randperm(nb * bs, device=dev)[:4096]
+    key = torch.randn(4096, hkv, d, device=dev).to(dtype)
+    k2, v2, k3, v3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    kernels.triton_store_kv(key, key, k2, v2, slots)
+    R.store_kv(key, key, k3, v3, slots)
+    ids = torch.randperm(nb, device=dev)[:1024]
+    gathered = kernels.triton_gather_blocks(kc, ids)
+    t_gather = timed(lambda: kernels.triton_gather_blocks(kc, ids), dev)
+    sc, sc_ref = kc.clone(), kc.clone()
+    kernels.triton_scatter_blocks(sc, ids, gathered.flip(0))
+    R.scatter_blocks(sc_ref, ids, gathered.flip(0))
+    row = {"dtype": str(dtype).removeprefix("torch."),
+           "decode_attention_max_abs_err": float((got.float() - ref).abs().max()),
+           "decode_attention_triton_us": t_tri * 1e6, "decode_attention_torch_ref_us": t_ref * 1e6,
+           "decode_attention_kv_gb_per_s": kv_bytes / t_tri / 1e9,
+           "store_kv_exact": bool(torch.equal(k2, k3) and torch.equal(v2, v3)),
+           "gather_exact": bool(torch.equal(gathered, R.gather_blocks(kc, ids))),
+           "scatter_exact": bool(torch.equal(sc, sc_ref)),
+           "gather_gb_per_s": 2 * gathered.numel() * gathered.element_size() / t_gather / 1e9}
+    log(f"  triton {row}")
+    return row
+
+
+def _llm(model_dir: str, device: str, graphs: bool, dtype: str = "float32", **kw):
+    from common.llm import LLM
+    opts = dict(device=device, dtype=dtype, num_kv_blocks=1024, max_model_len=1024, max_num_seqs=64,
+                decode_graphs=graphs, seed=0, **kw)
+    if not on_gpu(device):
+        opts["num_threads"] = 2
+    return LLM(model_dir, **opts)
+
+
+def check_engine(args, models) -> dict:
+    """Greedy tokens, offline: transformers on the device vs our engine eager and with the
+    decode steps through the graph runner (CUDA graphs on GPU), every architecture."""
+    from common.sampling_params import SamplingParams
+    res: dict = {}
+    for name, d in models.items():
+        prompts = prompts_for(d)
+        want = hf_greedy(d, prompts, MAX_NEW, args.device)
+        row: dict = {}
+        for graphs in (False, True):
+            llm = _llm(d, args.device, graphs)
+            got = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0), use_tqdm=False)]
+            runner = llm.engine.runner
+            key = "graphs" if graphs else "eager"
+            row[key] = {"match": got == want, "mismatched_prompts": [i for i, (a, b) in enumerate(zip(got, want)) if a != b]}
+            if graphs:
+                row[key].update(captured_buckets=sorted(getattr(runner, "graphs", {})), replays=runner.replays)
+            del llm
+        res[name] = row
+        log(f"  engine {name}: {row}")
+    res["ok"] = all(r["eager"]["match"] and r["graphs"]["match"] for r in res.values())
+    return res
+
+
+def check_graph_speed(args, models) -> dict:
+    """Decode step time, eager vs graph replay, on the small model: (time of 129 output
+    tokens - time of 1) / 128 for a batch of 32-token prompts; also bf16 tokens graphs
+    vs eager (no transformers oracle at bf16: ours against ours)."""
+    from common.sampling_params import SamplingParams
+    d = models["small-qwen3"]
+    rows = []
+    batches = (1, 8, 32, 64) if on_gpu(args.device) else (1, 4)
+    for dtype in ("float32", "bfloat16"):
+        toks = {}
+        for graphs in (False, True):
+            llm = _llm(d, args.device, graphs, dtype=dtype)
+            for b in batches:
+                prompts = [[5 + (i * 7 + j) % 200 for j in range(32)] for i in range(b)]
+                sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+                llm.generate(prompts, sp(129), use_tqdm=False)  # warm-up: captures the buckets
+                sync(args.device)
+                t0 = time.perf_counter()
+                llm.generate(prompts, sp(1), use_tqdm=False)
+                sync(args.device)
+                t1 = time.perf_counter()
+                outs = llm.generate(prompts, sp(129), use_tqdm=False)
+                sync(args.device)
+                t2 = time.perf_counter()
+                step_ms = ((t2 - t1) - (t1 - t0)) / 128 * 1e3
+                toks[(graphs, b)] = [o["token_ids"] for o in outs]
+                rows.append({"dtype": dtype, "graphs": graphs, "batch": b, "decode_step_ms": step_ms,
+                             "decode_tok_per_s": b / step_ms * 1e3})
+                log(f"  speed {rows[-1]}")
+            del llm
+        for b in batches:
+            rows.append({"dtype": dtype, "batch": b, "graphs_tokens_equal_eager": toks[(True, b)] == toks[(False, b)]})
+    return {"rows": rows, "ok": all(r.get("graphs_tokens_equal_eager", True) for r in rows)}
+
+
+# -- two processes: CUDA IPC (shm on CPU) and NCCL (gloo on CPU) --------------------------------
+
+GEOM = dict(layers=32, num_blocks=1024, block_size=16, kv_heads=8, head_dim=128)  # an 8B model's KV, bf16: 2 MiB a block
+
+
+def _cache(device: str, fill: bool) -> torch.Tensor:
+    g = GEOM
+    shape = (2, g["layers"], g["num_blocks"], g["block_size"], g["kv_heads"], g["head_dim"])
+    if fill:
+        gen = torch.Generator(device=device).manual_seed(0)
+        return torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+    return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+
+
+def _digest(cache: torch.Tensor, blocks: list[int]) -> str:
+    return hashlib.sha256(cache[:, :, blocks].contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+SRC = list(range(0, 512))
+DST = list(range(1023, 511, -1))  # reversed: no run of consecutive blocks, one copy per block per layer
+DST_RUNS = list(range(256, 768))  # one run: one copy per layer
+
+
+def _ipc_decode(conn, device: str) -> None:
+    """D: allocate the cache, export it, wait for P's writes, report the landed blocks' digest."""
+    from kv_transfer.cuda_ipc import export_handle
+    cache = _cache(device, fill=False)
+    conn.send_bytes(msgpack.packb(export_handle(cache)))
+    for dst in (DST, DST_RUNS):
+        msgpack.unpackb(conn.recv_bytes())  # P wrote and synchronized
+        conn.send_bytes(msgpack.packb(_digest(cache, dst)))
+    conn.recv_bytes()
+
+
+def check_cuda_ipc(args, models) -> dict:
+    """P opens D's exported cache and writes 512 blocks (1 GiB) layer by layer through the
+    sender the prefill worker uses; D checks every byte landed."""
+    if not on_gpu(args.device):
+        return {"skipped": "needs a CUDA device"}
+    from kv_transfer.cuda_ipc import CudaIpcSender
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_decode, args=(there, args.device))
+    proc.start()
+    try:
+        info = msgpack.unpackb(here.recv_bytes())
+        cache = _cache(args.device, fill=True)
+        sender = CudaIpcSender(cache, {"ipc": info})
+        out: dict = {"block_mib": cache[:, :, 0].numel() * cache.element_size() / 2**20}
+        for name, dst in (("one_copy_per_block", DST), ("contiguous_runs", DST_RUNS)):
+            def push(dst: list[int] = dst) -> None:
+                for layer in range(GEOM["layers"]):
+                    sender.write_layer(layer, SRC, dst)
+                sync(args.device)
+            t = timed(push, args.device, reps=5)
+            here.send_bytes(msgpack.packb(True))
+            landed = msgpack.unpackb(here.recv_bytes())
+            nbytes = len(SRC) * cache[:, :, 0].numel() * cache.element_size()
+            out[name] = {"bytes": nbytes, "seconds": t, "gb_per_s": nbytes / t / 1e9,
+                         "exact": landed == _digest(cache, SRC)}
+            log(f"  cuda_ipc {name}: {out[name]}")
+        buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
+        src = torch.empty_like(buf)
+        out["same_process_d2d_copy_gb_per_s"] = nbytes / timed(lambda: buf.copy_(src), args.device) / 1e9
+        here.send_bytes(b"bye")
+        out["ok"] = all(out[k]["exact"] for k in ("one_copy_per_block", "contiguous_runs"))
+        return out
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _dist_rank(rank: int, init: str, backend: str, device: str, conn) -> None:
+    try:
+        from kv_transfer.torch_dist import init_group
+        import torch.distributed as dist
+        if on_gpu(device):
+            torch.cuda.set_device(device)
+        init_group(backend, init, rank, 2)
+        buf = torch.full((64 * 2**20,), float(rank + 1), device=device)  # 256 MiB of float32
+        for _ in range(3):
+            dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        sync(device)
+        dt = (time.perf_counter() - t0) / 5
+        ok = bool((buf == 1.0).all())
+        dist.destroy_process_group()
+        conn.send_bytes(msgpack.packb({"rank": rank, "ok": ok, "gb_per_s": buf.numel() * 4 / dt / 1e9}))
+    except Exception as e:
+        conn.send_bytes(msgpack.packb({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}))
+
+
+def check_nccl(args, models) -> dict:
+    """Two processes join a group over the backend the nccl transfer uses and move 256 MiB."""
+    from router.launch import free_port
+    backend = "nccl" if on_gpu(args.device) else "gloo"
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_dist_rank, args=(r, init, backend, args.device, pipes[r][1])) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = []
+    for r in range(2):
+        if pipes[r][0].poll(240):
+            res.append(msgpack.unpackb(pipes[r][0].recv_bytes()))
+        else:
+            res.append({"rank": r, "ok": False, "error": "no answer in 240 s"})
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    args.nccl_ok = all(r["ok"] for r in res)
+    return {"backend": backend, "ranks": res, "ok": args.nccl_ok}
+
+
+def check_pair(args, models) -> dict:
+    """A real prefill worker and decode worker on the device, through the test driver:
+    greedy tokens against transformers for every architecture, blocks all returned."""
+    from tests.disagg.driver import engine_options, start_pair
+    backends = ("cuda_ipc", "nccl") if on_gpu(args.device) else ("shm", "gloo")
+    if not getattr(args, "nccl_ok", True):  # two processes could not even form the group
+        backends = backends[:1]
+    res: dict = {}
+    for backend in backends:
+        for arch in ARCHS:
+            d = models[arch]
+            prompts = prompts_for(d)
+            want = hf_greedy(d, prompts, MAX_NEW, args.device)
+            opts = {**engine_options(num_kv_blocks=512, max_model_len=512), "device": args.device}
+            key = f"{backend}-{arch}"
+            try:
+                dep = start_pair(d, backend, opts, prefill_options={"max_num_batched_tokens": 64},
+                                 together=backend == "nccl", timeout_s=240)
+            except Exception as e:
+                res[key] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-3000:]}
+                log(f"  pair {key}: failed to start")
+                continue
+            try:
+                t0 = time.perf_counter()
+                run = dep.run(prompts, MAX_NEW, timeout_s=120)
+                secs = time.perf_counter() - t0
+                got = run.outputs()
+                d_status, p_status = dep.statuses()
+                res[key] = {"match": got == want and not run.errors, "errors": run.errors, "seconds": secs,
+                            "mismatched_prompts": [i for i, (a, b) in enumerate(zip(got, want)) if a != b],
+                            "decode_blocks_free": [d_status.free_blocks, d_status.total_blocks],
+                            "prefill_blocks_free": [p_status.free_blocks, p_status.total_blocks]}
+                res[key]["ok"] = res[key]["match"] and d_status.free_blocks == d_status.total_blocks
+            except Exception as e:
+                res[key] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:], "logs": dep.logs()[-3000:]}
+            finally:
+                dep.close()
+            log(f"  pair {key}: {res[key]}")
+    res["ok"] = all(v["ok"] for v in res.values())
+    return res
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def check_serving(args, models) -> dict:
+    """`pdserve serve` with P and D on the device (and a colocated worker for comparison):
+    greedy tokens over HTTP against transformers, then a Poisson sweep with pdserve bench."""
+    from router.bench.arrivals import arrival_times
+    from router.bench.metrics import summarize
+    from router.bench.runner import run_workload
+    from router.bench.workloads import random_workload
+    d = models["small-qwen3"]
+    dev = args.device
+    configs = {"1p1d": ["--prefill-devices", dev, "--decode-devices", dev],
+               "colocated": ["--colocated-devices", dev]}
+    prompts = prompts_for(d)
+    want = hf_greedy(d, prompts, MAX_NEW, dev)
+    rates = [float(r) for r in args.rates.split(",")]
+    res: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cfg, extra in configs.items():
+            s = start_pdserve(cfg, d, Path(tmp), extra=extra)
+            try:
+                model_id = json.loads(urllib.request.urlopen(s.url + "/models").read())["data"][0]["id"]
+                got = [_post(s.url + "/completions", {"model": model_id, "prompt": p, "max_tokens": MAX_NEW,
+                                                         "temperature": 0})["choices"][0]["token_ids"] for p in prompts]
+                row: dict = {"greedy_match": got == want, "command": s.cmd, "points": []}  # type: ignore[attr-defined]
+                vocab = 1000
+                for i, rate in enumerate(rates):
+                    reqs = random_workload(args.num_prompts, 256, 64, 0.0, vocab, seed=100 + i)
+                    times = arrival_times(args.num_prompts, rate, 1.0, seed=i)
+                    recs, dur = asyncio.run(run_workload(reqs, "http", s.url, times, None, 0.0, True, False, 0, False))
+                    m = summarize(recs, dur, 1.0, 0.05, (50, 99))
+                    keep = ("completed", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+                            "output_throughput", "request_goodput", "slo_attainment")
+                    row["points"].append({"rate": rate, **{k: m.get(k) for k in keep}})
+                    log(f"  serve {cfg} {row['points'][-1]}")
+                res[cfg] = row
+            except Exception as e:
+                res[cfg] = {"error": f"{type(e).__name__}: {e}", "log": s.log_path.read_text()[-4000:]}
+            finally:
+                s.stop()
+    res["ok"] = all(v.get("greedy_match") for v in res.values())
+    return res
+
+
+CHECKS = {"env": check_env, "triton": check_triton, "engine": check_engine, "graph_speed": check_graph_speed,
+          "cuda_ipc": check_cuda_ipc, "nccl": check_nccl, "pair": check_pair, "serving": check_serving}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=str(REPO / "results" / "gpu_check.json"))
+    ap.add_argument("--only", default="", help="comma-separated checks (default all): " + ",".join(CHECKS))
+    ap.add_argument("--rates", default="5,20,50", help="serving sweep, req/s")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    args = ap.parse_args()
+    names = args.only.split(",") if args.only else list(CHECKS)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = make_models(Path(tmp))
+        for name in names:
+            log(f"check {name}")
+            t0 = time.perf_counter()
+            try:
+                r = CHECKS[name](args, models)
+            except Exception as e:
+                r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+                log(r["traceback"])
+            r["seconds"] = round(time.perf_counter() - t0, 1)
+            report["checks"][name] = r
+            log(f"check {name}: {'ok' if r.get('ok', True) else 'FAILED'} in {r['seconds']} s")
+            out.write_text(json.dumps(report, indent=1, default=str))
+    failed = [n for n, r in report["checks"].items() if not r.get("ok", True)]
+    print(json.dumps({n: r.get("ok", True) for n, r in report["checks"].items()}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
