@@ -39,6 +39,20 @@ from servers import log, repo_pythonpath, start_pdserve  # noqa: E402
 
 ARCHS = ("qwen3", "qwen2", "llama")
 MAX_NEW = 16
+SEEDED = [dict(temperature=1.0, seed=11), dict(temperature=0.8, top_p=0.9, seed=12),
+          dict(temperature=1.3, top_k=20, seed=13)]  # as tests/disagg: one random stream per request
+
+
+def seeded_prompts(model_dir: str) -> list[list[int]]:
+    return [p[:n] for p, n in zip(prompts_for(model_dir)[-3:], (9, 40, 23))]
+
+
+def seeded_one_engine(model_dir: str, device: str, graphs: bool = False) -> list[list[int]]:
+    """Seeded random outputs of one engine doing both phases."""
+    from common.sampling_params import SamplingParams
+    llm = _llm(model_dir, device, graphs)
+    params = [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **kw) for kw in SEEDED]
+    return [o["token_ids"] for o in llm.generate(seeded_prompts(model_dir), params, use_tqdm=False)]
 
 
 def on_gpu(device: str) -> bool:
@@ -185,9 +199,11 @@ def check_engine(args, models) -> dict:
             if graphs:
                 row[key].update(captured_buckets=sorted(getattr(runner, "graphs", {})), replays=runner.replays)
             del llm
+        seeded = [seeded_one_engine(d, args.device, graphs) for graphs in (False, True)]
+        row["seeded_graphs_equal_eager"] = seeded[0] == seeded[1] and len({tuple(t) for t in seeded[0]}) == 3
         res[name] = row
         log(f"  engine {name}: {row}")
-    res["ok"] = all(r["eager"]["match"] and r["graphs"]["match"] for r in res.values())
+    res["ok"] = all(r["eager"]["match"] and r["graphs"]["match"] and r["seeded_graphs_equal_eager"] for r in res.values())
     return res
 
 
@@ -373,12 +389,17 @@ def check_pair(args, models) -> dict:
                 run = dep.run(prompts, MAX_NEW, timeout_s=120)
                 secs = time.perf_counter() - t0
                 got = run.outputs()
+                reqs = [dep.request(p, MAX_NEW, ignore_eos=True, **kw) for p, kw in zip(seeded_prompts(d), SEEDED)]
+                dep.send(reqs)
+                seeded = dep.collect([r.request_id for r in reqs]).outputs()
                 d_status, p_status = dep.statuses()
                 res[key] = {"match": got == want and not run.errors, "errors": run.errors, "seconds": secs,
                             "mismatched_prompts": [i for i, (a, b) in enumerate(zip(got, want)) if a != b],
                             "decode_blocks_free": [d_status.free_blocks, d_status.total_blocks],
                             "prefill_blocks_free": [p_status.free_blocks, p_status.total_blocks]}
-                res[key]["ok"] = res[key]["match"] and d_status.free_blocks == d_status.total_blocks
+                res[key]["seeded_equal_one_engine"] = seeded == seeded_one_engine(d, args.device)
+                res[key]["ok"] = (res[key]["match"] and res[key]["seeded_equal_one_engine"]
+                                  and d_status.free_blocks == d_status.total_blocks)
             except Exception as e:
                 res[key] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:], "logs": dep.logs()[-3000:]}
             finally:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common.kv_layout import layout_mismatch
 from common.messages import KVLayout
-from kv_transfer.base import copy_blocks, gather_kv, runs, scatter_kv
+from kv_transfer.base import copy_blocks, copy_blocks_indexed, gather_kv, runs, scatter_kv
 
 
 @pytest.mark.parametrize("src, dst, want", [
@@ -97,3 +97,16 @@ def test_copy_blocks_one_layer_or_all(layer):
                 assert torch.equal(dst[:, li, d], src[:, li, s])
             else:
                 assert not dst[:, li, d].any()
+
+
+@pytest.mark.parametrize("layer", [None, 2])
+def test_indexed_copy_equals_run_copy(layer):
+    """The one-gather-one-scatter copy (taken on CUDA for scattered blocks) lands the same
+    bytes as the run-by-run copy, and touches nothing else."""
+    src = _cache(seed=3)
+    mapping = [(5, 9), (0, 2), (7, 3), (1, 8), (2, 0)]  # no two consecutive: five runs
+    s, d = [m[0] for m in mapping], [m[1] for m in mapping]
+    by_runs, indexed = torch.zeros(2, 3, 10, 4, 2, 5), torch.zeros(2, 3, 10, 4, 2, 5)
+    copy_blocks(by_runs, src, s, d, layer)
+    copy_blocks_indexed(indexed, src, s, d, range(3) if layer is None else (layer,))
+    assert torch.equal(indexed, by_runs) and indexed.any()
