@@ -321,7 +321,7 @@ def _dist_rank(rank: int, init: str, backend: str, device: str, conn) -> None:
         import torch.distributed as dist
         if on_gpu(device):
             torch.cuda.set_device(device)
-        init_group(backend, init, rank, 2)
+        init_group(backend, init, rank, 2, device)
         buf = torch.full((64 * 2**20,), float(rank + 1), device=device)  # 256 MiB of float32
         for _ in range(3):
             dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
@@ -367,9 +367,10 @@ def check_pair(args, models) -> dict:
     greedy tokens against transformers for every architecture, blocks all returned."""
     from tests.disagg.driver import engine_options, start_pair
     backends = ("cuda_ipc", "nccl") if on_gpu(args.device) else ("shm", "gloo")
-    if not getattr(args, "nccl_ok", True):  # two processes could not even form the group
-        backends = backends[:1]
     res: dict = {}
+    if not getattr(args, "nccl_ok", True):  # two processes on one GPU cannot form an NCCL group
+        res["nccl-start"] = _nccl_pair_refused(models["qwen3"], args.device)
+        backends = backends[:1]
     for backend in backends:
         for arch in ARCHS:
             d = models[arch]
@@ -407,6 +408,21 @@ def check_pair(args, models) -> dict:
             log(f"  pair {key}: {res[key]}")
     res["ok"] = all(v["ok"] for v in res.values())
     return res
+
+
+def _nccl_pair_refused(model_dir: str, device: str) -> dict:
+    """Where NCCL cannot form a group (one GPU for both), a P/D pair must fail at start-up
+    with NCCL's reason, not start and then hang on the first transfer."""
+    from tests.disagg.driver import engine_options, start_pair
+    t0 = time.perf_counter()
+    try:
+        dep = start_pair(model_dir, "nccl", {**engine_options(), "device": device}, together=True, timeout_s=120)
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+        ok = "Duplicate GPU" in err
+        return {"ok": ok, "refused_after_s": round(time.perf_counter() - t0, 1), "error": err[-1500:]}
+    dep.close()
+    return {"ok": False, "error": "the pair started although NCCL cannot put two ranks on one GPU"}
 
 
 def _post(url: str, body: dict) -> dict:

@@ -45,7 +45,7 @@ class DecodeWorker(WorkerBase):
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
                                   self.backend, self.key)
-        init_transfer_group(worker_config)
+        init_transfer_group(worker_config, engine_config.device.device)
         try:
             for address in worker_config.prefill_peers:
                 self.peers.connect(address, self.handshake())

@@ -28,14 +28,15 @@ def resolve_backend(name: str, device: str) -> str:
     return name
 
 
-def init_transfer_group(worker_config: WorkerConfig) -> None:
+def init_transfer_group(worker_config: WorkerConfig, device: str = "cpu") -> None:
     """Join the deployment's torch.distributed group when the backend needs one (gloo,
     nccl); a no-op for the others. Every P and D of a gloo/nccl deployment calls this at
-    start-up, before writing its ready file: the group forms only once all ranks are in."""
+    start-up, before writing its ready file: the group forms only once all ranks are in.
+    `device`: the worker's device, which an NCCL group binds to."""
     w = worker_config
     if w.kv_transfer in ("gloo", "nccl"):
         from kv_transfer.torch_dist import init_group
-        init_group(w.kv_transfer, w.dist_init, w.rank, w.world_size)
+        init_group(w.kv_transfer, w.dist_init, w.rank, w.world_size, device)
 
 
 def make_receiver(backend: str, shape: tuple[int, ...], dtype: torch.dtype, device: str,

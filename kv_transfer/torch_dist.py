@@ -20,12 +20,18 @@ from common.messages import KVReady
 from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError, dtype_name, gather_kv, scatter_kv
 
 
-def init_group(backend: str, init_method: str, rank: int, world_size: int) -> None:
+def init_group(backend: str, init_method: str, rank: int, world_size: int, device: str = "cpu") -> None:
     """Join the transfer process group (every P and D of a deployment, ranks by launcher).
 
     `init_method` is tcp://HOST:PORT. Rank 0's TCPStore listens on HOST only: torch's own
     store binds every interface whatever host it is given, so rank 0 binds the listening
-    socket itself and hands torch its fd. On a loopback HOST gloo's pairs stay on `lo` too."""
+    socket itself and hands torch its fd. On a loopback HOST gloo's pairs stay on `lo` too.
+
+    NCCL is bound to `device` and its communicator made here, while every rank is in this
+    call. Left lazy, the first isend would make a two-rank communicator, which blocks until
+    the peer joins it; D joins only in its irecv, after the KVReady that P sends once the
+    isend returns: a deadlock (seen on an H100, docs/gpu.md). Made here, a failure (two
+    ranks on one GPU, say) stops the worker at start-up with NCCL's reason."""
     if dist.is_initialized():
         return
     url = urlsplit(init_method)
@@ -43,7 +49,11 @@ def init_group(backend: str, init_method: str, rank: int, world_size: int) -> No
             listen.detach()  # the store owns the fd now
     if backend == "gloo" and url.hostname in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this process's own setting, read by gloo below
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    bound: dict = {}
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+        bound = {"device_id": torch.device(device)}  # eager: the communicator is made now, by all ranks
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound)
 
 
 class Waiter:

@@ -43,7 +43,7 @@ class PrefillWorker(WorkerBase):
         self.decode_seen: dict[str, float] = {}  # decode_id -> when it last sent anything (monotonic s)
         self._next_peer_check = 0.0
         self.faults = Faults.from_env(self.worker_id)
-        init_transfer_group(worker_config)
+        init_transfer_group(worker_config, engine_config.device.device)
 
     # ---- messages ----------------------------------------------------------------------
     def handle(self, inc: Incoming) -> None:

@@ -49,6 +49,20 @@ class DeploymentConfig:
         return tuple(w.engine.device for w in self.role("colocated"))
 
 
+def check_one_rank_per_gpu(devices: tuple[str, ...]) -> None:
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on an H100):
+    refuse such an nccl deployment before starting anything."""
+    seen: dict[str, int] = {}
+    for dev in devices:
+        key = dev if ":" in dev else f"{dev}:0"  # "cuda" is cuda:0 in a fresh worker process
+        seen[key] = seen.get(key, 0) + 1
+    shared = sorted(k for k, n in seen.items() if n > 1)
+    if shared:
+        raise ConfigError(f"kv transfer nccl needs one GPU per worker, but {', '.join(shared)} would hold "
+                          f"several (NCCL refuses two ranks on one device); give each worker its own GPU, "
+                          f"or use --kv-transfer cuda_ipc to share one")
+
+
 def plan_deployment(router: RouterConfig, engine: EngineOptions, *, prefill_devices: tuple[str, ...] = (),
                     decode_devices: tuple[str, ...] = (), colocated_devices: tuple[str, ...] = (),
                     kv_transfer: str = "auto", threads_per_worker: int = 1,
@@ -73,6 +87,8 @@ def plan_deployment(router: RouterConfig, engine: EngineOptions, *, prefill_devi
         backend = resolve_backend(kv_transfer, prefill_devices[0] if prefill_devices else "cpu")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if backend == "nccl":
+        check_one_rank_per_gpu((*prefill_devices, *decode_devices))
     world = len(prefill_devices) + len(decode_devices)
     ranks = iter(range(world)) if backend in ("gloo", "nccl") else None
     dist_init = f"tcp://{router.host}:{free_port()}" if ranks is not None else ""  # rank 0's store binds there

@@ -35,3 +35,15 @@ def test_workers_must_share_the_routers_block_size_and_model():
         DeploymentConfig(ROUTER, (dataclasses.replace(dep.workers[0], engine=EngineOptions(block_size=32)),))
     with pytest.raises(ConfigError, match="serves"):
         DeploymentConfig(ROUTER, (dataclasses.replace(dep.workers[0], model_dir="/models/other"),))
+
+
+def test_nccl_plan_refuses_two_workers_on_one_gpu():
+    """NCCL refuses two ranks on one device: the plan says so before anything starts."""
+    with pytest.raises(ConfigError, match=r"one GPU per worker.*cuda:0.*cuda_ipc"):
+        plan_deployment(ROUTER, EngineOptions(), prefill_devices=("cuda:0",), decode_devices=("cuda",), kv_transfer="nccl")
+    dep = plan_deployment(ROUTER, EngineOptions(), prefill_devices=("cuda:0",), decode_devices=("cuda:1",),
+                          kv_transfer="nccl")
+    assert dep.kv_transfer == "nccl" and [w.worker.rank for w in dep.workers] == [0, 1]
+    # cuda_ipc shares a GPU between P and D
+    assert plan_deployment(ROUTER, EngineOptions(), prefill_devices=("cuda:0",), decode_devices=("cuda:0",),
+                           kv_transfer="cuda_ipc").kv_transfer == "cuda_ipc"
