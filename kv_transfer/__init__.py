@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.config import BACKENDS, WorkerConfig
+from common.config import BACKENDS, ConfigError, WorkerConfig
 from common.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.kv_layout
 from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
 from kv_transfer.peer_check import check_block_ids, check_peer_info, shm_name_hint
@@ -36,7 +36,12 @@ def init_transfer_group(worker_config: WorkerConfig, device: str = "cpu") -> Non
     w = worker_config
     if w.kv_transfer in ("gloo", "nccl"):
         from kv_transfer.torch_dist import init_group
-        init_group(w.kv_transfer, w.dist_init, w.rank, w.world_size, device)
+        try:
+            init_group(w.kv_transfer, w.dist_init, w.rank, w.world_size, device)
+        except RuntimeError as e:  # torch's DistBackendError and DistNetworkError among them
+            reason = [line for line in str(e).splitlines() if line.strip()]
+            raise ConfigError(f"kv transfer {w.kv_transfer}: rank {w.rank} of {w.world_size} on {device} could not "
+                              f"join the group at {w.dist_init}: {reason[-1] if reason else type(e).__name__}") from None
 
 
 def make_receiver(backend: str, shape: tuple[int, ...], dtype: torch.dtype, device: str,

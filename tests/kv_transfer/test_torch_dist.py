@@ -71,3 +71,23 @@ def test_gloo_receive_completes_without_waiting_and_sender_lets_go(tmp_path: Pat
     assert p_side["ready"] == {"payload_shape": [2, 3, 3, 4, 2, 8], "payload_dtype": "float32"}
     assert p_side["pending_after_send"] == 1 and p_side["pending_at_end"] == 0, "P kept a sent buffer"
     assert d_side == {"done": True, "same": True, "untouched": True}
+
+
+def test_a_group_that_cannot_form_is_a_start_up_error_with_the_reason(monkeypatch):
+    """What NCCL said on an H100 with P and D on one GPU reaches the worker's exit message
+    (worker_main prints a ConfigError and exits 2), not a traceback from torch's internals."""
+    import pytest
+    import torch.distributed as dist
+
+    import kv_transfer.torch_dist
+    from common.config import ConfigError, WorkerConfig
+    from kv_transfer import init_transfer_group
+
+    def refuse(*args):
+        raise dist.DistBackendError("NCCL error in: NCCLUtils.cpp:93, invalid usage\nLast error:\n"
+                                    "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60\n")
+
+    monkeypatch.setattr(kv_transfer.torch_dist, "init_group", refuse)
+    w = WorkerConfig(role="decode", worker_id="d", kv_transfer="nccl", dist_init="tcp://127.0.0.1:1", rank=1, world_size=2)
+    with pytest.raises(ConfigError, match=r"kv transfer nccl: rank 1 of 2 on cuda:0 .*: Duplicate GPU detected"):
+        init_transfer_group(w, "cuda:0")
