@@ -124,10 +124,10 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_tokens[i] for i in order]
         input_ids, positions, meta, sample_idx, sample_seqs = self.prepare(seqs, counts)
-        hidden = self.model(input_ids, positions, meta, layer_hook)  # [N, hidden]
+        hidden = self.model(input_ids, positions, meta, layer_hook, keep=sample_idx)  # [S, hidden]
         if not sample_seqs:
             return {}
-        return self.sample(hidden[sample_idx], sample_seqs)
+        return self.sample(hidden, sample_seqs)
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
@@ -187,7 +187,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
-        return input_ids, positions, meta, torch.tensor(sample_idx, device=dev), sample_seqs
+        return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.int64, device=dev), sample_seqs
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed

@@ -96,11 +96,18 @@ class DecoderLayer(nn.Module):
         mark_shards(self.mlp.gate_up_proj, (cfg.intermediate_size, cfg.intermediate_size))
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual None (the first layer): h is the embeddings, the stream starts there."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual None (the first layer): h is the embeddings, the stream starts there.
+        `keep`: only these rows' outputs are wanted (the last layer, whose other rows no
+        one reads): attention still runs on every row, which stores every row's K/V, and
+        the MLP only on `keep`."""
         x, residual = self.input_layernorm(h, residual) if residual is not None else (self.input_layernorm(h), h)
         h = self.self_attn(x, rope, kv_cache, meta)
+        if keep is not None:
+            h, residual = h.index_select(0, keep), residual.index_select(0, keep)
+            if not len(keep):
+                return h, residual
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual
 
@@ -132,8 +139,11 @@ class DecoderForCausalLM(nn.Module):
         self._stack_of: tuple[object, list[torch.Tensor], list[int]] | None = None  # (caches, weights, their data_ptrs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        """input_ids, positions [N] -> hidden states [N, hidden] (final norm applied).
+                layer_hook: Callable[[int], None] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> hidden states [N, hidden] (final norm applied), or
+        only rows `keep` of them [len(keep), hidden]: then the last layer's MLP runs on those
+        rows alone (a prompt's hidden states are read only at its last token; llama.cpp does
+        the same), which spares 1/num_layers of a long prefill's MLP work.
         `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push).
         A pure decode batch of a few sequences on CPU runs every layer in one native call
         (`kernels.cpu_decode`) where that applies; the layers below otherwise."""
@@ -144,13 +154,17 @@ class DecoderForCausalLM(nn.Module):
                 rope = self.model.rope
                 h, residual = stack(x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                                     rope.cos[positions], rope.sin_signed[positions])
-                return self.model.norm(h, residual)[0]
+                out = self.model.norm(h, residual)[0]
+                return out if keep is None else out.index_select(0, keep)
         rope = self.model.rope.tables(positions, x.dtype)  # once per step, for every layer
         residual = None
+        last = len(self.model.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.kv_caches)):
-            x, residual = layer(x, residual, rope, kv, meta)
+            x, residual = layer(x, residual, rope, kv, meta, keep if i == last else None)
             if layer_hook is not None:
                 layer_hook(i)
+        if not len(x):
+            return x
         return self.model.norm(x, residual)[0]
 
     def decode_stack(self) -> DecodeStack | None:
