@@ -22,6 +22,10 @@ from common.messages import WorkerStatus
 from common.transport import Client, Incoming, Server
 
 
+
+IDLE_WAIT_MS = 50  # an idle loop's socket wait (WorkerBase.idle_wait_ms)
+
+
 class WorkerBase:
     """Owns the ZeroMQ context, the server socket and the loop; subclasses own the engine."""
 
@@ -65,8 +69,11 @@ class WorkerBase:
         raise NotImplementedError
 
     def idle_wait_ms(self) -> int:
-        """How long the loop blocks on its sockets when it has no step to run."""
-        return 10
+        """How long the loop blocks on its sockets when it has no step to run. A message
+        wakes it at once; the wait only paces timers (heartbeats every heartbeat_s, leases
+        and peer checks of seconds), so an idle worker takes next to no CPU (at 10 ms an
+        idle decode worker took ~4% of a core)."""
+        return IDLE_WAIT_MS
 
     def idle(self) -> None:
         """Called every loop turn (timeouts, background completions)."""

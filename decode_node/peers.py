@@ -59,6 +59,7 @@ class PeerMessage:
 
 
 PeerEvent = PeerLost | PeerMessage
+CHECK_EVERY_S = 0.05  # peer liveness is judged in seconds; a step loop turns every few ms
 
 
 class PrefillPeers:
@@ -73,6 +74,7 @@ class PrefillPeers:
         self.timeout_s = timeout_s
         self.backend = backend
         self.peers: dict[str, PrefillPeer] = {}
+        self._checked = 0.0  # when check() last looked (monotonic s)
 
     def get(self, address: str) -> PrefillPeer | None:
         return self.peers.get(address)
@@ -122,8 +124,12 @@ class PrefillPeers:
         return events
 
     def check(self) -> list[PeerLost]:
-        """Handshake deadlines and liveness; pings ready peers. Called between steps."""
+        """Handshake deadlines and liveness; pings ready peers. Called between steps, and
+        does its work at most every CHECK_EVERY_S (it reads /proc for same-host peers)."""
         now = time.monotonic()
+        if now - self._checked < CHECK_EVERY_S:
+            return []
+        self._checked = now
         lost = []
         for peer in list(self.peers.values()):
             if not peer.ready:

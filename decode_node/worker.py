@@ -22,7 +22,7 @@ from common.messages import (AbortRequest, ErrorReply, GenerateRequest, KVHandsh
 from common.model_runner import decide_num_blocks, kv_cache_shape
 from common.timeline import Stamp, mark
 from common.transport import Incoming
-from common.worker_base import WorkerBase
+from common.worker_base import IDLE_WAIT_MS, WorkerBase
 from decode_node.peers import HandshakeError, PeerLost, PeerMessage, PrefillPeers
 from decode_node.requests import DecodeRequest, RequestTable, State
 from kv_transfer import KVReceiver, TransferError, init_transfer_group, make_receiver, resolve_backend, shm_name_hint
@@ -246,7 +246,7 @@ class DecodeWorker(WorkerBase):
             self.emit(req, out)
 
     def idle_wait_ms(self) -> int:
-        return 1 if self.requests.count(State.RECEIVING, State.DRAINING) else 10  # a landed receive within 1 ms
+        return 1 if self.requests.count(State.RECEIVING, State.DRAINING) else IDLE_WAIT_MS  # a landed receive within 1 ms
 
     def idle(self) -> None:
         self.poll_receives()
