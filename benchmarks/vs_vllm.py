@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common.config import ModelConfig  # noqa: E402
+from common.gc_tuning import freeze_startup_heap  # noqa: E402
 from router.bench.arrivals import arrival_times  # noqa: E402
 from router.bench.metrics import goodput_rate, summarize  # noqa: E402
 from router.bench.runner import run_workload  # noqa: E402
@@ -249,6 +250,7 @@ def main() -> int:
     p.add_argument("--py-spy-pid-file", default=None,
                    help="write the first pdserve server's worker pids here once all servers are warm (for profiling)")
     args = p.parse_args()
+    freeze_startup_heap()  # this process is the load generator: no 100 ms collections mid-run
     t0 = time.monotonic()
     out_dir = Path(args.out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)

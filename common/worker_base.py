@@ -16,6 +16,7 @@ import zmq
 from common.auth import DeploymentKey
 from common.config import ConfigError, EngineConfig, WorkerConfig
 from common.engine import LLMEngine
+from common.gc_tuning import freeze_startup_heap
 from common.kv_layout import layout_of
 from common.liveness import process_alive
 from common.messages import WorkerStatus
@@ -149,6 +150,7 @@ class WorkerBase:
                                            self.config.cache.block_size, self.layout.model_fingerprint))
         threading.Thread(target=self._keepalive, name="keepalive", daemon=True).start()
         self.log(f"ready on {self.server.address}")
+        freeze_startup_heap()  # the model, torch and the rest: out of every later collection
         try:
             while not self._stop:
                 busy = self.has_work()

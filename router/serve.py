@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from common.gc_tuning import freeze_startup_heap
 from common.worker_spec import WorkerSpec
 from router.core import Router
 from router.deploy import DeploymentConfig
@@ -91,6 +92,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         print(f"pdserve ready: {roles} workers, routing {config.routing}, model {config.model_dir}\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n  Ctrl-C stops everything.",
               flush=True)
+        freeze_startup_heap()
         if ready_file:
             info = {"http": http_url, "zmq": front.address, "pid": os.getpid(),
                     "workers": {w.name: w.info for w in launcher.workers}}

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from common.gc_tuning import freeze_startup_heap
 from router.bench.arrivals import arrival_times
 from router.bench.metrics import attainment, goodput_rate, phase_breakdown, summarize
 from router.bench.runner import run_workload
@@ -115,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
     reqs = build_workload(args)
     if not reqs:
         raise ValueError("the workload is empty")
+    freeze_startup_heap()  # a collection of the client's start-up heap would stall its clocks mid-run
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["request_rate"] = str(args.request_rate)
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "backend": args.backend, "label": args.label,
