@@ -2,6 +2,7 @@
 a clear error naming the problem, and streams already running go on undisturbed."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,9 +11,38 @@ import msgpack
 import openai
 import pytest
 
-from tests.router.serving import MAX_MODEL_LEN, RawClient
+from tests.router.serving import MAX_MODEL_LEN, RawClient, serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
+
+# 3 ms per decode step: the 400-token streams below last >= 1.2 s, past the bad input sent
+# while they run. The tiny model alone decodes 400 tokens in under 0.4 s (the decode
+# stack), as fast as the bad input: the stream once ended first (CI).
+SLOW_DECODE = "delay_step_ms=3@decode-0"
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir, tmp_path_factory):
+    """The package's P/D server, with its decode worker slowed (SLOW_DECODE)."""
+    old = os.environ.get("PDSERVE_FAULTS")
+    os.environ["PDSERVE_FAULTS"] = SLOW_DECODE  # the server's Popen copies the environment
+    try:
+        ctx = serving_pd(model_dir, tmp_path_factory.mktemp("serve_pd_slow"), MAX_MODEL_LEN)
+        served = ctx.__enter__()
+    finally:
+        if old is None:
+            os.environ.pop("PDSERVE_FAULTS", None)
+        else:
+            os.environ["PDSERVE_FAULTS"] = old
+    try:
+        yield served
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def oai(pd) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pd.http, api_key="unused", max_retries=0, timeout=60)
 
 BAD_HTTP = [  # (name, path, body, text the error message must contain)
     ("malformed_json", "completions", b'{"prompt": "hi", "max_tokens": ', "JSON"),
