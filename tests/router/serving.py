@@ -80,7 +80,9 @@ def _pdserve() -> list[str]:
     return [sys.executable, "-m", "router.cli"]
 
 
-def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len: int, timeout: float = 150.0) -> Served:
+def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len: int, timeout: float = 150.0,
+                 faults: str | None = None) -> Served:
+    """`pdserve serve` started and ready; `faults` is its PDSERVE_FAULTS (docs/reliability.md)."""
     ready = workdir / "ready.json"
     log = workdir / "serve.log"
     cmd = [*_pdserve(), "serve", model_dir, *roles, "--http-port", "0", "--zmq-port", "0",
@@ -88,7 +90,7 @@ def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len:
            "--ready-file", str(ready)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **({"PDSERVE_FAULTS": faults} if faults else {})))
     served = Served(proc, {}, log, model_dir)
     deadline = time.monotonic() + timeout
     while not ready.exists():
@@ -105,9 +107,10 @@ def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len:
 
 
 @contextlib.contextmanager
-def serving_pd(model_dir: str, workdir: Path, max_model_len: int, timeout: float = 150.0) -> Iterator[Served]:
+def serving_pd(model_dir: str, workdir: Path, max_model_len: int, timeout: float = 150.0,
+               faults: str | None = None) -> Iterator[Served]:
     """One prefill + one decode worker behind the router, checked ready; stopped with SIGTERM."""
-    served = start_server(model_dir, workdir, ["--prefill", "1", "--decode", "1"], max_model_len, timeout)
+    served = start_server(model_dir, workdir, ["--prefill", "1", "--decode", "1"], max_model_len, timeout, faults)
     try:
         check_ready_file_workers(served, {"prefill-0": "prefill", "decode-0": "decode"})
         yield served

@@ -2,7 +2,6 @@
 a clear error naming the problem, and streams already running go on undisturbed."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -24,20 +23,8 @@ SLOW_DECODE = "delay_step_ms=3@decode-0"
 @pytest.fixture(scope="module")
 def pd(model_dir, tmp_path_factory):
     """The package's P/D server, with its decode worker slowed (SLOW_DECODE)."""
-    old = os.environ.get("PDSERVE_FAULTS")
-    os.environ["PDSERVE_FAULTS"] = SLOW_DECODE  # the server's Popen copies the environment
-    try:
-        ctx = serving_pd(model_dir, tmp_path_factory.mktemp("serve_pd_slow"), MAX_MODEL_LEN)
-        served = ctx.__enter__()
-    finally:
-        if old is None:
-            os.environ.pop("PDSERVE_FAULTS", None)
-        else:
-            os.environ["PDSERVE_FAULTS"] = old
-    try:
+    with serving_pd(model_dir, tmp_path_factory.mktemp("serve_pd_slow"), MAX_MODEL_LEN, faults=SLOW_DECODE) as served:
         yield served
-    finally:
-        ctx.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
