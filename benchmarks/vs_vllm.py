@@ -2,7 +2,7 @@
 
     python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
         [--configs colocated,1p1d] [--rates 1,3] [--num-prompts 60] [--skip-offline] [--skip-serving]
-        [--crosscheck-rate 1]
+        [--crosscheck-rate 1] [--servers-up one|all]
         [--model DIR] [--out-dir results/vs_vllm]
 
 Not part of CI. Without --vllm-python (or with one that cannot import vllm) the vLLM side is
@@ -17,9 +17,13 @@ threads (offline_throughput.py's own child, no overhead phase) and vLLM's `LLM.g
 (benchmarks/vllm_offline.py in the vLLM venv), each in a fresh process, alternating
 `--offline-repeats` times; tok/s = generated tokens / wall time of one `generate`.
 
-Serving: every server is started once and stays up (an idle one takes ~no CPU; the CPU
-seconds each server's process tree used during every other server's point are recorded
-as `idle_others_cpu_s` to check that). pdserve configs: `colocated` = one colocated worker
+Serving: by default (`--servers-up one`) each server is started for each point it serves,
+warmed up with two requests, given SETTLE_S, measured and stopped, so that it has the
+machine to itself. With every server up through the sweep (`--servers-up all`, the old
+way), the point right after the warm-ups ran next to an idle vLLM still finishing its own
+warm-up: its first requests' TTFT rose by up to ~300 ms. Every point records
+`other_cpu_s`, the CPU seconds the rest of the machine used (neither the server nor the
+client), to judge how quiet it was. pdserve configs: `colocated` = one colocated worker
 with 2 torch threads; `1p1d` = 1 prefill + 1 decode worker, 1 thread each. vLLM:
 `python -m vllm.entrypoints.openai.api_server` with VLLM_CPU_OMP_THREADS_BIND=0-1,
 VLLM_CPU_NUM_OF_RESERVED_CPU=0, VLLM_CPU_KVCACHE_SPACE=4 and libiomp5 preloaded. Both get
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -49,7 +54,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
@@ -66,6 +74,7 @@ from servers import (MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, PDSERVE_CONFIGS, 
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.100
 POINT_TIMEOUT_S = 600.0
+SETTLE_S = 3.0  # after a server's warm-up, before its point: its warm-up's after-work is done
 
 
 # ---- offline ------------------------------------------------------------------------------
@@ -114,9 +123,21 @@ def offline(args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> dict
 
 # ---- serving ------------------------------------------------------------------------------
 
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, since boot)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+
+
 def measure(server: Server, others: list[Server], reqs, times) -> dict:
+    """One point against `server`. Besides the figures: the CPU seconds the server's
+    process tree used, those of every other server kept up (`idle_others_cpu_s`), and
+    `other_cpu_s`, what the rest of the machine used (neither the server nor this client):
+    how quiet the run was."""
     load0 = os.getloadavg()[0]
+    me = psutil.Process()
     cpu0 = {s.name: tree_cpu_s(s.ps) for s in [server, *others]}
+    busy0, mine0 = busy_cpu_s(), tree_cpu_s(me)
     coro = run_workload(reqs, "http", server.url, times, None, 0.0, True, False, 0, False)
     try:
         records, duration = asyncio.run(asyncio.wait_for(coro, POINT_TIMEOUT_S))
@@ -124,73 +145,125 @@ def measure(server: Server, others: list[Server], reqs, times) -> dict:
         return {"error": f"timed out after {POINT_TIMEOUT_S:.0f} s"}
     res = summarize(records, duration, SLO_TTFT_S, SLO_TPOT_S, (90, 99))
     cpu1 = {s.name: tree_cpu_s(s.ps) for s in [server, *others]}
-    res.update(server_cpu_s=cpu1[server.name] - cpu0[server.name],
+    server_cpu = cpu1[server.name] - cpu0[server.name]
+    client_cpu = tree_cpu_s(me) - mine0
+    res.update(server_cpu_s=server_cpu, client_cpu_s=client_cpu,
+               other_cpu_s=round(busy_cpu_s() - busy0 - server_cpu - client_cpu, 2),
                idle_others_cpu_s={s.name: round(cpu1[s.name] - cpu0[s.name], 2) for s in others},
                loadavg_1m_before=load0, loadavg_1m_after=os.getloadavg()[0],
                errors=sorted({r.error for r in records if not r.success})[:3])
     return res
 
 
-def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_ready=None) -> dict:
-    servers: list[Server] = []
+def server_names(args: argparse.Namespace) -> list[str]:
+    return [f"pdserve-{c}" for c in args.configs.split(",")] + (["vllm"] if args.vllm_python else [])
+
+
+def start_server(name: str, args: argparse.Namespace, model: str, vocab: int, logdir: Path) -> Server:
+    """Start one server, warm it up with two requests (not counted), let it settle."""
+    s = start_vllm(args.vllm_python, model, logdir) if name == "vllm" else \
+        start_pdserve(name.removeprefix("pdserve-"), model, logdir)
     try:
-        for cfg in args.configs.split(","):
-            servers.append(start_pdserve(cfg, model, logdir))
-        if args.vllm_python:
-            servers.append(start_vllm(args.vllm_python, model, logdir))
         warm = random_workload(2, args.input_len, args.output_len, 0.0, vocab, seed=99)
-        for s in servers:  # warm-up, not counted
-            run = run_workload(warm, "http", s.url, [0.0, 0.0], None, 0.0, True, False, 0, False)
-            recs, _ = asyncio.run(run)
-            if not all(r.success for r in recs):
-                raise RuntimeError(f"{s.name}: warm-up failed: {[r.error for r in recs]}")
-        if on_ready:
-            on_ready(servers)
-        rates = [float(r) for r in args.rates.split(",")]
-        points: dict[str, list[dict]] = {s.name: [] for s in servers}
+        recs, _ = asyncio.run(run_workload(warm, "http", s.url, [0.0, 0.0], None, 0.0, True, False, 0, False))
+        if not all(r.success for r in recs):
+            raise RuntimeError(f"{s.name}: warm-up failed: {[r.error for r in recs]}")
+        time.sleep(SETTLE_S)
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+class Servers:
+    """The servers of a run. `--servers-up one` (the default): a server is started for
+    each point it serves and stopped after, so it has the machine to itself; `all`: every
+    server is started once and stays up through every point (faster; an idle server's
+    activity then lands in another's point: see `idle_others_cpu_s`)."""
+
+    def __init__(self, args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_ready=None):
+        self.args, self.model, self.vocab, self.logdir, self.on_ready = args, model, vocab, logdir, on_ready
+        self.up: dict[str, Server] = {}
+
+    def __enter__(self) -> Servers:
+        if self.args.servers_up == "all":
+            for name in server_names(self.args):
+                self.up[name] = start_server(name, self.args, self.model, self.vocab, self.logdir)
+            if self.on_ready:
+                self.on_ready(list(self.up.values()))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s in self.up.values():
+            s.stop()
+        self.up.clear()
+
+    @contextlib.contextmanager
+    def serving(self, name: str) -> Iterator[tuple[Server, list[Server]]]:
+        """`name`'s server, up, and the other servers up beside it."""
+        if name in self.up:
+            yield self.up[name], [o for o in self.up.values() if o.name != name]
+            return
+        s = start_server(name, self.args, self.model, self.vocab, self.logdir)
+        try:
+            if self.on_ready:
+                self.on_ready([s])
+            yield s, []
+        finally:
+            s.stop()
+
+
+def log_point(name: str, res: dict, num_prompts: int) -> None:
+    if "error" in res:
+        log(f"  {name}: {res['error']}")
+        return
+    log(f"  {name:<18} done {res['completed']}/{num_prompts}  attain {res['slo_attainment']:4.0%}  "
+        f"TTFT mean {res['mean_ttft_ms']:7.0f} p99 {res['p99_ttft_ms']:7.0f} ms  TPOT mean "
+        f"{res['mean_tpot_ms']:6.1f} p99 {res['p99_tpot_ms']:6.1f} ms  goodput {res['request_goodput']:.2f} "
+        f"req/s  out {res['output_throughput']:.1f} tok/s  other cpu {res['other_cpu_s']} s"
+        + (f"  idle others cpu {res['idle_others_cpu_s']}" if res["idle_others_cpu_s"] else ""))
+
+
+def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_ready=None) -> dict:
+    names = server_names(args)
+    rates = [float(r) for r in args.rates.split(",")]
+    points: dict[str, list[dict]] = {n: [] for n in names}
+    commands: dict[str, str] = {}
+    crosscheck = {}
+    with Servers(args, model, vocab, logdir, on_ready) as servers:
         for i, rate in enumerate(rates):
             reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=100 + i)
             times = arrival_times(args.num_prompts, rate, 1.0, seed=i)
-            order = servers if i % 2 == 0 else list(reversed(servers))
-            for s in order:
-                log(f"rate {rate} req/s: {s.name}")
-                res = measure(s, [o for o in servers if o is not s], reqs, times)
+            for name in (names if i % 2 == 0 else list(reversed(names))):
+                log(f"rate {rate} req/s: {name}")
+                with servers.serving(name) as (s, others):
+                    commands[name] = s.cmd  # type: ignore[attr-defined]
+                    res = measure(s, others, reqs, times)
                 res["request_rate"] = rate
-                points[s.name].append(res)
-                if "error" in res:
-                    log(f"  {s.name}: {res['error']}")
-                    continue
-                log(f"  {s.name:<18} done {res['completed']}/{args.num_prompts}  attain {res['slo_attainment']:4.0%}  "
-                    f"TTFT mean {res['mean_ttft_ms']:7.0f} p99 {res['p99_ttft_ms']:7.0f} ms  TPOT mean "
-                    f"{res['mean_tpot_ms']:6.1f} p99 {res['p99_tpot_ms']:6.1f} ms  goodput {res['request_goodput']:.2f} "
-                    f"req/s  out {res['output_throughput']:.1f} tok/s  idle others cpu {res['idle_others_cpu_s']}")
-        crosscheck = {}
+                points[name].append(res)
+                log_point(name, res, args.num_prompts)
         if args.crosscheck_rate and args.vllm_python:
             i = len(rates)
-            for s in (servers if i % 2 == 0 else list(reversed(servers))):
-                log(f"crosscheck at {args.crosscheck_rate} req/s: {s.name}, pdserve bench then vllm bench serve")
+            for name in (names if i % 2 == 0 else list(reversed(names))):
+                log(f"crosscheck at {args.crosscheck_rate} req/s: {name}, pdserve bench then vllm bench serve")
                 reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=100 + i)
                 times = arrival_times(args.num_prompts, args.crosscheck_rate, 1.0, seed=i)
-                ours = measure(s, [o for o in servers if o is not s], reqs, times)
-                theirs = vllm_bench_serve(args.vllm_python, s, model, logdir, input_len=args.input_len,
-                                          output_len=args.output_len, num_prompts=args.num_prompts,
-                                          rate=args.crosscheck_rate, seed=i, timeout_s=POINT_TIMEOUT_S + 300)
-                crosscheck[s.name] = {"pdserve_bench": ours, "vllm_bench_serve": theirs}
+                with servers.serving(name) as (s, others):
+                    ours = measure(s, others, reqs, times)
+                    theirs = vllm_bench_serve(args.vllm_python, s, model, logdir, input_len=args.input_len,
+                                              output_len=args.output_len, num_prompts=args.num_prompts,
+                                              rate=args.crosscheck_rate, seed=i, timeout_s=POINT_TIMEOUT_S + 300)
+                crosscheck[name] = {"pdserve_bench": ours, "vllm_bench_serve": theirs}
                 if "error" not in ours and "error" not in theirs:
-                    log(f"  {s.name:<18} TTFT mean {ours['mean_ttft_ms']:.0f} vs {theirs['mean_ttft_ms']:.0f} ms, "
+                    log(f"  {name:<18} TTFT mean {ours['mean_ttft_ms']:.0f} vs {theirs['mean_ttft_ms']:.0f} ms, "
                         f"TPOT mean {ours['mean_tpot_ms']:.1f} vs {theirs['mean_tpot_ms']:.1f} ms "
                         f"(pdserve bench vs vllm bench serve)")
-        out = {"_crosscheck": crosscheck} if crosscheck else {}
-        for s in servers:
-            pts = points[s.name]
-            ok = [p for p in pts if "error" not in p]
-            out[s.name] = {"command": s.cmd, "sweep": pts,  # type: ignore[attr-defined]
-                           "goodput_rate": goodput_rate([p["request_rate"] for p in ok],
-                                                        [p["slo_attainment"] for p in ok])}
-        return out
-    finally:
-        for s in servers:
-            s.stop()
+    out: dict = {"_crosscheck": crosscheck} if crosscheck else {}
+    for name in names:
+        ok = [p for p in points[name] if "error" not in p]
+        out[name] = {"command": commands.get(name), "sweep": points[name],
+                     "goodput_rate": goodput_rate([p["request_rate"] for p in ok], [p["slo_attainment"] for p in ok])}
+    return out
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -245,6 +318,9 @@ def main() -> int:
     p.add_argument("--crosscheck-rate", type=float, default=None,
                    help="after the sweep, one more point at this rate per server with our client and then "
                         "with `vllm bench serve` (needs --vllm-python), to check the two clients agree")
+    p.add_argument("--servers-up", choices=("one", "all"), default="one",
+                   help="one: each server is started for its point and stopped after, alone on the machine "
+                        "(default); all: every server stays up through the whole sweep")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--py-spy-pid-file", default=None,
