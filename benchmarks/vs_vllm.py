@@ -129,15 +129,20 @@ def busy_cpu_s() -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
 
 
+def own_cpu_s() -> float:
+    """CPU seconds of this process alone (the client; the servers are its children)."""
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
 def measure(server: Server, others: list[Server], reqs, times) -> dict:
     """One point against `server`. Besides the figures: the CPU seconds the server's
     process tree used, those of every other server kept up (`idle_others_cpu_s`), and
     `other_cpu_s`, what the rest of the machine used (neither the server nor this client):
     how quiet the run was."""
     load0 = os.getloadavg()[0]
-    me = psutil.Process()
     cpu0 = {s.name: tree_cpu_s(s.ps) for s in [server, *others]}
-    busy0, mine0 = busy_cpu_s(), tree_cpu_s(me)
+    busy0, mine0 = busy_cpu_s(), own_cpu_s()
     coro = run_workload(reqs, "http", server.url, times, None, 0.0, True, False, 0, False)
     try:
         records, duration = asyncio.run(asyncio.wait_for(coro, POINT_TIMEOUT_S))
@@ -146,7 +151,7 @@ def measure(server: Server, others: list[Server], reqs, times) -> dict:
     res = summarize(records, duration, SLO_TTFT_S, SLO_TPOT_S, (90, 99))
     cpu1 = {s.name: tree_cpu_s(s.ps) for s in [server, *others]}
     server_cpu = cpu1[server.name] - cpu0[server.name]
-    client_cpu = tree_cpu_s(me) - mine0
+    client_cpu = own_cpu_s() - mine0
     res.update(server_cpu_s=server_cpu, client_cpu_s=client_cpu,
                other_cpu_s=round(busy_cpu_s() - busy0 - server_cpu - client_cpu, 2),
                idle_others_cpu_s={s.name: round(cpu1[s.name] - cpu0[s.name], 2) for s in others},
