@@ -2,7 +2,7 @@
 
     python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
         [--configs colocated,1p1d] [--rates 1,3] [--num-prompts 60] [--skip-offline] [--skip-serving]
-        [--crosscheck-rate 1] [--servers-up one|all]
+        [--crosscheck-rate 1] [--servers-up one|all] [--repeats 1]
         [--model DIR] [--out-dir results/vs_vllm]
 
 Not part of CI. Without --vllm-python (or with one that cannot import vllm) the vLLM side is
@@ -17,9 +17,9 @@ threads (offline_throughput.py's own child, no overhead phase) and vLLM's `LLM.g
 (benchmarks/vllm_offline.py in the vLLM venv), each in a fresh process, alternating
 `--offline-repeats` times; tok/s = generated tokens / wall time of one `generate`.
 
-Serving: by default (`--servers-up one`) each server is started for each point it serves,
-warmed up with two requests, given SETTLE_S, measured and stopped, so that it has the
-machine to itself. With every server up through the sweep (`--servers-up all`, the old
+Serving: by default (`--servers-up one`) each server is started for each rate it serves,
+warmed up with two requests, given SETTLE_S, measured (`--repeats` points, each with fresh
+prompts and send times) and stopped, so that it has the machine to itself. With every server up through the sweep (`--servers-up all`, the old
 way), the point right after the warm-ups ran next to an idle vLLM still finishing its own
 warm-up: its first requests' TTFT rose by up to ~300 ms. Every point records
 `other_cpu_s`, the CPU seconds the rest of the machine used (neither the server nor the
@@ -50,6 +50,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,19 @@ def log_point(name: str, res: dict, num_prompts: int) -> None:
         + (f"  idle others cpu {res['idle_others_cpu_s']}" if res["idle_others_cpu_s"] else ""))
 
 
+MEDIAN_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "slo_attainment", "request_goodput",
+               "output_throughput")
+
+
+def median_point(rate: float, pts: list[dict]) -> dict:
+    """Per metric, the median over a rate's repeats (each repeat: fresh prompts and arrivals)."""
+    ok = [p for p in pts if "error" not in p]
+    if not ok:
+        return {"request_rate": rate, "error": pts[0]["error"] if pts else "no points"}
+    return {"request_rate": rate, "repeats": len(ok),
+            **{k: statistics.median(p[k] for p in ok) for k in MEDIAN_KEYS}}
+
+
 def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_ready=None) -> dict:
     names = server_names(args)
     rates = [float(r) for r in args.rates.split(",")]
@@ -237,18 +251,20 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
     crosscheck = {}
     with Servers(args, model, vocab, logdir, on_ready) as servers:
         for i, rate in enumerate(rates):
-            reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=100 + i)
-            times = arrival_times(args.num_prompts, rate, 1.0, seed=i)
             for name in (names if i % 2 == 0 else list(reversed(names))):
-                log(f"rate {rate} req/s: {name}")
                 with servers.serving(name) as (s, others):
                     commands[name] = s.cmd  # type: ignore[attr-defined]
-                    res = measure(s, others, reqs, times)
-                res["request_rate"] = rate
-                points[name].append(res)
-                log_point(name, res, args.num_prompts)
+                    for rep in range(args.repeats):
+                        k = i * args.repeats + rep  # the same prompts and send times for every server
+                        reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=100 + k)
+                        times = arrival_times(args.num_prompts, rate, 1.0, seed=k)
+                        log(f"rate {rate} req/s: {name}" + (f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""))
+                        res = measure(s, others, reqs, times)
+                        res.update(request_rate=rate, repeat=rep)
+                        points[name].append(res)
+                        log_point(name, res, args.num_prompts)
         if args.crosscheck_rate and args.vllm_python:
-            i = len(rates)
+            i = len(rates) * args.repeats  # seeds no sweep point used
             for name in (names if i % 2 == 0 else list(reversed(names))):
                 log(f"crosscheck at {args.crosscheck_rate} req/s: {name}, pdserve bench then vllm bench serve")
                 reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=100 + i)
@@ -265,8 +281,9 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
                         f"(pdserve bench vs vllm bench serve)")
     out: dict = {"_crosscheck": crosscheck} if crosscheck else {}
     for name in names:
-        ok = [p for p in points[name] if "error" not in p]
-        out[name] = {"command": commands.get(name), "sweep": points[name],
+        sweep = [median_point(r, [p for p in points[name] if p["request_rate"] == r]) for r in rates]
+        ok = [p for p in sweep if "error" not in p]
+        out[name] = {"command": commands.get(name), "sweep": sweep, "points": points[name],
                      "goodput_rate": goodput_rate([p["request_rate"] for p in ok], [p["slo_attainment"] for p in ok])}
     return out
 
@@ -316,6 +333,9 @@ def main() -> int:
     p.add_argument("--configs", default="colocated,1p1d", help=f"pdserve configs, of {','.join(PDSERVE_CONFIGS)}")
     p.add_argument("--rates", default="1,3")
     p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="points per rate and server, each with fresh prompts and send times; the sweep "
+                        "reports each metric's median over them (p99 of 60 requests is the worst one or two)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--offline-prompts", type=int, default=64)
@@ -381,7 +401,8 @@ def main() -> int:
             if "error" in pt:
                 print(f"{name:<18} rate {pt['request_rate']}: {pt['error']}")
                 continue
-            print(f"{name:<18} rate {pt['request_rate']}: TTFT mean/p99 {pt['mean_ttft_ms']:.0f}/{pt['p99_ttft_ms']:.0f} ms, "
+            rep = f" (median of {pt['repeats']})" if pt["repeats"] > 1 else ""
+            print(f"{name:<18} rate {pt['request_rate']}{rep}: TTFT mean/p99 {pt['mean_ttft_ms']:.0f}/{pt['p99_ttft_ms']:.0f} ms, "
                   f"TPOT mean/p99 {pt['mean_tpot_ms']:.1f}/{pt['p99_tpot_ms']:.1f} ms, attainment "
                   f"{pt['slo_attainment']:.0%}, goodput {pt['request_goodput']:.2f} req/s")
         print(f"{name:<18} goodput rate: {r['goodput_rate']}")
