@@ -20,8 +20,9 @@ threads (offline_throughput.py's own child, no overhead phase) and vLLM's `LLM.g
 Serving: by default (`--servers-up one`) each server is started for each rate it serves,
 warmed up with two requests, given SETTLE_S, measured (`--repeats` points, each with fresh
 prompts and send times) and stopped, so that it has the machine to itself. With every server up through the sweep (`--servers-up all`, the old
-way), the point right after the warm-ups ran next to an idle vLLM still finishing its own
-warm-up: its first requests' TTFT rose by up to ~300 ms. Every point records
+way), idle servers were not idle enough (vLLM's used 1-2 CPU seconds per 65 s point):
+pdserve's first point at 1 req/s had a TTFT p99 of 773-841 ms in three such runs, and
+472-595 ms in four runs of the same workload alone on the machine. Every point records
 `other_cpu_s`, the CPU seconds the rest of the machine used (neither the server nor the
 client), to judge how quiet it was. pdserve configs: `colocated` = one colocated worker
 with 2 torch threads; `1p1d` = 1 prefill + 1 decode worker, 1 thread each. vLLM:
