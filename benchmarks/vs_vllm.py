@@ -19,10 +19,11 @@ threads (offline_throughput.py's own child, no overhead phase) and vLLM's `LLM.g
 
 Serving: by default (`--servers-up one`) each server is started for each rate it serves,
 warmed up with two requests, given SETTLE_S, measured (`--repeats` points, each with fresh
-prompts and send times) and stopped, so that it has the machine to itself. With every server up through the sweep (`--servers-up all`, the old
-way), idle servers were not idle enough (vLLM's used 1-2 CPU seconds per 65 s point):
-pdserve's first point at 1 req/s had a TTFT p99 of 773-841 ms in three such runs, and
-472-595 ms in four runs of the same workload alone on the machine. Every point records
+prompts and send times) and stopped, so that it has the machine to itself. With every
+server up through the sweep (`--servers-up all`, the old way), idle servers were not idle
+enough (vLLM's used 1-2 CPU seconds per 65 s point): pdserve's first point at 1 req/s had
+a TTFT p99 of 773-841 ms in three such runs, and 472-595 ms in four runs of the same
+workload alone on the machine. Every point records
 `other_cpu_s`, the CPU seconds the rest of the machine used (neither the server nor the
 client), to judge how quiet it was. pdserve configs: `colocated` = one colocated worker
 with 2 torch threads; `1p1d` = 1 prefill + 1 decode worker, 1 thread each. vLLM:
@@ -184,7 +185,7 @@ def start_server(name: str, args: argparse.Namespace, model: str, vocab: int, lo
 
 class Servers:
     """The servers of a run. `--servers-up one` (the default): a server is started for
-    each point it serves and stopped after, so it has the machine to itself; `all`: every
+    each rate it serves and stopped after, so it has the machine to itself; `all`: every
     server is started once and stays up through every point (faster; an idle server's
     activity then lands in another's point: see `idle_others_cpu_s`)."""
 
@@ -350,7 +351,8 @@ def main() -> int:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--py-spy-pid-file", default=None,
-                   help="write the first pdserve server's worker pids here once all servers are warm (for profiling)")
+                   help="write the worker pids of the servers up here once they are warm (for profiling; "
+                        "with --servers-up one, rewritten as each server starts)")
     args = p.parse_args()
     freeze_startup_heap()  # this process is the load generator: no 100 ms collections mid-run
     t0 = time.monotonic()
