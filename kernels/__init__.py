@@ -7,8 +7,7 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     gather_blocks(cache, block_ids) -> buf
     scatter_blocks(cache, block_ids, buf) -> None
     paged_prefill_attention(...)   # torch reference only
-    linear(x, weight, bias, packed) -> y   # CPU: native kernel up to 8 rows, oneDNN
-    pack_linear_weight(weight) -> packed   # on a pre-packed weight for more; else F.linear
+    LinearPlan(weight, bias)(x) -> y       # CPU: a packed copy of the weight, native GEMM
     add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)   # fused on CPU
     silu_mul(gate_up) -> silu(gate) * up                              # fused on CPU
 
@@ -40,8 +39,6 @@ __all__ = [
     "store_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
-    "linear",
-    "pack_linear_weight",
     "LinearPlan",
     "add_rms_norm",
     "silu_mul",
@@ -162,21 +159,6 @@ def paged_decode_attention(
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for x [m, k]. On CPU float32: up to ``SMALL_LINEAR_MAX_ROWS`` (8) rows,
-    a decode batch, the native kernel, which reads ``weight`` at memory speed where MKL
-    does not; more rows with ``packed`` (from :func:`pack_linear_weight`) oneDNN on the
-    pre-packed weight, which MKL does not match below a few hundred rows."""
-    if x.device.type == "cpu" and x.dim() == 2:
-        native = _cpu_native()
-        if x.shape[0] <= native.SMALL_LINEAR_MAX_ROWS and native.supports_linear(x, weight):
-            return native.small_linear(x, weight, bias)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return torch.nn.functional.linear(x, weight, bias)
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm residual step: h = x + residual (x when residual is None), returned
@@ -198,52 +180,50 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class LinearPlan:
-    """One weight (and bias) made ready for :func:`linear`'s CPU paths once, so a call
-    with a decode batch costs one native call and no re-checking: the native kernel's
-    eligibility (CPU float32, unit stride along k, built, enabled) and oneDNN's packed
-    copy are settled here. A plan is for the weight as it is now: re-plan after writing
-    it (`common.models.layers.Linear` does, by the weight's version)."""
+    """One weight (and bias) made ready for `F.linear`'s job once, so that a call costs one
+    native call and no re-checking. On CPU float32 the weight is packed into panels of 16
+    output columns (`kernels.cpu_native.pack_weight`) for the native GEMM
+    (kernels/csrc/gemm_cpu.c), which beats MKL and oneDNN at every row count a decode
+    batch or a prefill chunk has here; without the native library, oneDNN on its own
+    packed copy (``PDSERVE_CPU_LINEAR=torch``: plain `F.linear`). Either packed copy is a
+    second copy of the weight in memory. A plan is for the weight as it is now: re-plan
+    after writing it (`common.models.layers.Linear` does, by the weight's version)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
-        self.packed = pack_linear_weight(weight)
+        self.packed: torch.Tensor | None = None  # native layout, when `native`
+        self.native = False
+        self._onednn: torch.Tensor | None = None
         native = _cpu_native()
-        self.native = (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-                       and weight.stride(1) == 1 and native.enabled() and native.library() is not None
-                       and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
-        if self.native:
-            self._fn = native.library().pd_small_linear
+        cpu_f32 = (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+                   and (bias is None or bias.dtype == torch.float32)
+                   and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
+        if cpu_f32 and native.enabled() and native.library() is not None:
+            self.native = True
+            self.packed = native.pack_weight(weight)
+            self._fn = native.library().pd_gemm
             self._n, self._k = weight.shape
-            self._w, self._ldw = weight.data_ptr(), weight.stride(0)
-            self._b = 0 if bias is None else bias.data_ptr()
-        self._max_rows = native.SMALL_LINEAR_MAX_ROWS
+            self._b = None if bias is None else bias.contiguous()
+            self._bp = 0 if self._b is None else self._b.data_ptr()
+        elif cpu_f32 and torch.backends.mkldnn.is_available():
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.native and x.dim() == 2 and x.shape[0] <= self._max_rows and x.dtype == torch.float32
-                and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"):
+        if (self.native and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k
+                and x.device.type == "cpu"):
             m, n = x.shape[0], self._n
             y = torch.empty((m, n), dtype=torch.float32)
-            if self._fn(x.data_ptr(), self._w, self._b, y.data_ptr(), m, n, self._k, x.stride(0), self._ldw, n,
-                        torch.get_num_threads()):
-                raise _cpu_native().NativeKernelError("native small linear: bad arguments")
+            if m and self._fn(x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr(), self._bp, y.data_ptr(),
+                              n, n, torch.get_num_threads()):
+                raise _cpu_native().NativeKernelError("native gemm: bad arguments")
             return y
-        return linear(x, self.weight, self.bias, self.packed)
+        if self._onednn is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-# The row count oneDNN picks its packed layout for; the layout serves any row count
-# (measured best overall for decode batches of 8-64 and prefill chunks).
-PACK_ROWS_HINT = 64
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [n, k] reordered into oneDNN's blocked layout for :func:`linear`, or None
-    where that does not apply (not CPU float32, no oneDNN, or ``PDSERVE_CPU_LINEAR=torch``).
-    The packed copy is a second copy of the weight in memory."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
-            or not torch.backends.mkldnn.is_available()
-            or os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() == "torch"):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+# The row count oneDNN picks its packed layout for (its fallback path only).
+ONEDNN_ROWS_HINT = 64
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,10 +4,8 @@ On the CPU there is no graph to capture, and at a few sequences a decoder layer'
 dispatch (a dozen torch ops and ctypes calls, each a few microseconds) costs more than
 its arithmetic: ~0.4 ms per layer, 12 of SmolLM2's ~36 ms per token. `DecodeStack` holds
 every layer's weight and cache pointers, set up once, and runs all layers of a pure
-decode batch of up to ``MAX_ROWS`` sequences in one call, through the native kernels
-the per-op path uses for few rows (the same results up to float rounding: the q/k norm
-and rotary step, and the linears' summation order above 8 rows, where the per-op path
-takes oneDNN).
+decode batch in one call, through the native kernels the per-op path calls one by one
+(the same results up to float rounding in the q/k norm and rotary step).
 
 `DecodeStack.build` returns None where it does not apply (not CPU float32, the native
 library unavailable or turned off with ``PDSERVE_CPU_ATTENTION=torch``, a weight without
@@ -22,17 +20,9 @@ import torch
 
 from . import cpu_native
 
-_POINTERS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "gate_up_w", "down_w",
+_POINTERS = ("input_norm", "post_norm", "qkv_p", "qkv_b", "q_norm", "k_norm", "o_p", "gate_up_p", "down_p",
              "k_cache", "v_cache")
-_STRIDES = ("ld_qkv", "ld_o", "ld_gate_up", "ld_down", "k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
-
-
-# Decode batches up to this many sequences take the stack. Its linears are the native
-# few-rows kernel, which oneDNN beats above 8 rows, but the Python dispatch it saves
-# outweighs that up to here: step times, stack vs per-op path, 2-core AVX2 machine:
-# small qwen3 16 rows 30.7 vs 44.6 ms, 32 rows 51.5 vs 57.9, 64 rows 111.7 vs 100.1;
-# SmolLM2-135M 8 rows 57.1 vs 74.0, 16 rows 99.2 vs 122.7, 32 rows 161.7 vs 149.3.
-MAX_ROWS = 16
+_STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
 
 
 class _LayerStruct(ctypes.Structure):
@@ -44,24 +34,25 @@ class _LayerStruct(ctypes.Structure):
 @dataclass(frozen=True)
 class LayerTensors:
     """One decoder layer's tensors as the native stack reads them. Matrices are
-    nn.Linear's [out, in]; qkv_b, q_norm and k_norm may be None (q_norm and k_norm
-    together); caches are [num_blocks, block_size, Hkv, D]."""
+    nn.Linear's [out, in] weights packed by `cpu_native.pack_weight`; qkv_b, q_norm and
+    k_norm may be None (q_norm and k_norm together); caches are [num_blocks, block_size,
+    Hkv, D]."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv_w: torch.Tensor
+    qkv_p: torch.Tensor | None  # None where a linear was not packed: no stack then
     qkv_b: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_w: torch.Tensor
-    gate_up_w: torch.Tensor
-    down_w: torch.Tensor
+    o_p: torch.Tensor | None
+    gate_up_p: torch.Tensor | None
+    down_p: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.input_norm, self.post_norm, self.qkv_w, self.qkv_b, self.q_norm, self.k_norm,
-                            self.o_w, self.gate_up_w, self.down_w) if t is not None]
+        return [t for t in (self.input_norm, self.post_norm, self.qkv_p, self.qkv_b, self.q_norm, self.k_norm,
+                            self.o_p, self.gate_up_p, self.down_p) if t is not None]
 
 
 @dataclass(frozen=True)
@@ -76,6 +67,10 @@ class StackDims:
     scale: float
 
 
+def _panels(n: int) -> int:
+    return -(-n // cpu_native.PANEL)
+
+
 def _eligible(layer: LayerTensors, d: StackDims) -> bool:
     nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
     sized = [(layer.input_norm, d.hidden), (layer.post_norm, d.hidden), (layer.qkv_b, nqkv),
@@ -83,18 +78,18 @@ def _eligible(layer: LayerTensors, d: StackDims) -> bool:
     vec = [t for t, _ in sized if t is not None]
     if any(t is not None and tuple(t.shape) != (n,) for t, n in sized):
         return False  # the native code reads exactly these lengths
-    mats = [(layer.qkv_w, (nqkv, d.hidden)),
-            (layer.o_w, (d.hidden, d.num_heads * d.head_dim)),
-            (layer.gate_up_w, (2 * d.intermediate, d.hidden)),
-            (layer.down_w, (d.hidden, d.intermediate))]
+    mats = [(layer.qkv_p, (_panels(nqkv), d.hidden, cpu_native.PANEL)),
+            (layer.o_p, (_panels(d.hidden), d.num_heads * d.head_dim, cpu_native.PANEL)),
+            (layer.gate_up_p, (_panels(2 * d.intermediate), d.hidden, cpu_native.PANEL)),
+            (layer.down_p, (_panels(d.hidden), d.intermediate, cpu_native.PANEL))]
     caches = (layer.k_cache, layer.v_cache)
-    if (layer.q_norm is None) != (layer.k_norm is None):
+    if (layer.q_norm is None) != (layer.k_norm is None) or any(m is None for m, _ in mats):
         return False
     for t in vec + [m for m, _ in mats] + list(caches):
         if t.device.type != "cpu" or t.dtype != torch.float32:
             return False
     return (all(v.is_contiguous() for v in vec)
-            and all(tuple(m.shape) == shape and m.stride(1) == 1 for m, shape in mats)
+            and all(tuple(m.shape) == shape and m.is_contiguous() for m, shape in mats)
             and all(c.dim() == 4 and tuple(c.shape[2:]) == (d.num_kv_heads, d.head_dim) and c.stride(3) == 1
                     for c in caches)
             and layer.k_cache.shape[:2] == layer.v_cache.shape[:2])
@@ -111,8 +106,6 @@ class DecodeStack:
             for name in _POINTERS:
                 t = getattr(layer, name)
                 setattr(s, name, 0 if t is None else t.data_ptr())
-            s.ld_qkv, s.ld_o = layer.qkv_w.stride(0), layer.o_w.stride(0)
-            s.ld_gate_up, s.ld_down = layer.gate_up_w.stride(0), layer.down_w.stride(0)
             s.k_sb, s.k_st, s.k_sh = layer.k_cache.stride()[:3]
             s.v_sb, s.v_st, s.v_sh = layer.v_cache.stride()[:3]
         self.num_blocks, self.block_size = layers[0].k_cache.shape[:2] if layers else (0, 1)
@@ -128,9 +121,9 @@ class DecodeStack:
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether a batch of these embedded rows fits: CPU float32, at most MAX_ROWS
-        rows, and the native kernels not turned off."""
-        return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+        """Whether a batch of these embedded rows fits: CPU float32, and the native
+        kernels not turned off."""
+        return (x.dim() == 2 and 0 < x.shape[0] and x.dtype == torch.float32
                 and x.device.type == "cpu" and cpu_native.enabled())
 
     def __call__(self, h: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
-SOURCES = (SOURCE, SOURCE.with_name("small_linear_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
+SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
            SOURCE.with_name("decode_layers_cpu.c"))  # one library
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
@@ -120,9 +120,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int]
-    fn = lib.pd_small_linear
+    fn = lib.pd_gemm
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int]
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                   + [ctypes.c_int64] * 2 + [ctypes.c_int])
     fn = lib.pd_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int]
@@ -171,38 +172,47 @@ def paged_decode_attention(
     return out
 
 
-# Rows of x up to which `kernels.linear` takes the native kernel; above it oneDNN on a
-# packed weight is faster. Linear time per decode step of the small qwen3, native vs
-# oneDNN, 2-core AVX2 machine: 4 rows 10.0 vs 22.3 ms, 12 rows 16.1 vs 14.2, 16 rows
-# 19.3 vs 16.5 (8 rows native: 13.6-14.3).
-SMALL_LINEAR_MAX_ROWS = 8
+# Output columns per panel of a packed weight (NR in kernels/csrc/gemm_cpu.c).
+PANEL = 16
 
 
-def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `small_linear` takes this call: enabled, CPU float32, few rows, unit
-    stride along the reduced dim, built."""
-    return (enabled() and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == 2
-            and weight.dim() == 2 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1] and library() is not None)
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] -> [ceil(n / PANEL), k, PANEL], the layout `gemm` reads: panel j holds
+    output columns PANEL j .. PANEL j + PANEL - 1, k-major, zero past n. A second copy of
+    the weight in memory."""
+    n, k = weight.shape
+    pad = -n % PANEL
+    w = weight.detach().to(torch.float32)
+    if pad:
+        w = torch.cat((w, w.new_zeros(pad, k)))
+    return w.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU (see
-    kernels/csrc/small_linear_cpu.c): reads the weight once at memory speed."""
+def supports_gemm(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether `gemm` takes x [m, k] with this packed weight: enabled, CPU float32, unit
+    stride along k, built."""
+    return (enabled() and x.device.type == "cpu" and x.dtype == packed.dtype == torch.float32 and x.dim() == 2
+            and x.shape[1] == packed.shape[1] and library() is not None)
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU, with `packed` =
+    pack_weight(weight) (kernels/csrc/gemm_cpu.c)."""
     lib = library()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not available (see the warning above)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    n = weight.shape[0]
+    if packed.dim() != 3 or packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n or not packed.is_contiguous():
+        raise ValueError(f"gemm: packed weight of shape {tuple(packed.shape)} does not fit x [{m}, {k}] and n={n}")
     if bias is not None:
-        bias = bias.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype)
-    status = lib.pd_small_linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 m, n, k, x.stride(0), weight.stride(0), n, torch.get_num_threads())
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.empty((m, n), dtype=torch.float32)
+    status = lib.pd_gemm(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         y.data_ptr(), n, n, torch.get_num_threads())
     if status:
-        raise NativeKernelError(f"native small linear: bad arguments (status {status})")
+        raise NativeKernelError(f"native gemm: bad arguments (status {status})")
     return y
 
 

@@ -169,22 +169,27 @@ class DecoderForCausalLM(nn.Module):
 
     def decode_stack(self) -> DecodeStack | None:
         """The native decode stack for the current weights and caches (None where it does
-        not apply). It reads the weights where they lie, so writes into them are seen; it
-        is set up again when the caches are rebound or a weight's storage is swapped."""
+        not apply). It reads the linears' packed copies and the norms where they lie; it
+        is set up again when the caches are rebound, a weight's storage is swapped or a
+        linear's weight is written (which re-packs it: `Linear.plan`)."""
+        packed = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            packed.append([lin.plan().packed for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)])
         if self._stack_of is not None:
             caches, params, ptrs = self._stack_of
+            # the stack holds the packed copies it reads, so a re-packed weight has a new address
             if caches is self.kv_caches and ptrs == [p.data_ptr() for p in params]:
                 return self._stack
         layers = []
-        for layer, (k_cache, v_cache) in zip(self.model.layers, self.kv_caches):
+        for layer, (k_cache, v_cache), (qkv_p, o_p, gate_up_p, down_p) in zip(self.model.layers, self.kv_caches, packed):
             attn = layer.self_attn
             layers.append(LayerTensors(
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                qkv_w=attn.qkv_proj.weight, qkv_b=attn.qkv_proj.bias,
+                qkv_p=qkv_p, qkv_b=attn.qkv_proj.bias,
                 q_norm=None if attn.q_norm is None else attn.q_norm.weight,
                 k_norm=None if attn.k_norm is None else attn.k_norm.weight,
-                o_w=attn.o_proj.weight, gate_up_w=layer.mlp.gate_up_proj.weight, down_w=layer.mlp.down_proj.weight,
-                k_cache=k_cache, v_cache=v_cache))
+                o_p=o_p, gate_up_p=gate_up_p, down_p=down_p, k_cache=k_cache, v_cache=v_cache))
         cfg = self.config
         dims = StackDims(hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,

@@ -9,21 +9,24 @@ import kernels
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product goes through `kernels.linear` (CPU: a native kernel for a
-    few rows, oneDNN on a packed copy of the weight for more; the same result up to
-    float rounding order). The plan (`kernels.LinearPlan`: the packed copy and the native
-    kernel's arguments) is made on first use and again whenever the weight or the bias
-    has been written since."""
+    """nn.Linear whose product goes through a `kernels.LinearPlan` (CPU float32: the native
+    GEMM on a packed copy of the weight; the same result up to float rounding order). The
+    plan is made on first use and again whenever the weight or the bias has been written
+    since."""
 
     _plan: kernels.LinearPlan | None = None
     _plan_of: tuple[int, ...] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def plan(self) -> kernels.LinearPlan:
+        """The plan for the weight and bias as they are now."""
         w, b = self.weight, self.bias
         key = (w.data_ptr(), w._version) if b is None else (w.data_ptr(), w._version, b.data_ptr(), b._version)
         if self._plan_of != key:
             self._plan, self._plan_of = kernels.LinearPlan(w.detach(), None if b is None else b.detach()), key
-        return self._plan(x)
+        return self._plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.plan()(x)
 
 
 class RMSNorm(nn.Module):

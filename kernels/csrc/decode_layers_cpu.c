@@ -5,13 +5,13 @@
  * layer runs the same steps as common.models.decoder.DecoderLayer, through the same
  * kernels the Python path calls one by one:
  *     x, residual = add_rms_norm(h, residual, input_norm)     (pd_add_rms_norm)
- *     qkv = x @ qkv_w^T (+ qkv_b)                             (pd_small_linear)
+ *     qkv = x @ qkv_w^T (+ qkv_b)                             (pd_gemm)
  *     q, k: per-head RMSNorm (Qwen3, when given), rotary embedding; k and v stored
  *           into the paged cache at the token's slot          (here)
  *     a = paged decode attention(q, cache)                    (pd_paged_decode_attention)
- *     h = a @ o_w^T                                           (pd_small_linear)
+ *     h = a @ o_w^T                                           (pd_gemm)
  *     x, residual = add_rms_norm(h, residual, post_norm)      (pd_add_rms_norm)
- *     h = down(silu(gate) * up)                               (pd_small_linear, pd_silu_mul)
+ *     h = down(silu(gate) * up)                               (pd_gemm, pd_silu_mul)
  * Between layers Python dispatch cost ~0.4 ms per layer (a dozen torch ops and ctypes
  * calls, each a few microseconds, plus module calls): more than the layer's own work at
  * one sequence. Here it is one call per step.
@@ -29,8 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-int pd_small_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
-                    int64_t ldx, int64_t ldw, int64_t ldy, int num_threads);
+int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
+            int64_t ldy, int64_t n, int num_threads);
 int pd_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out, float *res_out,
                     int64_t rows, int64_t dim, int64_t ldx, int64_t ldr, int num_threads);
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads);
@@ -40,17 +40,16 @@ int pd_paged_decode_attention(const float *q, const float *k, const float *v, co
                               int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,
                               int num_threads);
 
-/* One layer's weights and cache (kernels.cpu_decode.LayerWeights mirrors this). Weight
- * matrices are [out, in] with unit stride along `in` and rows `ld_*` apart. */
+/* One layer's weights and cache (kernels.cpu_decode._LayerStruct mirrors this). Weight
+ * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c). */
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
-    const float *qkv_w, *qkv_b;           /* [(hq + 2 hkv) d, hidden], bias or NULL */
+    const float *qkv_p, *qkv_b;           /* [(hq + 2 hkv) d, hidden] packed, bias or NULL */
     const float *q_norm, *k_norm;         /* [d] each, or both NULL */
-    const float *o_w;                     /* [hidden, hq d] */
-    const float *gate_up_w;               /* [2 inter, hidden] */
-    const float *down_w;                  /* [hidden, inter] */
+    const float *o_p;                     /* [hidden, hq d] packed */
+    const float *gate_up_p;               /* [2 inter, hidden] packed */
+    const float *down_p;                  /* [hidden, inter] packed */
     float *k_cache, *v_cache;             /* [num_blocks, block_size, hkv, d] by element strides */
-    int64_t ld_qkv, ld_o, ld_gate_up, ld_down;
     int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
 } pd_layer_t;
 
@@ -97,7 +96,7 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         status = pd_add_rms_norm(h, l ? residual : NULL, L->input_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                  num_threads);
         if (!status)
-            status = pd_small_linear(x, L->qkv_w, L->qkv_b, qkv, m, nqkv, hidden, hidden, L->ld_qkv, nqkv, num_threads);
+            status = pd_gemm(x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
         if (status) break;
         for (int64_t r = 0; r < m; r++) {
             const float *row = qkv + r * nqkv, *c = cos + r * d, *s = sin + r * d;
@@ -117,16 +116,15 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
                                            max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st,
                                            L->v_sh, scale, num_threads);
         if (!status)
-            status = pd_small_linear(att, L->o_w, NULL, h, m, hidden, hq * d, hq * d, L->ld_o, hidden, num_threads);
+            status = pd_gemm(att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
         if (!status)
             status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                      num_threads);
         if (!status)
-            status = pd_small_linear(x, L->gate_up_w, NULL, gu, m, 2 * inter, hidden, hidden, L->ld_gate_up, 2 * inter,
-                                     num_threads);
+            status = pd_gemm(x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter, num_threads);
         if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
         if (!status)
-            status = pd_small_linear(act, L->down_w, NULL, h, m, hidden, inter, inter, L->ld_down, hidden, num_threads);
+            status = pd_gemm(act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
     }
     free(buf);
     return status;

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from common import LLM, SamplingParams
+from common.models.layers import Linear
 from kernels import cpu_native
-from kernels.cpu_decode import MAX_ROWS, DecodeStack
+from kernels.cpu_decode import DecodeStack
 
 ARCHS = ("qwen3", "qwen2", "llama")  # q/k norm; qkv bias; neither (GQA in all three)
 
@@ -51,6 +52,30 @@ def slot_rows(model, slots):
     return out
 
 
+def replan(model):
+    """The linear layers plan again at their next call, under the environment then."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module._plan_of = None
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """torch_path(model): every native kernel off from here on, plain torch (the linear
+    layers re-planned); the model's layers plan natively again after the test."""
+    models = []
+
+    def off(model):
+        monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+        replan(model)
+        models.append(model)
+
+    yield off
+    monkeypatch.delenv("PDSERVE_CPU_ATTENTION")
+    for model in models:
+        replan(model)
+
+
 def spy(monkeypatch):
     calls = []
     real = DecodeStack.__call__
@@ -59,8 +84,8 @@ def spy(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("batch", [1, 3, MAX_ROWS])
-def test_stack_matches_torch_path(engines, arch, batch, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 3, 7, 17])  # 7 and 17: past a 6-row register tile
+def test_stack_matches_torch_path(engines, arch, batch, monkeypatch, torch_path):
     engine = engines[arch]
     seqs, (ids, positions, meta, _, _) = decode_inputs(engine, batch)
     model = engine.runner.model
@@ -70,13 +95,16 @@ def test_stack_matches_torch_path(engines, arch, batch, monkeypatch):
             fast = model(ids, positions, meta)
             fast_kv = slot_rows(model, meta.slot_mapping)
             assert calls == [batch], "the decode batch did not take the native stack"
-            monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")  # every native kernel off: plain torch
+            torch_path(model)
             slow = model(ids, positions, meta)
             slow_kv = slot_rows(model, meta.slot_mapping)
         assert calls == [batch]
-        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+        # float rounding of other summation orders (attention, norms), carried through the
+        # layers: up to ~1.2e-4 on hidden states of magnitude ~3.5 seen; a wrong head,
+        # slot or weight is off by far more
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=3e-4)
         for a, b in zip(fast_kv, slow_kv):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=3e-4)
     finally:
         for s in seqs:
             engine.abort(s)
@@ -117,7 +145,7 @@ def test_slot_outside_cache_is_refused_before_any_write(engines):
             engine.abort(s)
 
 
-def test_swapped_weight_storage_is_followed(model_dirs, monkeypatch):
+def test_swapped_weight_storage_is_followed(model_dirs, torch_path):
     """A weight whose storage is replaced (`param.data = ...`) after the stack was set up:
     the next step reads the new one (the stack's pointers would otherwise dangle)."""
     engine = LLM(model_dirs["qwen2"], num_threads=2, num_kv_blocks=32, max_model_len=128).engine
@@ -130,23 +158,16 @@ def test_swapped_weight_storage_is_followed(model_dirs, monkeypatch):
         qkv = model.model.layers[1].self_attn.qkv_proj
         qkv.bias.data = torch.randn_like(qkv.bias)
         fast = model(ids, positions, meta)
-        monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+        torch_path(model)
         slow = model(ids, positions, meta)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
 
 
 def test_not_taken_where_it_does_not_apply(engines, monkeypatch):
-    """Above MAX_ROWS decodes, with a layer hook (layer-wise KV push), and
-    with the native kernels off, the per-op path runs."""
+    """With a layer hook (layer-wise KV push), and with the native kernels off, the
+    per-op path runs."""
     engine = engines["qwen3"]
     calls = spy(monkeypatch)
-    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, MAX_ROWS + 1)
-    try:
-        with torch.inference_mode():
-            engine.runner.model(ids, positions, meta)
-    finally:
-        for s in seqs:
-            engine.abort(s)
     seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 2)
     try:
         with torch.inference_mode():
