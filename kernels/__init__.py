@@ -9,6 +9,7 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     paged_prefill_attention(...)   # torch reference only
     LinearPlan(weight, bias)(x) -> y       # CPU: a packed copy of the weight, native GEMM
     add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)   # fused on CPU
+    qk_norm_rope_(qkv, ...) -> bool       # q/k heads normed and rotated in place (CPU)
     silu_mul(gate_up) -> silu(gate) * up                              # fused on CPU
 
 Explicit flavors: ``kernels.reference.<fn>`` and ``kernels.triton_<fn>``. The
@@ -41,6 +42,7 @@ __all__ = [
     "paged_prefill_attention",
     "LinearPlan",
     "add_rms_norm",
+    "qk_norm_rope_",
     "silu_mul",
     "gather_blocks",
     "scatter_blocks",
@@ -169,6 +171,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             return native.add_rms_norm(x, residual, weight, eps)
     h = x if residual is None else x + residual
     return reference.rms_norm(h, weight, eps), h
+
+
+def qk_norm_rope_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The fused q/k/v projection's q and k heads, in place: RMS-normed (Qwen3, when the
+    norms are given) and rotated by the rows' rope tables cos / sin [N, D] (sin's first
+    half negated). One native pass on CPU float32; returns False, touching nothing, where
+    that does not apply (the caller runs its torch ops then)."""
+    if (qkv.dim() != 2 or qkv.device.type != "cpu" or qkv.stride(1) != 1 or head_dim % 2 or head_dim > 4096
+            or not _cpu_native().supports_rows(qkv) or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or any(t is not None and t.dtype != torch.float32 for t in (q_norm, k_norm))):
+        return False
+    _cpu_native().qk_norm_rope_(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos, sin)
+    return True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

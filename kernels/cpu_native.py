@@ -127,6 +127,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    fn = lib.pd_qk_norm_rope
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
+                   + [ctypes.c_void_p] * 2 + [ctypes.c_int])
     fn = lib.pd_silu_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -236,6 +240,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if status:
         raise NativeKernelError(f"native add_rms_norm: bad arguments (status {status})")
     return out, res_out
+
+
+def qk_norm_rope_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: qkv [N, >= (Hq + Hkv) D] (unit stride along the row), its q and k heads
+    normed (q_norm / k_norm [D], both or neither) and rotated by cos / sin [N, D] (sin's
+    first half negated)."""
+    rows = qkv.shape[0]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim):
+        raise ValueError("qk_norm_rope_: cos and sin must be [rows, head_dim]")
+    qn = None if q_norm is None else q_norm.contiguous()
+    kn = None if k_norm is None else k_norm.contiguous()
+    status = library().pd_qk_norm_rope(qkv.data_ptr(), rows, qkv.stride(0), num_heads, num_kv_heads, head_dim,
+                                       0 if qn is None else qn.data_ptr(), 0 if kn is None else kn.data_ptr(), eps,
+                                       cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    if status:
+        raise NativeKernelError(f"native qk_norm_rope: bad arguments (status {status})")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

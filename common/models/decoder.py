@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from common.attention import AttentionMetadata, attend
 from common.config import ModelConfig
 from common.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -56,13 +57,20 @@ class SelfAttention(nn.Module):
         """x [N, hidden]; `rope` is the step's (cos, signed sin) tables (`RotaryEmbedding.tables`)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k sit side by side in the fused output: norm and rotate them as one [N, Hq + Hkv, D]
-        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = self.qk_norm(qk)
-        qk = RotaryEmbedding.apply(qk, rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        has_norm = self.q_norm is not None
+        if kernels.qk_norm_rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 self.q_norm.weight if has_norm else None, self.k_norm.weight if has_norm else None,
+                                 self.q_norm.eps if has_norm else 0.0, rope[0].squeeze(1), rope[1].squeeze(1)):
+            q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+        else:
+            # q and k sit side by side in the fused output: norm and rotate them as one [N, Hq + Hkv, D]
+            qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+            if has_norm:
+                qk = self.qk_norm(qk)
+            qk = RotaryEmbedding.apply(qk, rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 

@@ -34,6 +34,8 @@ int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, c
 int pd_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out, float *res_out,
                     int64_t rows, int64_t dim, int64_t ldx, int64_t ldr, int num_threads);
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads);
+void pd_norm_rope_head(const float *src, const float *norm_w, float eps, const float *cos, const float *sin,
+                       float *dst, float *tmp, int64_t d);
 int pd_paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *tables,
                               const int32_t *lens, float *out, int64_t batch, int64_t hq, int64_t hkv,
                               int64_t d, int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb,
@@ -52,24 +54,6 @@ typedef struct {
     float *k_cache, *v_cache;             /* [num_blocks, block_size, hkv, d] by element strides */
     int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
 } pd_layer_t;
-
-/* RMSNorm of one head vector (optional), then the rotary embedding, into `dst`. */
-static void norm_rope(const float *src, const float *norm_w, float eps, const float *cos, const float *sin,
-                      float *dst, float *tmp, int64_t d) {
-    const int64_t half = d / 2;
-    const float *x = src;
-    if (norm_w) {
-        float ss = 0.0f;
-        for (int64_t i = 0; i < d; i++) ss += src[i] * src[i];
-        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        for (int64_t i = 0; i < d; i++) tmp[i] = (src[i] * inv) * norm_w[i];
-        x = tmp;
-    }
-    for (int64_t i = 0; i < d; i++) {
-        const float rolled = i < half ? x[i + half] : x[i - half];
-        dst[i] = x[i] * cos[i] + rolled * sin[i];
-    }
-}
 
 int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, int64_t hidden, int64_t hq,
                      int64_t hkv, int64_t d, int64_t inter, int64_t block_size, int64_t num_blocks, float norm_eps,
@@ -101,14 +85,14 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         for (int64_t r = 0; r < m; r++) {
             const float *row = qkv + r * nqkv, *c = cos + r * d, *s = sin + r * d;
             for (int64_t i = 0; i < hq; i++)
-                norm_rope(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);
+                pd_norm_rope_head(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);
             if (slots[r] < 0) continue;
             const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
             for (int64_t i = 0; i < hkv; i++) {
                 float *kd = L->k_cache + blk * L->k_sb + off * L->k_st + i * L->k_sh;
                 float *vd = L->v_cache + blk * L->v_sb + off * L->v_st + i * L->v_sh;
                 const float *vs = row + (hq + hkv + i) * d;
-                norm_rope(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kd, tmp, d);
+                pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kd, tmp, d);
                 for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
             }
         }

@@ -6,6 +6,10 @@
  *     out     = res_out * rsqrt(mean(res_out^2) + eps) * weight
  *   as transformers computes it (the residual stream's add, then RMSNorm in float32).
  * pd_silu_mul: out[r, i] = silu(gate_up[r, i]) * gate_up[r, dim + i]  (SwiGLU's gate).
+ * pd_qk_norm_rope: in place on the fused q/k/v projection's rows, each q and k head vector
+ *   RMS-normed (Qwen3's q_norm / k_norm, when given) and rotated by its token's rotary
+ *   row: x * cos + roll(x, D/2) * sin_signed, sin's first half stored negated
+ *   (common.models.layers.RotaryEmbedding), multiplied and added apart as torch does.
  *
  * Row pointers step by the given leading dimensions; `out` and `res_out` are written
  * contiguously. Rows are split between `num_threads` OpenMP threads when there are
@@ -47,6 +51,43 @@ int pd_add_rms_norm(const float *x, const float *residual, const float *weight, 
     return 0;
 }
 
+/* One head vector of d values, normed (norm_w given) and rotated, from src into dst (which
+ * may be src); tmp holds d values. The products and the sum are rounded apart, as torch's
+ * separate ops round them (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off"))) void pd_norm_rope_head(const float *src, const float *norm_w, float eps,
+                                                                    const float *cos, const float *sin, float *dst,
+                                                                    float *tmp, int64_t d) {
+    const int64_t half = d / 2;
+    if (norm_w) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < d; i++) ss += src[i] * src[i];
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) tmp[i] = (src[i] * inv) * norm_w[i];
+    } else {
+        for (int64_t i = 0; i < d; i++) tmp[i] = src[i];
+    }
+    for (int64_t i = 0; i < d; i++) {
+        const float a = tmp[i] * cos[i], b = (i < half ? tmp[i + half] : tmp[i - half]) * sin[i];
+        dst[i] = a + b;
+    }
+}
+
+int pd_qk_norm_rope(float *qkv, int64_t rows, int64_t ld, int64_t hq, int64_t hkv, int64_t d, const float *q_norm,
+                    const float *k_norm, float eps, const float *cos, const float *sin, int num_threads) {
+    if (rows < 0 || hq < 0 || hkv < 0 || d <= 0 || d % 2 || d > 4096 || ld < (hq + hkv) * d || num_threads < 1
+        || (!q_norm) != (!k_norm))
+        return 1;
+    if (rows * (hq + hkv) * d < PARALLEL_MIN_ELEMS) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float tmp[4096];
+        float *row = qkv + r * ld;
+        for (int64_t h = 0; h < hq + hkv; h++)
+            pd_norm_rope_head(row + h * d, h < hq ? q_norm : k_norm, eps, cos + r * d, sin + r * d, row + h * d, tmp, d);
+    }
+    return 0;
+}
+
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads) {
     if (rows < 0 || dim <= 0 || ld < 2 * dim || num_threads < 1) return 1;
     if (rows * dim < PARALLEL_MIN_ELEMS) num_threads = 1;
@@ -54,7 +95,7 @@ int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * ld, *u = g + dim;
         float *o = out + r * dim;
-#pragma omp simd
+#pragma omp simd simdlen(8)
         for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     return 0;

@@ -169,7 +169,7 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
     for (int64_t r = 0; r < nq; r++) {
         float *s = scores + r * len, m = s[0], sum = 0.0f;
         for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
+#pragma omp simd simdlen(8) reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {
             s[t] = expf(s[t] - m);
             sum += s[t];

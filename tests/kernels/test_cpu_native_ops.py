@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from common.models.layers import Linear
+from common.models.layers import Linear, RotaryEmbedding
 from kernels import cpu_native
 
 
@@ -127,3 +127,44 @@ def test_silu_mul_vs_float64(rows):
 def test_elementwise_refuses_bad_shapes():
     with pytest.raises(cpu_native.NativeKernelError):
         cpu_native.silu_mul(torch.randn(2, 0))
+
+
+def rope_tables(rows: int, head_dim: int):
+    rope = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 512)
+    positions = torch.randint(0, 512, (rows,))
+    return rope.tables(positions, torch.float32)  # each [rows, 1, D]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 90])  # 90 rows of 12 heads: two threads split them
+@pytest.mark.parametrize("normed", [False, True])
+def test_qk_norm_rope_matches_torch_path(rows, normed):
+    """In place on the fused projection: q and k heads as the torch path computes them
+    (rms_norm * weight, then x * cos + roll(x) * sin), v untouched. Without the norm the
+    rotation is the torch ops' own rounding, bit for bit (no fused multiply-add)."""
+    hq, hkv, d = 8, 4, 64
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d) * 3
+    q_norm, k_norm = (torch.rand(d) + 0.5, torch.rand(d) + 0.5) if normed else (None, None)
+    cos, sin = rope_tables(rows, d)
+    qk = qkv[:, :(hq + hkv) * d].view(rows, hq + hkv, d)
+    if normed:
+        weight = torch.cat((q_norm.expand(hq, -1), k_norm.expand(hkv, -1)))
+        qk = F.rms_norm(qk, (d,), None, 1e-6) * weight
+    want = RotaryEmbedding.apply(qk, (cos, sin)).reshape(rows, -1)
+    v = qkv[:, (hq + hkv) * d:].clone()
+    assert kernels.qk_norm_rope_(qkv, hq, hkv, d, q_norm, k_norm, 1e-6, cos.squeeze(1), sin.squeeze(1))
+    got = qkv[:, :(hq + hkv) * d]
+    if normed:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v)
+
+
+def test_qk_norm_rope_declines_what_it_does_not_take():
+    cos, sin = rope_tables(2, 8)
+    qkv = torch.randn(2, 32, dtype=torch.float64)
+    before = qkv.clone()
+    assert not kernels.qk_norm_rope_(qkv, 2, 1, 8, None, None, 1e-6, cos.squeeze(1), sin.squeeze(1))
+    assert torch.equal(qkv, before)
+    with pytest.raises(ValueError, match="cos and sin"):
+        cpu_native.qk_norm_rope_(torch.randn(3, 32), 2, 1, 8, None, None, 1e-6, cos.squeeze(1), sin.squeeze(1))
