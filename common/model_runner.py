@@ -17,6 +17,7 @@ from common.sampler import Sampler, make_generator
 from common.scheduler import ScheduledBatch
 from common.sequence import Sequence
 from common.weights import load_weights
+from kernels import huge_pages
 
 
 # Test hook, off unless set: a step whose sampled sequences include one holding this token
@@ -74,8 +75,11 @@ class ModelRunner:
         self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
         if kv_cache is None:
             self.num_blocks = decide_num_blocks(config)
-            kv_cache = torch.zeros(kv_cache_shape(config, self.num_blocks), dtype=dev.torch_dtype,
-                                   device=self.device)
+            shape = kv_cache_shape(config, self.num_blocks)
+            if self.device.type == "cpu":  # every decode step reads it: 2 MB pages where granted
+                kv_cache = huge_pages.zeros(shape, dev.torch_dtype)
+            else:
+                kv_cache = torch.zeros(shape, dtype=dev.torch_dtype, device=self.device)
         else:
             self.num_blocks = kv_cache.shape[2]
         self.kv_cache = kv_cache

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from . import huge_pages
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
@@ -183,13 +185,15 @@ PANEL = 16
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [n, k] -> [ceil(n / PANEL), k, PANEL], the layout `gemm` reads: panel j holds
     output columns PANEL j .. PANEL j + PANEL - 1, k-major, zero past n. A second copy of
-    the weight in memory."""
+    the weight in memory, on huge pages where the kernel grants them (`huge_pages`)."""
     n, k = weight.shape
     pad = -n % PANEL
     w = weight.detach().to(torch.float32)
     if pad:
         w = torch.cat((w, w.new_zeros(pad, k)))
-    return w.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+    out = huge_pages.empty(((n + pad) // PANEL, k, PANEL), torch.float32)  # streamed every decode step
+    out.copy_(w.reshape(-1, PANEL, k).transpose(1, 2))
+    return out
 
 
 def supports_gemm(x: torch.Tensor, packed: torch.Tensor) -> bool:
