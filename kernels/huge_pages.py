@@ -44,6 +44,12 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor, on huge pages where the kernel allows."""
+    """A zeroed CPU tensor, on huge pages where the kernel allows, its memory faulted in
+    now: a huge page's first touch costs ~1-2 ms (the kernel zeroes, and at first may
+    compact, 2 MB), which would otherwise land in the middle of a step. As torch.zeros
+    does with ordinary pages, by writing them."""
     t = _mapped(shape, dtype)
-    return torch.zeros(shape, dtype=dtype) if t is None else t
+    if t is None:
+        return torch.zeros(shape, dtype=dtype)
+    t.view(-1).view(torch.uint8)[::mmap.PAGESIZE].zero_()  # one write per page faults it in
+    return t
