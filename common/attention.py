@@ -7,7 +7,7 @@ so a query attends to cached context and to its own chunk alike.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +26,22 @@ class AttentionMetadata:
     prefill_q_lens: list[int]  # per prefill sequence
     prefill_context_lens: list[int]  # per prefill sequence, includes its q tokens
     prefill_block_tables: list[torch.Tensor]  # per prefill sequence, [n_blocks] int64
+    _prefill_tables: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decode
+
+    def prefill_tables(self) -> torch.Tensor:
+        """The prefill sequences' block tables as one [P, max_blocks] int32 tensor, -1
+        padded (made once per step, on first use)."""
+        if self._prefill_tables is None:
+            width = max((len(t) for t in self.prefill_block_tables), default=0)
+            tables = torch.full((len(self.prefill_block_tables), width), -1, dtype=torch.int32)
+            for i, t in enumerate(self.prefill_block_tables):
+                tables[i, :len(t)] = t
+            self._prefill_tables = tables
+        return self._prefill_tables
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -44,6 +56,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     if nd:
         out[:nd] = kernels.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    if meta.prefill_q_lens and q.device.type == "cpu":
+        from kernels import cpu_native
+        if cpu_native.supports_prefill(q, k_cache, v_cache):  # every chunk in one native call
+            starts = [nd + sum(meta.prefill_q_lens[:i]) for i in range(len(meta.prefill_q_lens))]
+            return cpu_native.prefill_attention(q, k_cache, v_cache, meta.prefill_tables(), starts, meta.prefill_q_lens,
+                                                meta.prefill_context_lens, scale, out=out)
     start = nd
     block_size = k_cache.shape[1]
     group = q.shape[1] // k.shape[1]

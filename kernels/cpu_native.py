@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
 SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
-           SOURCE.with_name("decode_layers_cpu.c"))  # one library
+           SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"))  # one library
+HEADERS = (SOURCE.with_name("gemm_tile.h"),)
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
 # constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.
@@ -78,7 +79,7 @@ def build(cache_dir: Path | None = None) -> Path:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
-    key = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
+    key = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
                                     _compiler_version(cc),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     root = cache_dir or Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
@@ -129,6 +130,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    fn = lib.pd_prefill_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                   + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
     fn = lib.pd_qk_norm_rope
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
@@ -175,6 +180,48 @@ def paged_decode_attention(
         *k_cache.stride()[:3], *v_cache.stride()[:3], scale, torch.get_num_threads())
     if status:
         raise NativeKernelError(f"native paged decode attention: {ERRORS.get(status, f'error {status}')}")
+    return out
+
+
+def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes this call: `supports` and a head dim in whole
+    16-value panels."""
+    return supports(q, k_cache, v_cache) and q.shape[-1] % PANEL == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1]
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [N, Hq, D] float32, heads D apart, rows any distance apart
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    tables: torch.Tensor,  # [P, max_blocks] int32, -1 padded
+    q_start: list[int],  # per sequence: its first row in q
+    q_lens: list[int],  # per sequence
+    ctx_lens: list[int],  # per sequence, including its q tokens (stored in the cache already)
+    scale: float,
+    out: torch.Tensor | None = None,  # [N, Hq, D] contiguous float32, to write into
+) -> torch.Tensor:  # [N, Hq, D]; rows outside the sequences' ranges are left as they were
+    """Causal attention of P prompt chunks over the paged cache (prefill_attention_cpu.c)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see the warning above)")
+    n, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    if out is None:
+        out = torch.empty((n, hq, d), dtype=torch.float32)
+    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("prefill_attention: out must be a contiguous float32 tensor shaped like q")
+    if not q_lens:
+        return out
+    tables = tables.to(torch.int32).contiguous()
+    starts, lens, ctxs = (torch.tensor(v, dtype=torch.int32) for v in (q_start, q_lens, ctx_lens))
+    if any(s + ln > n for s, ln in zip(q_start, q_lens)) or tables.shape[0] != len(q_lens):
+        raise ValueError("prefill_attention: a sequence's rows fall outside q, or tables do not match the sequences")
+    status = lib.pd_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      tables.data_ptr(), tables.shape[1], num_blocks, starts.data_ptr(), lens.data_ptr(),
+                                      ctxs.data_ptr(), len(q_lens), hq, hkv, d, block_size, *k_cache.stride()[:3],
+                                      *v_cache.stride()[:3], scale, out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise NativeKernelError(f"native prefill attention: {ERRORS.get(status, f'error {status}')}")
     return out
 
 

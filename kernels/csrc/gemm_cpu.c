@@ -32,8 +32,10 @@
 #define PD_AVX2 1
 #endif
 
-#define NR 16  /* columns per panel; kernels.cpu_native.PANEL */
-#define MR 6   /* rows of x per register tile */
+#include "gemm_tile.h"
+
+#define NR PD_NR /* columns per panel; kernels.cpu_native.PANEL */
+#define MR PD_MR /* rows of x per register tile */
 #define KC 192 /* k per panel slice (12 KB, in L1); MKL's own, see the top */
 
 
@@ -96,8 +98,8 @@ TILE(3, DECL(0) DECL(1) DECL(2), STEP(0) STEP(1) STEP(2), STORE(0) STORE(1) STOR
 TILE(2, DECL(0) DECL(1), STEP(0) STEP(1), STORE(0) STORE(1))
 TILE(1, DECL(0), STEP(0), STORE(0))
 
-static void tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
-                 int accumulate, const float *bias, int ncols) {
+void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
+                  int accumulate, const float *bias, int ncols) {
     switch (rows) {
         case 6: tile6(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
         case 5: tile5(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
@@ -109,8 +111,8 @@ static void tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, c
 }
 #else
 /* Without AVX2 (a build on another CPU): the same loops in plain C. */
-static void tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
-                 int accumulate, const float *bias, int ncols) {
+void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
+                  int accumulate, const float *bias, int ncols) {
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < ncols; j++) {
             float acc = 0.0f;
@@ -135,7 +137,7 @@ static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const 
             const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
             const float *pj = p + (j * k + k0) * NR;
             for (int64_t i = 0; i < m; i += MR)
-                tile(m - i < MR ? (int)(m - i) : MR, kc, x + i * ldx + k0, ldx, 1, pj, y + i * ldy + j * NR, ldy, k0 > 0,
+                pd_gemm_tile(m - i < MR ? (int)(m - i) : MR, kc, x + i * ldx + k0, ldx, 1, pj, y + i * ldy + j * NR, ldy, k0 > 0,
                      bj, ncols);
         }
     }
@@ -162,7 +164,7 @@ static void run_rows(const float *x, int64_t ldx, int64_t i0, int64_t i1, int64_
                 const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
                 const float *pj = p + (j * k + k0) * NR, *bj = bias ? bias + j * NR : 0;
                 for (int64_t g = r0; g < r1; g += MR)
-                    tile(r1 - g < MR ? (int)(r1 - g) : MR, kc, xp + (g - r0) * kc, 1, MR, pj, y + g * ldy + j * NR, ldy,
+                    pd_gemm_tile(r1 - g < MR ? (int)(r1 - g) : MR, kc, xp + (g - r0) * kc, 1, MR, pj, y + g * ldy + j * NR, ldy,
                          k0 > 0, bj, ncols);
             }
         }

@@ -1,0 +1,17 @@
+/* The register tile of kernels/csrc/gemm_cpu.c, for the other kernels of the library that
+ * run small products on it (prefill attention). */
+#ifndef PD_GEMM_TILE_H
+#define PD_GEMM_TILE_H
+#include <stdint.h>
+
+#define PD_NR 16 /* columns per panel of a packed operand */
+#define PD_MR 6  /* rows per tile */
+
+/* y[0:rows, 0:ncols] (+)= x[0:rows, 0:kc] @ p[0:kc, 0:ncols], rows <= PD_MR, ncols <= PD_NR.
+ * x's element (i, kk) at x[i * rs + kk * ks]; p is one packed panel, [kc][PD_NR];
+ * accumulate: y += the sum, else y = the sum (+ bias[0:ncols] when bias is not NULL).
+ * Each output is one chain of fused multiply-adds over kk from zero. */
+void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
+                  int accumulate, const float *bias, int ncols);
+
+#endif
