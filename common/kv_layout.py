@@ -1,14 +1,18 @@
 """The KV layout of an engine (what a P and a D must agree on before KV can move between
-them) and the model fingerprint in it. An engine property, so it lives in `common/`; the
-transfer handshake (kv_transfer) and the router's registration check both use it."""
+them) and the model fingerprint in it, and the KV cache tensor's memory order. An engine
+property, so it lives in `common/`; the transfer handshake (kv_transfer) and the router's
+registration check both use it."""
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
 
+import torch
+
 from common.config import EngineConfig
 from common.messages import KVLayout
+from kernels import huge_pages
 
 _CHUNK = 1 << 20  # bytes hashed from each end of a weight file
 
@@ -44,3 +48,26 @@ def layout_mismatch(ours: KVLayout, theirs: KVLayout) -> str | None:
              for name in ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
              if getattr(ours, name) != getattr(theirs, name)]
     return "; ".join(diffs) if diffs else None
+
+
+def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+                    storage: torch.Tensor | None = None) -> torch.Tensor:
+    """The KV cache `shape` = [2, layers, num_blocks, block_size, kv_heads, head_dim],
+    the order every reader indexes it by. On the CPU each block is laid out head-major in
+    memory ([kv_heads, block_size, head_dim]; the tensor is a transposed view of it): decode
+    attention then reads a head's keys of a block as one run instead of 256-byte pieces a
+    token row apart, ~17% faster on the 2-core AVX2 machine (as vLLM's CPU cache does).
+    Whole-block copies (transfers) do not care; indexing code must not `.view` it.
+    `storage`: a flat tensor of exactly the right size to lay it in (shared memory; both
+    sides of a mapping build their view here, so they agree), taken as it is; else the
+    cache is allocated, zeroed (on huge pages on the CPU)."""
+    two, layers, blocks, block_size, heads, head_dim = shape
+    cpu = torch.device(device).type == "cpu"
+    physical = (two, layers, blocks, heads, block_size, head_dim) if cpu else shape
+    if storage is not None:
+        cache = storage.view(physical)
+    elif cpu:
+        cache = huge_pages.zeros(physical, dtype)
+    else:
+        cache = torch.zeros(physical, dtype=dtype, device=device)
+    return cache.transpose(3, 4) if cpu else cache

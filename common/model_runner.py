@@ -11,13 +11,13 @@ import torch
 
 from common.attention import AttentionMetadata
 from common.config import ConfigError, EngineConfig
+from common.kv_layout import kv_cache_tensor
 from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
 from common.sampler import Sampler, make_generator
 from common.scheduler import ScheduledBatch
 from common.sequence import Sequence
 from common.weights import load_weights
-from kernels import huge_pages
 
 
 # Test hook, off unless set: a step whose sampled sequences include one holding this token
@@ -27,7 +27,8 @@ FAULT_TOKEN_ENV = "PDSERVE_TEST_FAULT_TOKEN"
 
 
 def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
-    """[2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim]."""
+    """[2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim] (the index order; on
+    the CPU the memory order differs: `common.kv_layout.kv_cache_tensor`)."""
     m = config.model
     return (2, m.num_layers, num_blocks, config.cache.block_size, m.num_kv_heads, m.head_dim)
 
@@ -75,11 +76,7 @@ class ModelRunner:
         self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
         if kv_cache is None:
             self.num_blocks = decide_num_blocks(config)
-            shape = kv_cache_shape(config, self.num_blocks)
-            if self.device.type == "cpu":  # every decode step reads it: 2 MB pages where granted
-                kv_cache = huge_pages.zeros(shape, dev.torch_dtype)
-            else:
-                kv_cache = torch.zeros(shape, dtype=dev.torch_dtype, device=self.device)
+            kv_cache = kv_cache_tensor(kv_cache_shape(config, self.num_blocks), dev.torch_dtype, self.device)
         else:
             self.num_blocks = kv_cache.shape[2]
         self.kv_cache = kv_cache

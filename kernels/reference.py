@@ -36,17 +36,17 @@ def store_kv(
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    _, _, hkv, d = k_cache.shape
+    block_size = k_cache.shape[1]
     slots = slot_mapping.to(torch.long)  # [N]
     valid = slots >= 0  # [N]
     if not bool(valid.all()):
         slots = slots[valid]
         key = key[valid]
         value = value[valid]
-    k_flat = k_cache.view(-1, hkv, d)  # [num_blocks*block_size, Hkv, D]
-    v_flat = v_cache.view(-1, hkv, d)  # [num_blocks*block_size, Hkv, D]
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    # by (block, offset): the caches may be views in another memory order (common.kv_layout)
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def paged_decode_attention(

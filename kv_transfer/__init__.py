@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from common.config import BACKENDS, ConfigError, WorkerConfig
+from common.kv_layout import kv_cache_tensor
 from common.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.kv_layout
 from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
 from kv_transfer.peer_check import check_block_ids, check_peer_info, shm_name_hint
@@ -50,7 +51,7 @@ def make_receiver(backend: str, shape: tuple[int, ...], dtype: torch.dtype, devi
     if backend == "shm":
         from kv_transfer.shm import ShmReceiver
         return ShmReceiver(shape, dtype, name_hint)
-    cache = torch.zeros(shape, dtype=dtype, device=device)
+    cache = kv_cache_tensor(shape, dtype, device)
     if backend == "cuda_ipc":
         from kv_transfer.cuda_ipc import CudaIpcReceiver
         return CudaIpcReceiver(cache)

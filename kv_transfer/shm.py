@@ -10,13 +10,14 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from common.config import parse_dtype
+from common.kv_layout import kv_cache_tensor
 from common.messages import KVReady
 from kv_transfer.base import KVReceiver, KVSender, copy_blocks, dtype_name
 
 
 def _view(shm: shared_memory.SharedMemory, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    n = math.prod(shape)
-    return torch.frombuffer(shm.buf, dtype=dtype, count=n).view(shape)
+    """The KV cache laid in the segment, in the CPU cache's memory order."""
+    return kv_cache_tensor(shape, dtype, "cpu", storage=torch.frombuffer(shm.buf, dtype=dtype, count=math.prod(shape)))
 
 
 class ShmReceiver(KVReceiver):

@@ -145,6 +145,7 @@ class DecoderForCausalLM(nn.Module):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._stack: DecodeStack | None = None
         self._stack_of: tuple[object, list[torch.Tensor], list[int]] | None = None  # (caches, weights, their data_ptrs)
+        self._stack_linears: list[tuple[Linear, ...]] | None = None  # each layer's four, for decode_stack
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,10 +181,10 @@ class DecoderForCausalLM(nn.Module):
         not apply). It reads the linears' packed copies and the norms where they lie; it
         is set up again when the caches are rebound, a weight's storage is swapped or a
         linear's weight is written (which re-packs it: `Linear.plan`)."""
-        packed = []
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            packed.append([lin.plan().packed for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)])
+        if self._stack_linears is None:  # module lookups cost ~1 us each: once, not per step
+            self._stack_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                    layer.mlp.down_proj) for layer in self.model.layers]
+        packed = [[lin.plan().packed for lin in four] for four in self._stack_linears]
         if self._stack_of is not None:
             caches, params, ptrs = self._stack_of
             # the stack holds the packed copies it reads, so a re-packed weight has a new address

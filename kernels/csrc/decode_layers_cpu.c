@@ -60,19 +60,19 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
                      float qk_eps, float scale, float *h, float *residual, const int64_t *slots,
                      const int32_t *tables, const int32_t *lens, int64_t max_blocks, const float *cos,
                      const float *sin, int num_threads) {
-    if (m <= 0 || num_layers < 0 || hidden <= 0 || hkv <= 0 || hq % hkv != 0 || d <= 0 || d % 2 || inter <= 0
+    if (m <= 0 || num_layers < 0 || hidden <= 0 || hkv <= 0 || hq % hkv != 0 || d <= 0 || d % 2 || d > 4096 || inter <= 0
         || block_size <= 0 || num_threads < 1)
         return 1;
     for (int64_t r = 0; r < m; r++)
         if (slots[r] >= num_blocks * block_size) return 1;
     const int64_t nqkv = (hq + 2 * hkv) * d;
     /* scratch: x [m, hidden], qkv [m, nqkv], q [m, hq d], attention out [m, hq d],
-       gate_up [m, 2 inter], act [m, inter], one head vector */
-    const int64_t need = m * (hidden + nqkv + 2 * hq * d + 3 * inter) + d;
+       gate_up [m, 2 inter], act [m, inter] */
+    const int64_t need = m * (hidden + nqkv + 2 * hq * d + 3 * inter);
     float *buf = malloc((size_t)need * sizeof(float));
     if (!buf) return 2;
     float *x = buf, *qkv = x + m * hidden, *q = qkv + m * nqkv, *att = q + m * hq * d, *gu = att + m * hq * d;
-    float *act = gu + m * 2 * inter, *tmp = act + m * inter;
+    float *act = gu + m * 2 * inter;
     int status = 0;
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const pd_layer_t *L = &layers[l];
@@ -82,7 +82,10 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         if (!status)
             status = pd_gemm(x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
         if (status) break;
+        /* rows apart: each writes its own q rows and cache slot */
+#pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
         for (int64_t r = 0; r < m; r++) {
+            float tmp[d]; /* one head vector */
             const float *row = qkv + r * nqkv, *c = cos + r * d, *s = sin + r * d;
             for (int64_t i = 0; i < hq; i++)
                 pd_norm_rope_head(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);

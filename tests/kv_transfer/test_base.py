@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.kv_layout import layout_mismatch
+from common.kv_layout import kv_cache_tensor, layout_mismatch
 from common.messages import KVLayout
 from kv_transfer.base import copy_blocks, copy_blocks_indexed, gather_kv, runs, scatter_kv
 
@@ -110,3 +110,24 @@ def test_indexed_copy_equals_run_copy(layer):
     copy_blocks(by_runs, src, s, d, layer)
     copy_blocks_indexed(indexed, src, s, d, range(3) if layer is None else (layer,))
     assert torch.equal(indexed, by_runs) and indexed.any()
+
+
+def test_cpu_cache_is_head_major_in_memory_and_moves_by_index():
+    """The CPU cache is indexed [2, L, N, bs, H, D] but laid out head-major per block; a
+    transfer to a token-major cache (the GPU's order) or back keeps every value in place."""
+    shape = (2, 3, 6, 4, 2, 5)
+    cpu = kv_cache_tensor(shape, torch.float32, "cpu")
+    assert cpu.shape == shape and not cpu.any()
+    assert cpu.stride()[3:] == (5, 20, 1)  # token stride D, head stride bs * D
+    src = _cache(seed=4, num_blocks=6)
+    cpu.copy_(src)
+    token_major = torch.zeros(shape)
+    scatter_kv(token_major, [5, 0], gather_kv(cpu, [1, 4]))
+    assert torch.equal(token_major[:, :, 5], src[:, :, 1]) and torch.equal(token_major[:, :, 0], src[:, :, 4])
+    back = kv_cache_tensor(shape, torch.float32, "cpu")
+    copy_blocks(back, token_major, [5], [2])
+    assert torch.equal(back[:, :, 2], src[:, :, 1]) and not back[:, :, [0, 1, 3, 4, 5]].any()
+    flat = torch.zeros(cpu.numel())
+    laid = kv_cache_tensor(shape, torch.float32, "cpu", storage=flat)
+    laid.copy_(src)  # the storage form (shm) lays the same order into the given buffer
+    assert torch.equal(flat.view(2, 3, 6, 2, 4, 5), src.transpose(3, 4))
