@@ -7,15 +7,19 @@
  *   bias  [n] or NULL
  *   y     [m, n]  rows `ldy` apart, written
  *
- * Why packed: a register tile of 6 rows of x by 16 columns of y (12 accumulators of 8
- * lanes) takes, per step of k, two loads of the panel and six broadcasts of x for 12
- * fused multiply-adds, with no horizontal sums; the panel's slice of KC steps is reused
- * from L1 by every 6-row group of x, and the rows are taken MC at a time so that those
- * of x a panel meets stay in L2. Threads split the panels in equal contiguous runs: each
- * streams its own part of w. Measured against MKL (`F.linear`) and oneDNN on its own
- * packed weight, side by side (benchmarks/cpu_linear.py, the small qwen3's layer, 2
- * threads, Zen 1 AVX2): 1.3-3x MKL and 1.1-1.6x oneDNN at 1-64 rows (a decode batch),
- * 0.95-1x oneDNN from 256 rows (a prefill chunk).
+ * Why packed: a register tile of rows of x by one or two panels of y takes, per step of
+ * k, one load per panel and one broadcast per row of x for its fused multiply-adds, with
+ * no horizontal sums: on AVX2, 6 rows by one panel (12 accumulators of 8 lanes); on
+ * AVX-512, 8 rows by two panels (16 accumulators of 16 lanes). A panel's slice of KC
+ * steps is reused from L1 by every row group of x, whose rows are read where they lie,
+ * MC at a time so that those a panel meets stay in L2 (packing them, as BLAS does, was
+ * no faster on Zen 4, with either tile). Threads split the panels in equal contiguous
+ * runs: each streams its own part of w. Measured against MKL (`F.linear`) and oneDNN on
+ * its own packed weight, side by side (benchmarks/cpu_linear.py, the small qwen3's
+ * layer, 2 threads): on Zen 1 (AVX2) 1.3-3x MKL and 1.1-1.6x oneDNN at 1-64 rows (a
+ * decode batch), 0.95-1x oneDNN from 256 rows (a prefill chunk); on Zen 4 (AVX-512, where
+ * oneDNN takes its AVX-512 kernel and MKL stays on AVX2) 1.3-1.8x oneDNN at 1-8 rows,
+ * 1.0-1.08x at 16-128 and 0.97-0.99x from 256.
  *
  * Summation order: each output is summed over k in slices, each slice a chain of fused
  * multiply-adds from zero, and the slices' sums added into y in order (the bias first)
@@ -35,19 +39,89 @@
 #include "gemm_tile.h"
 
 #define NR PD_NR /* columns per panel; kernels.cpu_native.PANEL */
-#define MR PD_MR /* rows of x per register tile */
-#define KC 192 /* k per panel slice (12 KB, in L1); MKL's own, see the top */
-
-
-
-
-
-#ifndef MC
-#define MC 96 /* rows of x per block of a prefill chunk */
-#endif
+#define KC 192     /* k per panel slice (12 KB, in L1); MKL's own, see the top */
+#define MC 96      /* rows of x per block */
 #define PARALLEL_MIN_MACS 65536 /* below this one thread is faster than waking two */
 
-#ifdef PD_AVX2
+#if defined(__AVX512F__)
+/* AVX-512 (Zen 4, Sapphire Rapids): a panel's 16 columns are one 16-lane register. The
+ * tile is up to 8 rows by two panels (16 of the 32 registers accumulate; per step of k
+ * two loads and one broadcast per row for two fused multiply-adds), or by one panel for
+ * the last of an odd count and for pd_gemm_tile. Every output is the same chain of fused
+ * multiply-adds as on AVX2, so the two builds give the same bits. */
+#define MR 8 /* rows of x per register tile */
+static inline __attribute__((always_inline)) void store_row(float *yi, __m512 v, int accumulate, const float *bias,
+                                                            int ncols) {
+    const __mmask16 mask = ncols == NR ? (__mmask16)0xffff : (__mmask16)((1u << ncols) - 1);
+    if (accumulate)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, yi));
+    else if (bias)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+    _mm512_mask_storeu_ps(yi, mask, v);
+}
+/* R = 1..8 rows, each a copy with its accumulators named (see the AVX2 tiles) */
+#define ROWS1(F) F(0)
+#define ROWS2(F) ROWS1(F) F(1)
+#define ROWS3(F) ROWS2(F) F(2)
+#define ROWS4(F) ROWS3(F) F(3)
+#define ROWS5(F) ROWS4(F) F(4)
+#define ROWS6(F) ROWS5(F) F(5)
+#define ROWS7(F) ROWS6(F) F(6)
+#define ROWS8(F) ROWS7(F) F(7)
+#define DECL1(i) __m512 c##i = _mm512_setzero_ps();
+#define STEP1(i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(x[(i)*rs + kk * ks]), b, c##i);
+#define STORE1(i) store_row(y + (i)*ldy, c##i, accumulate, bias, ncols);
+#define DECL2(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define STEP2(i)                                                                                                       \
+    {                                                                                                                  \
+        const __m512 a = _mm512_set1_ps(x[(i)*rs + kk * ks]);                                                          \
+        c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0);                                                                     \
+        c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);                                                                     \
+    }
+#define STORE2(i)                                                                                                      \
+    store_row(y + (i)*ldy, c##i##0, accumulate, bias, NR);                                                             \
+    store_row(y + (i)*ldy + NR, c##i##1, accumulate, bias ? bias + NR : 0, ncols1);
+#define TILES(R)                                                                                                       \
+    static void tile##R(int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,   \
+                        int accumulate, const float *bias, int ncols) {                                                \
+        ROWS##R(DECL1) for (int64_t kk = 0; kk < kc; kk++) {                                                           \
+            const __m512 b = _mm512_loadu_ps(p + kk * NR);                                                             \
+            ROWS##R(STEP1)                                                                                             \
+        }                                                                                                              \
+        ROWS##R(STORE1)                                                                                                \
+    }                                                                                                                  \
+    static void tile_pair##R(int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,  \
+                             float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {                   \
+        ROWS##R(DECL2) for (int64_t kk = 0; kk < kc; kk++) {                                                           \
+            const __m512 b0 = _mm512_loadu_ps(p0 + kk * NR), b1 = _mm512_loadu_ps(p1 + kk * NR);                       \
+            ROWS##R(STEP2)                                                                                             \
+        }                                                                                                              \
+        ROWS##R(STORE2)                                                                                                \
+    }
+TILES(1)
+TILES(2)
+TILES(3)
+TILES(4)
+TILES(5)
+TILES(6)
+TILES(7)
+TILES(8)
+typedef void (*tile_fn)(int64_t, const float *, int64_t, int64_t, const float *, float *, int64_t, int, const float *,
+                        int);
+static const tile_fn tiles[MR + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8};
+/* y[0:rows, 0:16 + ncols1] (+)= x @ [panel p0 | panel p1], rows <= MR */
+typedef void (*pair_fn)(int64_t, const float *, int64_t, int64_t, const float *, const float *, float *, int64_t, int,
+                        const float *, int);
+static const pair_fn pairs[MR + 1] = {0,          tile_pair1, tile_pair2, tile_pair3, tile_pair4,
+                                          tile_pair5, tile_pair6, tile_pair7, tile_pair8};
+#define PD_PANEL_PAIRS 1
+
+void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
+                  int accumulate, const float *bias, int ncols) {
+    tiles[rows < 1 ? 1 : rows](kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols);
+}
+#elif defined(PD_AVX2)
+#define MR PD_MR /* rows of x per register tile */
 static inline __attribute__((always_inline)) void store_row(float *yi, __m256 v0, __m256 v1, int accumulate,
                                                             const float *bias, int ncols) {
     if (ncols == NR) {
@@ -111,6 +185,7 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
 }
 #else
 /* Without AVX2 (a build on another CPU): the same loops in plain C. */
+#define MR PD_MR
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols) {
     for (int i = 0; i < rows; i++)
@@ -125,50 +200,46 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
 /* MKL's split of k (see the top): two equal halves up to 2 KC, KC at a time past it. */
 static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 : KC; }
 
-/* Few rows (a decode batch): panels [pb, pe) of y, every row of x read where it lies.
- * A panel's k slices follow each other, so w streams in its own order. */
+/* Panels [pb, pe) of y for m <= MC rows of x, each read where it lies, two panels at a
+ * time where the tile takes them. A panel's k slices follow each other, so w streams in
+ * its own order. */
 static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
                        int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
     const int64_t kstep = k_step(k);
-    for (int64_t j = pb; j < pe; j++) {
-        const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
+    for (int64_t j = pb, step; j < pe; j += step) {
+#ifdef PD_PANEL_PAIRS
+        step = j + 1 < pe ? 2 : 1;
+#else
+        step = 1;
+#endif
+        const int ncols = (j + step) * NR <= n ? NR : (int)(n - (j + step - 1) * NR); /* of the last panel */
         const float *bj = bias ? bias + j * NR : 0;
         for (int64_t k0 = 0; k0 < k; k0 += kstep) {
             const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
             const float *pj = p + (j * k + k0) * NR;
-            for (int64_t i = 0; i < m; i += MR)
-                pd_gemm_tile(m - i < MR ? (int)(m - i) : MR, kc, x + i * ldx + k0, ldx, 1, pj, y + i * ldy + j * NR, ldy, k0 > 0,
-                     bj, ncols);
+            for (int64_t i = 0; i < m; i += MR) {
+                const int rows = m - i < MR ? (int)(m - i) : MR;
+#ifdef PD_PANEL_PAIRS
+                if (step == 2) {
+                    pairs[rows](kc, x + i * ldx + k0, ldx, 1, pj, pj + k * NR, y + i * ldy + j * NR, ldy, k0 > 0, bj, ncols);
+                    continue;
+                }
+#endif
+                pd_gemm_tile(rows, kc, x + i * ldx + k0, ldx, 1, pj, y + i * ldy + j * NR, ldy, k0 > 0, bj, ncols);
+            }
         }
     }
 }
 
-/* Many rows (a prefill chunk): rows [i0, i1) of y, MC at a time. Each k slice of an MC
- * block of x is copied once into `xp` as [MR-row group][kc][MR], so that a tile's six
- * broadcasts read one cache line, and then meets every panel from L2. The sums are
- * those of run_panels: each output's slices are added in k order. */
-static void run_rows(const float *x, int64_t ldx, int64_t i0, int64_t i1, int64_t k, const float *p, const float *bias,
-                     float *y, int64_t ldy, int64_t n, float *xp) {
-    const int64_t kstep = k_step(k), panels = (n + NR - 1) / NR;
-    for (int64_t r0 = i0; r0 < i1; r0 += MC) {
-        const int64_t r1 = i1 - r0 < MC ? i1 : r0 + MC;
-        for (int64_t k0 = 0; k0 < k; k0 += kstep) {
-            const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-            for (int64_t g = r0; g < r1; g += MR) {
-                const int64_t rows = r1 - g < MR ? r1 - g : MR;
-                float *dst = xp + (g - r0) * kc;
-                for (int64_t kk = 0; kk < kc; kk++)
-                    for (int64_t i = 0; i < rows; i++) dst[kk * MR + i] = x[(g + i) * ldx + k0 + kk];
-            }
-            for (int64_t j = 0; j < panels; j++) {
-                const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
-                const float *pj = p + (j * k + k0) * NR, *bj = bias ? bias + j * NR : 0;
-                for (int64_t g = r0; g < r1; g += MR)
-                    pd_gemm_tile(r1 - g < MR ? (int)(r1 - g) : MR, kc, xp + (g - r0) * kc, 1, MR, pj, y + g * ldy + j * NR, ldy,
-                         k0 > 0, bj, ncols);
-            }
-        }
-    }
+/* Thread t's panels of `panels` split between `threads`: [bound(t), bound(t + 1)), in
+ * whole pairs where the tile takes two panels at once */
+static inline int64_t bound(int64_t panels, int t, int threads) {
+#ifdef PD_PANEL_PAIRS
+    const int64_t b = (panels + 1) / 2 * t / threads * 2;
+    return b < panels ? b : panels;
+#else
+    return panels * t / threads;
+#endif
 }
 
 int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
@@ -177,28 +248,15 @@ int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, c
     if (m == 0 || n == 0) return 0;
     if (m * n * k < PARALLEL_MIN_MACS) num_threads = 1;
     const int64_t panels = (n + NR - 1) / NR;
-    if (m > MC) { /* many rows: threads split them, in whole MR groups */
-        const int64_t groups = (m + MR - 1) / MR;
-        if (groups < num_threads) num_threads = (int)groups;
-        int status = 0;
-        /* OpenMP: inside a torch process this is torch's own libgomp and thread pool
-           (same soname), so no second pool spins against torch's between calls */
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-        for (int t = 0; t < num_threads; t++) {
-            float *xp = malloc(sizeof(float) * MC * KC);
-            if (!xp) {
-                status = 2;
-                continue;
-            }
-            const int64_t a = groups * t / num_threads * MR, b = groups * (t + 1) / num_threads * MR;
-            run_rows(x, ldx, a, b < m ? b : m, k, p, bias, y, ldy, n, xp);
-            free(xp);
-        }
-        return status;
-    }
     if (panels < num_threads) num_threads = (int)panels;
+    /* Threads split the panels: each streams only its part of w, MC rows of x at a time.
+       OpenMP: inside a torch process this is torch's own libgomp and thread pool (same
+       soname), so no second pool spins against torch's between calls. */
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-    for (int t = 0; t < num_threads; t++)
-        run_panels(x, ldx, m, k, p, bias, y, ldy, n, panels * t / num_threads, panels * (t + 1) / num_threads);
+    for (int t = 0; t < num_threads; t++) {
+        const int64_t pb = bound(panels, t, num_threads), pe = bound(panels, t + 1, num_threads);
+        for (int64_t r0 = 0; r0 < m; r0 += MC)
+            run_panels(x + r0 * ldx, ldx, m - r0 < MC ? m - r0 : MC, k, p, bias, y + r0 * ldy, ldy, n, pb, pe);
+    }
     return 0;
 }

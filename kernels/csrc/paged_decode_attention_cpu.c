@@ -11,13 +11,16 @@
  * One work item is a sequence (or, with few sequences, one of its kv heads): each K/V
  * block is walked block by block and every query head reads the rows of its kv head.
  * Pass 1 computes the scores into a scratch row per query head, eight keys per chain of
- * fused multiply-adds, then the softmax; pass 2 accumulates the weighted V rows in
- * registers. Items are split between `num_threads` OpenMP threads in contiguous runs of
- * about equal context length. The CPU engine lays each block out head-major
- * (common.kv_layout), so a head's rows of a block are one run in memory: with the
- * hardware prefetcher following that, software prefetches of the next blocks (tried at
- * 1-4 blocks, into L1 or L2) only cost time. On the 2-core AVX2 machine the kernel
- * reads ~13-15 GB/s of K/V, what a plain read of the same blocks gets.
+ * fused multiply-adds (on AVX-512, two query heads of a kv head at once on each loaded
+ * key), then the softmax; pass 2 accumulates the weighted V rows in registers (on
+ * AVX-512 again two query heads per loaded row). Items are split between `num_threads`
+ * OpenMP threads in contiguous runs of about equal context length. The CPU engine lays
+ * each block out head-major (common.kv_layout), so a head's rows of a block are one run
+ * in memory. Blocks lie scattered, so on AVX-512 builds the next blocks are asked for
+ * ahead (PREFETCH_AHEAD, below). On the 2-core AVX2 machine (Zen 1) the kernel reads
+ * ~13-15 GB/s of K/V, what a plain read of the same blocks gets; on the 2-core Zen 4
+ * ~21 GB/s, against 34 GB/s for one sequential read and 27 GB/s for the same blocks in
+ * order.
  * Built by kernels/cpu_native.py with the system C compiler at first use.
  */
 #include <math.h>
@@ -108,6 +111,95 @@ static inline __attribute__((always_inline)) void axpy_rows(float *o, const floa
 }
 #endif
 
+#if defined(PD_AVX2) && defined(__AVX512F__)
+#define PD_AVX512 1
+/* the sum of a's two 8-lane halves */
+static inline __m256 fold(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+/* Two query rows q0, q1 of one kv head against the same n <= 8 keys: s0[i] = scale *
+ * <q0, k_i>, s1[i] = scale * <q1, k_i> (d a multiple of 16). Each key row is loaded once
+ * for both (16 accumulators of the 32 registers), which halves the loads of two dots8. */
+#define PAIR_DECL(t) __m512 a##t = _mm512_setzero_ps(), b##t = _mm512_setzero_ps();
+#define PAIR_STEP(t)                                                                                                   \
+    {                                                                                                                  \
+        const __m512 kv = _mm512_loadu_ps(r[t] + j);                                                                   \
+        a##t = _mm512_fmadd_ps(kv, q0v, a##t);                                                                         \
+        b##t = _mm512_fmadd_ps(kv, q1v, b##t);                                                                         \
+    }
+static inline __attribute__((always_inline)) void dots8_pair(const float *q0, const float *q1, const float *k,
+                                                             int64_t kst, int64_t n, float scale, float *s0,
+                                                             float *s1, const int64_t d) {
+    const float *r[8];
+    for (int i = 0; i < 8; i++) r[i] = k + (i < n ? i : n - 1) * kst;
+    PAIR_DECL(0) PAIR_DECL(1) PAIR_DECL(2) PAIR_DECL(3) PAIR_DECL(4) PAIR_DECL(5) PAIR_DECL(6) PAIR_DECL(7)
+    for (int64_t j = 0; j < d; j += 16) {
+        const __m512 q0v = _mm512_loadu_ps(q0 + j), q1v = _mm512_loadu_ps(q1 + j);
+        PAIR_STEP(0) PAIR_STEP(1) PAIR_STEP(2) PAIR_STEP(3) PAIR_STEP(4) PAIR_STEP(5) PAIR_STEP(6) PAIR_STEP(7)
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    const __m256 x0 = _mm256_mul_ps(hsum8(fold(a0), fold(a1), fold(a2), fold(a3), fold(a4), fold(a5), fold(a6), fold(a7)), sc);
+    const __m256 x1 = _mm256_mul_ps(hsum8(fold(b0), fold(b1), fold(b2), fold(b3), fold(b4), fold(b5), fold(b6), fold(b7)), sc);
+    if (n == 8) {
+        _mm256_storeu_ps(s0, x0);
+        _mm256_storeu_ps(s1, x1);
+    } else {
+        float t0[8], t1[8];
+        _mm256_storeu_ps(t0, x0);
+        _mm256_storeu_ps(t1, x1);
+        for (int64_t i = 0; i < n; i++) {
+            s0[i] = t0[i];
+            s1[i] = t1[i];
+        }
+    }
+}
+
+/* o0 += sum_i w0[i] v_i, o1 += sum_i w1[i] v_i over the same n rows v_i = v + i * vst
+ * (d a multiple of 16), each row loaded once for both, 64 values at a time. */
+static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, float *o1, const float *v, int64_t vst,
+                                                                 const float *w0, const float *w1, int64_t n,
+                                                                 const int64_t d) {
+    for (int64_t c = 0; c < d; c += 64) {
+        const int64_t nv = d - c < 64 ? (d - c) / 16 : 4;
+        __m512 x[4], y[4];
+        for (int64_t u = 0; u < nv; u++) {
+            x[u] = _mm512_loadu_ps(o0 + c + 16 * u);
+            y[u] = _mm512_loadu_ps(o1 + c + 16 * u);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const __m512 u0 = _mm512_set1_ps(w0[i]), u1 = _mm512_set1_ps(w1[i]);
+            const float *vi = v + i * vst + c;
+            for (int64_t u = 0; u < nv; u++) {
+                const __m512 vv = _mm512_loadu_ps(vi + 16 * u);
+                x[u] = _mm512_fmadd_ps(u0, vv, x[u]);
+                y[u] = _mm512_fmadd_ps(u1, vv, y[u]);
+            }
+        }
+        for (int64_t u = 0; u < nv; u++) {
+            _mm512_storeu_ps(o0 + c + 16 * u, x[u]);
+            _mm512_storeu_ps(o1 + c + 16 * u, y[u]);
+        }
+    }
+}
+#endif
+
+/* Blocks ahead whose K (in pass 1) or V (pass 2) rows are asked for into L2 while the
+ * current one is read. Blocks lie scattered in the cache, so the hardware prefetcher
+ * starts over at each. On Zen 4 (AVX-512 build) two blocks ahead read 15-20% faster at 37
+ * sequences of 350 tokens (~320 MB a step); on Zen 1 (AVX2), at 1-4 blocks ahead, into
+ * L1 or L2, it only cost time: there it is off. */
+#ifdef PD_AVX512
+#define PREFETCH_AHEAD 2
+#else
+#define PREFETCH_AHEAD 0
+#endif
+
+/* ask for `bytes` from `base` on into L2, a cache line at a time */
+static inline void prefetch_span(const float *base, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)base + off, 0, 2);
+}
+
 /* One item. Inlined into a copy per common head dim D (constant there, so the row loops
  * unroll and a query row or an output accumulator lives in registers) and a generic copy. */
 static inline __attribute__((always_inline)) void attend_item_d(const problem_t *p, int64_t item, float *scores,
@@ -127,14 +219,30 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
 #else
     const int vec = 0;
 #endif
+#ifdef PD_AVX512
+    const int pairs = d % 16 == 0 && group > 1; /* query rows two at a time on their shared keys */
+#endif
 
+    /* bytes from an item's first row of a block to past its last */
+    const int64_t k_span = 4 * ((hpi - 1) * p->k_sh + (p->block_size - 1) * p->k_st + d);
+    const int64_t v_span = 4 * ((hpi - 1) * p->v_sh + (p->block_size - 1) * p->v_st + d);
+    for (int64_t blk = 0; blk < PREFETCH_AHEAD && blk < nblk; blk++) prefetch_span(p->k + table[blk] * p->k_sb + h0 * p->k_sh, k_span);
     /* pass 1: scores[r][t] = scale * <q_r, k_t>, a block at a time */
     for (int64_t blk = 0; blk < nblk; blk++) {
         const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
         const float *kb = p->k + table[blk] * p->k_sb + h0 * p->k_sh;
+        if (PREFETCH_AHEAD && blk + PREFETCH_AHEAD < nblk) prefetch_span(p->k + table[blk + PREFETCH_AHEAD] * p->k_sb + h0 * p->k_sh, k_span);
         for (int64_t r = 0; r < nq; r++) {
             const float *kh = kb + (r / group) * p->k_sh, *qr = q + r * d;
             float *s = scores + r * len + t0;
+#ifdef PD_AVX512
+            if (pairs && r % group + 1 < group) { /* this query row and the next share their keys */
+                for (int64_t i = 0; i < n; i += 8)
+                    dots8_pair(qr, qr + d, kh + i * p->k_st, p->k_st, n - i < 8 ? n - i : 8, p->scale, s + i, s + len + i, d);
+                r++;
+                continue;
+            }
+#endif
 #ifdef PD_AVX2
             if (vec) {
                 for (int64_t i = 0; i < n; i += 8) dots8(qr, kh + i * p->k_st, p->k_st, n - i < 8 ? n - i : 8, p->scale, s + i, d);
@@ -149,6 +257,7 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
             }
         }
     }
+    for (int64_t blk = 0; blk < PREFETCH_AHEAD && blk < nblk; blk++) prefetch_span(p->v + table[blk] * p->v_sb + h0 * p->v_sh, v_span);
     /* softmax per query row, normalised in place */
     for (int64_t r = 0; r < nq; r++) {
         float *s = scores + r * len, m = s[0], sum = 0.0f;
@@ -165,9 +274,17 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
     for (int64_t blk = 0; blk < nblk; blk++) {
         const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
         const float *vb = p->v + table[blk] * p->v_sb + h0 * p->v_sh;
+        if (PREFETCH_AHEAD && blk + PREFETCH_AHEAD < nblk) prefetch_span(p->v + table[blk + PREFETCH_AHEAD] * p->v_sb + h0 * p->v_sh, v_span);
         for (int64_t r = 0; r < nq; r++) {
             const float *vh = vb + (r / group) * p->v_sh, *w = scores + r * len + t0;
             float *o = out + r * d;
+#ifdef PD_AVX512
+            if (pairs && r % group + 1 < group) {
+                axpy_rows_pair(o, o + d, vh, p->v_st, w, w + len, n, d);
+                r++;
+                continue;
+            }
+#endif
 #ifdef PD_AVX2
             if (vec) {
                 axpy_rows(o, vh, p->v_st, w, n, d);

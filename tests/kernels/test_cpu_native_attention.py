@@ -26,7 +26,10 @@ def run(q, k_cache, v_cache, bt, cl, scale):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 8), (3, 3, 16), (8, 1, 32), (8, 4, 64)])
+# groups of 1, 2, 3 and 8 query heads (AVX-512 takes them two at a time, an odd one alone);
+# head dims past one or two 16-lane registers, a multiple of 8 only, and neither
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 8), (3, 3, 16), (8, 1, 32), (8, 4, 64), (9, 3, 64), (6, 2, 128), (4, 1, 24),
+                                      (2, 2, 20)])
 @pytest.mark.parametrize("lens", [
     [7, 1, 30, 0, 5, 12, 3, 9, 16, 2, 21, 4, 11, 6, 8, 13, 1, 25, 10],  # many sequences: one item each
     [40, 0],  # few sequences: one item per kv head

@@ -23,9 +23,10 @@ def expected(x, w, b):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-# rows: under, at and past the 6-row register tile and the 96-row pass; columns: under,
-# at and past a 16-column panel; k: under and past the 512-long panel slice
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 97, 200])
+# rows: under, at and past the register tile (6 rows on AVX2, 8 on AVX-512) and the
+# 96-row block; columns: under, at and past a 16-column panel and a pair of them (odd
+# panel counts leave one alone); k: under and past the 192-long panel slice
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 9, 13, 97, 200])
 @pytest.mark.parametrize("n,k", [(4, 8), (16, 13), (33, 64), (130, 77), (9, 3), (40, 1100)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemm_vs_float64(threads, m, n, k, with_bias):
@@ -38,6 +39,24 @@ def test_gemm_vs_float64(threads, m, n, k, with_bias):
         b = torch.randn(n, generator=g) if with_bias else None
         got = cpu_native.gemm(x, cpu_native.pack_weight(w), n, b)
         torch.testing.assert_close(got, expected(x, w, b), rtol=1e-4, atol=1e-4 * k ** 0.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("k", [64, 300, 1100])
+def test_gemm_row_does_not_depend_on_its_batch(k):
+    """Every output is one chain of fused multiply-adds whatever tile, block, thread or
+    batch its row falls in: a sequence's logits do not change with who shares its step."""
+    g = torch.Generator().manual_seed(k)
+    x, w, b = torch.randn(203, k, generator=g), torch.randn(77, k, generator=g), torch.randn(77, generator=g)
+    packed = cpu_native.pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = cpu_native.gemm(x, packed, 77, b)
+        torch.set_num_threads(1)
+        for lo, hi in [(0, 1), (5, 6), (7, 16), (100, 203), (96, 97)]:
+            assert torch.equal(cpu_native.gemm(x[lo:hi], packed, 77, b), whole[lo:hi])
     finally:
         torch.set_num_threads(before)
 
