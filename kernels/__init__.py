@@ -138,6 +138,8 @@ def store_kv(
     """Write key/value rows into the paged caches at ``slot_mapping`` (in place)."""
     if use_triton(k_cache):
         triton_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    elif key.device.type == "cpu" and _cpu_native().supports_store_kv(key, value, k_cache, v_cache):
+        _cpu_native().store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 

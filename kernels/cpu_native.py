@@ -141,6 +141,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_silu_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = lib.pd_store_kv
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int])
     fn = lib.pd_decode_layers
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 5
@@ -291,6 +295,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if status:
         raise NativeKernelError(f"native add_rms_norm: bad arguments (status {status})")
     return out, res_out
+
+
+def supports_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `store_kv` takes these: enabled, CPU float32 everywhere, unit stride along
+    the head dim, built."""
+    ts = (key, value, k_cache, v_cache)
+    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
+            and key.dim() == value.dim() == 3 and k_cache.dim() == v_cache.dim() == 4 and library() is not None)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key/value [N, Hkv, D] into the caches [num_blocks, block_size, Hkv, D] (any strides
+    but the last) at `slot_mapping` [N] (-1: skip), in place."""
+    n, hkv, d = key.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    if value.shape != key.shape or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"store_kv: key {tuple(key.shape)}, value {tuple(value.shape)} and caches "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (n,):
+        raise ValueError(f"store_kv: {tuple(slots.shape)} slots for {n} tokens")
+    status = library().pd_store_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+                                   value.stride(1), k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(),
+                                   *v_cache.stride()[:3], slots.data_ptr(), n, hkv, d, block_size, num_blocks,
+                                   torch.get_num_threads())
+    if status:
+        raise ValueError(f"store_kv: a slot past the cache's {num_blocks * block_size}")
 
 
 def qk_norm_rope_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,

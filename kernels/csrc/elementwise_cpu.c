@@ -6,6 +6,10 @@
  *     out     = res_out * rsqrt(mean(res_out^2) + eps) * weight
  *   as transformers computes it (the residual stream's add, then RMSNorm in float32).
  * pd_silu_mul: out[r, i] = silu(gate_up[r, i]) * gate_up[r, dim + i]  (SwiGLU's gate).
+ * pd_store_kv: each token's K and V head vectors copied into its cache slot (block, offset)
+ *   of the paged caches, given by element strides (the CPU cache is head-major in a block:
+ *   common.kv_layout); slots < 0 are skipped, and nothing is written when one is past
+ *   the cache.
  * pd_qk_norm_rope: in place on the fused q/k/v projection's rows, each q and k head vector
  *   RMS-normed (Qwen3's q_norm / k_norm, when given) and rotated by its token's rotary
  *   row: x * cos + roll(x, D/2) * sin_signed, sin's first half stored negated
@@ -18,6 +22,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PARALLEL_MIN_ELEMS 32768 /* below this one thread is faster than waking two */
 
@@ -97,6 +102,26 @@ int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int
         float *o = out + r * dim;
 #pragma omp simd simdlen(8)
         for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+int pd_store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
+                float *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, float *v_cache, int64_t vc_sb,
+                int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                int64_t block_size, int64_t num_blocks, int num_threads) {
+    if (n < 0 || hkv <= 0 || d <= 0 || block_size <= 0 || num_threads < 1) return 1;
+    for (int64_t r = 0; r < n; r++)
+        if (slots[r] >= num_blocks * block_size) return 1;
+    if (n * hkv * d < PARALLEL_MIN_ELEMS) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        if (slots[r] < 0) continue;
+        const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
+        for (int64_t h = 0; h < hkv; h++) {
+            memcpy(k_cache + blk * kc_sb + off * kc_st + h * kc_sh, key + r * k_rs + h * k_hs, sizeof(float) * d);
+            memcpy(v_cache + blk * vc_sb + off * vc_st + h * vc_sh, value + r * v_rs + h * v_hs, sizeof(float) * d);
+        }
     }
     return 0;
 }

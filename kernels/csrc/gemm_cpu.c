@@ -49,7 +49,7 @@
  * two loads and one broadcast per row for two fused multiply-adds), or by one panel for
  * the last of an odd count and for pd_gemm_tile. Every output is the same chain of fused
  * multiply-adds as on AVX2, so the two builds give the same bits. */
-#define MR 8 /* rows of x per register tile */
+#define MR PD_MR /* rows of x per register tile: 8 */
 static inline __attribute__((always_inline)) void store_row(float *yi, __m512 v, int accumulate, const float *bias,
                                                             int ncols) {
     const __mmask16 mask = ncols == NR ? (__mmask16)0xffff : (__mmask16)((1u << ncols) - 1);
@@ -115,6 +115,11 @@ typedef void (*pair_fn)(int64_t, const float *, int64_t, int64_t, const float *,
 static const pair_fn pairs[MR + 1] = {0,          tile_pair1, tile_pair2, tile_pair3, tile_pair4,
                                           tile_pair5, tile_pair6, tile_pair7, tile_pair8};
 #define PD_PANEL_PAIRS 1
+
+void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
+                   float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
+    pairs[rows < 1 ? 1 : rows](kc, x, rs, ks, p0, p1, y, ldy, accumulate, bias, ncols1);
+}
 
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols) {
@@ -194,6 +199,14 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
             for (int64_t kk = 0; kk < kc; kk++) acc += x[i * rs + kk * ks] * p[kk * NR + j];
             y[i * ldy + j] = accumulate ? y[i * ldy + j] + acc : acc + (bias ? bias[j] : 0.0f);
         }
+}
+#endif
+
+#ifndef PD_PANEL_PAIRS
+void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
+                   float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
+    pd_gemm_tile(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
+    pd_gemm_tile(rows, kc, x, rs, ks, p1, y + NR, ldy, accumulate, bias ? bias + NR : 0, ncols1);
 }
 #endif
 

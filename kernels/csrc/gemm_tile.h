@@ -5,7 +5,11 @@
 #include <stdint.h>
 
 #define PD_NR 16 /* columns per panel of a packed operand */
-#define PD_MR 6  /* rows per tile */
+#if defined(__AVX512F__)
+#define PD_MR 8 /* rows per tile: by two panels, 16 accumulators of 16 lanes */
+#else
+#define PD_MR 6 /* rows per tile: by one panel, 12 accumulators of 8 lanes */
+#endif
 
 /* y[0:rows, 0:ncols] (+)= x[0:rows, 0:kc] @ p[0:kc, 0:ncols], rows <= PD_MR, ncols <= PD_NR.
  * x's element (i, kk) at x[i * rs + kk * ks]; p is one packed panel, [kc][PD_NR];
@@ -13,5 +17,10 @@
  * Each output is one chain of fused multiply-adds over kk from zero. */
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols);
+
+/* The same over two panels at once, p0 then p1 (columns 0..15 and 16..16 + ncols1 - 1 of
+ * y; bias, when given, covers both): one tile on AVX-512, two one-panel tiles otherwise. */
+void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
+                   float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
 
 #endif

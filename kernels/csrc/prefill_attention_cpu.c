@@ -17,8 +17,9 @@
  * of 16 (K transposed, V as is), and two small products run on the GEMM's register tile
  * (kernels/csrc/gemm_tile.h): scores S = Q K^T [R x KEYS], then, after the online
  * softmax's update of each row's max and sum (and the rescaling of its output so far),
- * O += P V. Against torch's SDPA flash kernel on this 2-core AVX2 machine (~20-25
- * GFLOP/s at 128-512 tokens, head dim 64), these run at the tile's speed.
+ * O += P V, both over two panels at a time where there are two. Against torch's SDPA
+ * flash kernel on the 2-core AVX2 machine (~20-25 GFLOP/s at 128-512 tokens, head dim
+ * 64), these run at the tile's speed.
  * Built by kernels/cpu_native.py with the system C compiler at first use.
  */
 #include <float.h>
@@ -93,9 +94,14 @@ static void attend_block(const problem_t *p, scratch_t *w, int64_t seq, int64_t 
             int64_t newest = 0; /* the group's latest token */
             for (int64_t i = 0; i < n; i++) newest = (r + i) % nt > newest ? (r + i) % nt : newest;
             if (first_pos + t0 + newest < j0) continue;
-            for (int64_t pnl = 0; pnl * PD_NR < nk; pnl++)
-                pd_gemm_tile((int)n, d, w->qp + r * d, d, 1, kp + pnl * d * PD_NR, w->s + r * KEYS + pnl * PD_NR, KEYS, 0,
-                             0, PD_NR);
+            for (int64_t pnl = 0; pnl * PD_NR < nk; pnl += 2) {
+                const float *kq = kp + pnl * d * PD_NR;
+                float *sr = w->s + r * KEYS + pnl * PD_NR;
+                if ((pnl + 1) * PD_NR < nk)
+                    pd_gemm_tile2((int)n, d, w->qp + r * d, d, 1, kq, kq + d * PD_NR, sr, KEYS, 0, 0, PD_NR);
+                else
+                    pd_gemm_tile((int)n, d, w->qp + r * d, d, 1, kq, sr, KEYS, 0, 0, PD_NR);
+            }
         }
         /* online softmax: mask past each row's own position, update max and sum, rescale */
         for (int64_t r = 0; r < rows; r++) {
@@ -119,10 +125,17 @@ static void attend_block(const problem_t *p, scratch_t *w, int64_t seq, int64_t 
         }
         /* O += P V over the step's keys, rounded up to whole panels (P is 0 past nk) */
         const int64_t kc = (nk + PD_NR - 1) / PD_NR * PD_NR;
-        for (int64_t r = 0; r < rows; r += PD_MR)
-            for (int64_t pnl = 0; pnl < d / PD_NR; pnl++)
-                pd_gemm_tile(rows - r < PD_MR ? (int)(rows - r) : PD_MR, kc, w->s + r * KEYS, KEYS, 1,
-                             vp + pnl * KEYS * PD_NR, w->o + r * d + pnl * PD_NR, d, 1, 0, PD_NR);
+        for (int64_t r = 0; r < rows; r += PD_MR) {
+            const int n = rows - r < PD_MR ? (int)(rows - r) : PD_MR;
+            for (int64_t pnl = 0; pnl < d / PD_NR; pnl += 2) {
+                const float *vq = vp + pnl * KEYS * PD_NR;
+                float *orow = w->o + r * d + pnl * PD_NR;
+                if (pnl + 1 < d / PD_NR)
+                    pd_gemm_tile2(n, kc, w->s + r * KEYS, KEYS, 1, vq, vq + KEYS * PD_NR, orow, d, 1, 0, PD_NR);
+                else
+                    pd_gemm_tile(n, kc, w->s + r * KEYS, KEYS, 1, vq, orow, d, 1, 0, PD_NR);
+            }
+        }
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t t = t0 + r % nt, head = h * group + r / nt;

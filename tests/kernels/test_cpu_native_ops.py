@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import kernels
 from common.models.layers import Linear, RotaryEmbedding
-from kernels import cpu_native
+from common.kv_layout import kv_cache_tensor
+from kernels import cpu_native, reference
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,6 +114,37 @@ def test_layer_repacks_after_weight_written():
         torch.testing.assert_close(layer(x), expected(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
         layer.weight.copy_(torch.randn(10, 24))
         torch.testing.assert_close(layer(x), expected(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 5, 300])  # 300 x 3 x 40 is over the threshold where two threads split the tokens
+def test_store_kv_matches_the_reference(threads, n):
+    """K and V rows (views into a fused projection, as the model hands them) land where the
+    reference puts them in the head-major CPU cache; slot -1 is skipped."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(n)
+        qkv = torch.randn(n, 7 * 40, generator=g)  # q 1 head, k 3, v 3: k/v are strided views
+        key, value = qkv[:, 40:160].view(n, 3, 40), qkv[:, 160:].view(n, 3, 40)
+        slots = torch.randperm(40 * 8, generator=g)[:n]
+        if n > 1:
+            slots[0] = -1
+        got = kv_cache_tensor((2, 1, 40, 8, 3, 40), torch.float32, "cpu")
+        want = torch.zeros(2, 1, 40, 8, 3, 40)
+        cpu_native.store_kv(key, value, got[0, 0], got[1, 0], slots)
+        reference.store_kv(key, value, want[0, 0], want[1, 0], slots)
+        assert torch.equal(got, want) and got.any()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing():
+    cache = kv_cache_tensor((2, 1, 4, 8, 1, 16), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="past the cache"):
+        cpu_native.store_kv(torch.ones(2, 1, 16), torch.ones(2, 1, 16), cache[0, 0], cache[1, 0],
+                            torch.tensor([3, 32]))
+    assert not cache.any()
 
 
 def rms_norm64(h, w, eps):

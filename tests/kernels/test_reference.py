@@ -218,18 +218,22 @@ def test_dispatch_cpu_goes_to_reference(monkeypatch):
     for name in ["store_kv", "paged_decode_attention", "gather_blocks", "scatter_blocks"]:
         monkeypatch.setattr(R, name, spy(name))
         monkeypatch.setattr(kernels, "triton_" + name, boom)
-    # on CPU, float32 decode attention goes to the native CPU kernel, not the reference
+    # on CPU, float32 decode attention and the KV store go to the native CPU kernels, not the reference
     from kernels import cpu_native
-    real_cpu = cpu_native.paged_decode_attention
+    real_cpu, real_store = cpu_native.paged_decode_attention, cpu_native.store_kv
     monkeypatch.setattr(cpu_native, "paged_decode_attention",
                         lambda *a: calls.append("cpu_paged_decode_attention") or real_cpu(*a))
+    monkeypatch.setattr(cpu_native, "store_kv", lambda *a: calls.append("cpu_store_kv") or real_store(*a))
 
     k_cache, v_cache, bt, cl = make_paged([3], 4, 1, 4, torch.float32)
     kernels.store_kv(torch.ones(1, 1, 4), torch.ones(1, 1, 4), k_cache, v_cache, torch.tensor([2]))
     kernels.paged_decode_attention(torch.randn(1, 2, 4), k_cache, v_cache, bt, cl, 0.5)
     buf = kernels.gather_blocks(k_cache, torch.tensor([0]))
     kernels.scatter_blocks(k_cache, torch.tensor([1]), buf)
-    assert calls == ["store_kv", "cpu_paged_decode_attention", "gather_blocks", "scatter_blocks"]
+    assert calls == ["cpu_store_kv", "cpu_paged_decode_attention", "gather_blocks", "scatter_blocks"]
+    kernels.store_kv(torch.ones(1, 1, 4, dtype=torch.float16), torch.ones(1, 1, 4, dtype=torch.float16),
+                     k_cache.half(), v_cache.half(), torch.tensor([2]))
+    assert calls[-1] == "store_kv"  # other dtypes: the reference
 
 
 def test_dispatch_routes_to_triton_when_enabled(monkeypatch):
