@@ -232,13 +232,11 @@ static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const 
             const float *pj = p + (j * k + k0) * NR;
             for (int64_t i = 0; i < m; i += MR) {
                 const int rows = m - i < MR ? (int)(m - i) : MR;
-#ifdef PD_PANEL_PAIRS
-                if (step == 2) {
-                    pairs[rows](kc, x + i * ldx + k0, ldx, 1, pj, pj + k * NR, y + i * ldy + j * NR, ldy, k0 > 0, bj, ncols);
-                    continue;
-                }
-#endif
-                pd_gemm_tile(rows, kc, x + i * ldx + k0, ldx, 1, pj, y + i * ldy + j * NR, ldy, k0 > 0, bj, ncols);
+                if (step == 2)
+                    pd_gemm_tile2(rows, kc, x + i * ldx + k0, ldx, 1, pj, pj + k * NR, y + i * ldy + j * NR, ldy, k0 > 0, bj,
+                                  ncols);
+                else
+                    pd_gemm_tile(rows, kc, x + i * ldx + k0, ldx, 1, pj, y + i * ldy + j * NR, ldy, k0 > 0, bj, ncols);
             }
         }
     }
