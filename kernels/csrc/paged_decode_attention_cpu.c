@@ -19,8 +19,8 @@
  * in memory. Blocks lie scattered, so on AVX-512 builds the next blocks are asked for
  * ahead (PREFETCH_AHEAD, below). On the 2-core AVX2 machine (Zen 1) the kernel reads
  * ~13-15 GB/s of K/V, what a plain read of the same blocks gets; on the 2-core Zen 4
- * ~21 GB/s, against 34 GB/s for one sequential read and 27 GB/s for the same blocks in
- * order.
+ * ~26 GB/s on blocks in random order, again what a plain read of them gets (34 GB/s for
+ * one sequential read).
  * Built by kernels/cpu_native.py with the system C compiler at first use.
  */
 #include <math.h>
@@ -111,8 +111,34 @@ static inline __attribute__((always_inline)) void axpy_rows(float *o, const floa
 }
 #endif
 
+/* Blocks ahead whose K (in pass 1) or V (pass 2) rows are asked for while the current
+ * one is read. Blocks lie scattered in the cache, so the hardware prefetcher starts over
+ * at each. On AVX-512 builds the paired loops ask for one line of the block PREFETCH_AHEAD
+ * ahead with each line they load (prefetcht2, same offset), so the requests run evenly
+ * alongside the arithmetic: on the 2-core Zen 4, at 36 sequences of 200-500 tokens (~330
+ * MB a step), 12.7 ms against 17.3 for asking for a whole block (256 lines) at once at
+ * the top of each block, which stalls the loads behind it, and 12.7 ms for a plain read
+ * of the same blocks. Rows that are not paired (one query head per kv head) still ask for
+ * whole blocks. On Zen 1 (AVX2), at 1-4 blocks ahead, into L1 or L2, prefetching only cost
+ * time: there it is off. */
 #if defined(PD_AVX2) && defined(__AVX512F__)
 #define PD_AVX512 1
+#define PREFETCH_AHEAD 2
+#else
+#define PREFETCH_AHEAD 0
+#endif
+
+/* ask for `bytes` from `base` on into L2, a cache line at a time */
+static inline void prefetch_span(const float *base, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)base + off, 0, 2);
+}
+
+/* ask for the line holding `x` (prefetcht2) */
+static inline __attribute__((always_inline)) void prefetch_line(const float *x) {
+    __builtin_prefetch((const char *)x, 0, 1);
+}
+
+#ifdef PD_AVX512
 /* the sum of a's two 8-lane halves */
 static inline __m256 fold(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -120,7 +146,8 @@ static inline __m256 fold(__m512 a) {
 
 /* Two query rows q0, q1 of one kv head against the same n <= 8 keys: s0[i] = scale *
  * <q0, k_i>, s1[i] = scale * <q1, k_i> (d a multiple of 16). Each key row is loaded once
- * for both (16 accumulators of the 32 registers), which halves the loads of two dots8. */
+ * for both (16 accumulators of the 32 registers), which halves the loads of two dots8.
+ * With each line loaded, the line at the same offset from `pf` is asked for. */
 #define PAIR_DECL(t) __m512 a##t = _mm512_setzero_ps(), b##t = _mm512_setzero_ps();
 #define PAIR_STEP(t)                                                                                                   \
     {                                                                                                                  \
@@ -130,11 +157,12 @@ static inline __m256 fold(__m512 a) {
     }
 static inline __attribute__((always_inline)) void dots8_pair(const float *q0, const float *q1, const float *k,
                                                              int64_t kst, int64_t n, float scale, float *s0,
-                                                             float *s1, const int64_t d) {
+                                                             float *s1, const int64_t d, const float *pf) {
     const float *r[8];
     for (int i = 0; i < 8; i++) r[i] = k + (i < n ? i : n - 1) * kst;
     PAIR_DECL(0) PAIR_DECL(1) PAIR_DECL(2) PAIR_DECL(3) PAIR_DECL(4) PAIR_DECL(5) PAIR_DECL(6) PAIR_DECL(7)
     for (int64_t j = 0; j < d; j += 16) {
+        for (int t = 0; t < 8; t++) prefetch_line(pf + t * kst + j);
         const __m512 q0v = _mm512_loadu_ps(q0 + j), q1v = _mm512_loadu_ps(q1 + j);
         PAIR_STEP(0) PAIR_STEP(1) PAIR_STEP(2) PAIR_STEP(3) PAIR_STEP(4) PAIR_STEP(5) PAIR_STEP(6) PAIR_STEP(7)
     }
@@ -156,10 +184,11 @@ static inline __attribute__((always_inline)) void dots8_pair(const float *q0, co
 }
 
 /* o0 += sum_i w0[i] v_i, o1 += sum_i w1[i] v_i over the same n rows v_i = v + i * vst
- * (d a multiple of 16), each row loaded once for both, 64 values at a time. */
+ * (d a multiple of 16), each row loaded once for both, 64 values at a time; with each line
+ * loaded, the line at the same offset from `pf` is asked for (pf NULL: none). */
 static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, float *o1, const float *v, int64_t vst,
                                                                  const float *w0, const float *w1, int64_t n,
-                                                                 const int64_t d) {
+                                                                 const int64_t d, const float *pf) {
     for (int64_t c = 0; c < d; c += 64) {
         const int64_t nv = d - c < 64 ? (d - c) / 16 : 4;
         __m512 x[4], y[4];
@@ -170,6 +199,8 @@ static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, floa
         for (int64_t i = 0; i < n; i++) {
             const __m512 u0 = _mm512_set1_ps(w0[i]), u1 = _mm512_set1_ps(w1[i]);
             const float *vi = v + i * vst + c;
+            if (pf)
+                for (int64_t u = 0; u < nv; u++) prefetch_line(pf + i * vst + c + 16 * u);
             for (int64_t u = 0; u < nv; u++) {
                 const __m512 vv = _mm512_loadu_ps(vi + 16 * u);
                 x[u] = _mm512_fmadd_ps(u0, vv, x[u]);
@@ -183,22 +214,6 @@ static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, floa
     }
 }
 #endif
-
-/* Blocks ahead whose K (in pass 1) or V (pass 2) rows are asked for into L2 while the
- * current one is read. Blocks lie scattered in the cache, so the hardware prefetcher
- * starts over at each. On Zen 4 (AVX-512 build) two blocks ahead read 15-20% faster at 37
- * sequences of 350 tokens (~320 MB a step); on Zen 1 (AVX2), at 1-4 blocks ahead, into
- * L1 or L2, it only cost time: there it is off. */
-#ifdef PD_AVX512
-#define PREFETCH_AHEAD 2
-#else
-#define PREFETCH_AHEAD 0
-#endif
-
-/* ask for `bytes` from `base` on into L2, a cache line at a time */
-static inline void prefetch_span(const float *base, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)base + off, 0, 2);
-}
 
 /* One item. Inlined into a copy per common head dim D (constant there, so the row loops
  * unroll and a query row or an output accumulator lives in registers) and a generic copy. */
@@ -221,6 +236,9 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
 #endif
 #ifdef PD_AVX512
     const int pairs = d % 16 == 0 && group > 1; /* query rows two at a time on their shared keys */
+    const int spread = pairs;                   /* and they ask for the lines ahead themselves */
+#else
+    const int spread = 0;
 #endif
 
     /* bytes from an item's first row of a block to past its last */
@@ -231,14 +249,19 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
     for (int64_t blk = 0; blk < nblk; blk++) {
         const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
         const float *kb = p->k + table[blk] * p->k_sb + h0 * p->k_sh;
-        if (PREFETCH_AHEAD && blk + PREFETCH_AHEAD < nblk) prefetch_span(p->k + table[blk + PREFETCH_AHEAD] * p->k_sb + h0 * p->k_sh, k_span);
+        /* the block PREFETCH_AHEAD on; past the last, V's first blocks, where pass 2 starts */
+        const int64_t ahead = blk + PREFETCH_AHEAD;
+        const float *kf = ahead < nblk ? p->k + table[ahead] * p->k_sb + h0 * p->k_sh
+                                       : p->v + table[ahead - nblk < nblk ? ahead - nblk : 0] * p->v_sb + h0 * p->v_sh;
+        if (PREFETCH_AHEAD && !spread && ahead < nblk) prefetch_span(kf, k_span);
         for (int64_t r = 0; r < nq; r++) {
             const float *kh = kb + (r / group) * p->k_sh, *qr = q + r * d;
             float *s = scores + r * len + t0;
 #ifdef PD_AVX512
             if (pairs && r % group + 1 < group) { /* this query row and the next share their keys */
                 for (int64_t i = 0; i < n; i += 8)
-                    dots8_pair(qr, qr + d, kh + i * p->k_st, p->k_st, n - i < 8 ? n - i : 8, p->scale, s + i, s + len + i, d);
+                    dots8_pair(qr, qr + d, kh + i * p->k_st, p->k_st, n - i < 8 ? n - i : 8, p->scale, s + i, s + len + i, d,
+                               kf + (r / group) * p->k_sh + i * p->k_st);
                 r++;
                 continue;
             }
@@ -257,7 +280,7 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
             }
         }
     }
-    for (int64_t blk = 0; blk < PREFETCH_AHEAD && blk < nblk; blk++) prefetch_span(p->v + table[blk] * p->v_sb + h0 * p->v_sh, v_span);
+    for (int64_t blk = 0; !spread && blk < PREFETCH_AHEAD && blk < nblk; blk++) prefetch_span(p->v + table[blk] * p->v_sb + h0 * p->v_sh, v_span);
     /* softmax per query row, normalised in place */
     for (int64_t r = 0; r < nq; r++) {
         float *s = scores + r * len, m = s[0], sum = 0.0f;
@@ -274,13 +297,15 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
     for (int64_t blk = 0; blk < nblk; blk++) {
         const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
         const float *vb = p->v + table[blk] * p->v_sb + h0 * p->v_sh;
-        if (PREFETCH_AHEAD && blk + PREFETCH_AHEAD < nblk) prefetch_span(p->v + table[blk + PREFETCH_AHEAD] * p->v_sb + h0 * p->v_sh, v_span);
+        const int64_t ahead = blk + PREFETCH_AHEAD;
+        const float *vf = ahead < nblk ? p->v + table[ahead] * p->v_sb + h0 * p->v_sh : NULL;
+        if (PREFETCH_AHEAD && !spread && vf) prefetch_span(vf, v_span);
         for (int64_t r = 0; r < nq; r++) {
             const float *vh = vb + (r / group) * p->v_sh, *w = scores + r * len + t0;
             float *o = out + r * d;
 #ifdef PD_AVX512
             if (pairs && r % group + 1 < group) {
-                axpy_rows_pair(o, o + d, vh, p->v_st, w, w + len, n, d);
+                axpy_rows_pair(o, o + d, vh, p->v_st, w, w + len, n, d, vf ? vf + (r / group) * p->v_sh : NULL);
                 r++;
                 continue;
             }
