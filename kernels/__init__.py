@@ -8,6 +8,7 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     scatter_blocks(cache, block_ids, buf) -> None
     paged_prefill_attention(...)   # torch reference only
     LinearPlan(weight, bias)(x) -> y       # CPU: a packed copy of the weight, native GEMM
+    LinearPlan([gate; up]).silu_mul(x) -> silu(x gate^T) * (x up^T)  # fused on CPU
     add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)   # fused on CPU
     qk_norm_rope_(qkv, ...) -> bool       # q/k heads normed and rotated in place (CPU)
     silu_mul(gate_up) -> silu(gate) * up                              # fused on CPU
@@ -238,6 +239,17 @@ class LinearPlan:
         if self._onednn is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of `self(x)`, for a weight [gate; up] (SwiGLU's fused gate and up
+        projections, no bias): on the native path, where the halves are whole panels, in
+        one pass that never writes the [rows, 2 * dim] product out (the same bits as
+        `silu_mul(self(x))`); else those two steps."""
+        inter = self._n // 2 if self.native else 0
+        if (self.native and self._b is None and self._n % (2 * _cpu_native().PANEL) == 0 and x.dim() == 2
+                and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"):
+            return _cpu_native().gemm_silu(x, self.packed, inter)
+        return silu_mul(self(x))
 
 
 # The row count oneDNN picks its packed layout for (its fallback path only).

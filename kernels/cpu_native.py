@@ -141,6 +141,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_silu_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = lib.pd_gemm_silu
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
+                   + [ctypes.c_int64] * 2 + [ctypes.c_int])
     fn = lib.pd_store_kv
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -273,6 +277,28 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
     if status:
         raise NativeKernelError(f"native gemm: bad arguments (status {status})")
     return y
+
+
+def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) -> [m, inter], float32 on CPU, with `packed` =
+    pack_weight([gate; up]) ([2 inter, k], inter a multiple of PANEL): SwiGLU's two
+    projections and activation in one pass (pd_gemm_silu in kernels/csrc/gemm_cpu.c), the
+    same bits as silu_mul(gemm(x, packed, 2 * inter))."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see the warning above)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    if (inter % PANEL or packed.dim() != 3 or packed.shape != (2 * inter // PANEL, k, PANEL)
+            or not packed.is_contiguous()):
+        raise ValueError(f"gemm_silu: packed weight of shape {tuple(packed.shape)} does not fit x [{m}, {k}] "
+                         f"and inter={inter} (a multiple of {PANEL})")
+    act = torch.empty((m, inter), dtype=torch.float32)
+    if lib.pd_gemm_silu(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), act.data_ptr(), inter, inter,
+                        torch.get_num_threads()):
+        raise NativeKernelError("native gemm_silu: bad arguments")
+    return act
 
 
 def supports_rows(*tensors: torch.Tensor) -> bool:

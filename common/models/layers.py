@@ -90,4 +90,4 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.plan().silu_mul(x))

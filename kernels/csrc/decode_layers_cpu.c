@@ -11,7 +11,7 @@
  *     a = paged decode attention(q, cache)                    (pd_paged_decode_attention)
  *     h = a @ o_w^T                                           (pd_gemm)
  *     x, residual = add_rms_norm(h, residual, post_norm)      (pd_add_rms_norm)
- *     h = down(silu(gate) * up)                               (pd_gemm, pd_silu_mul)
+ *     h = down(silu(gate) * up)                 (pd_gemm_silu; pd_gemm, pd_silu_mul)
  * Between layers Python dispatch cost ~0.4 ms per layer (a dozen torch ops and ctypes
  * calls, each a few microseconds, plus module calls): more than the layer's own work at
  * one sequence. Here it is one call per step.
@@ -29,11 +29,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "gemm_tile.h"
+
 int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
             int64_t ldy, int64_t n, int num_threads);
 int pd_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out, float *res_out,
                     int64_t rows, int64_t dim, int64_t ldx, int64_t ldr, int num_threads);
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads);
+int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, float *act, int64_t lda,
+                 int64_t inter, int num_threads);
 void pd_norm_rope_head(const float *src, const float *norm_w, float eps, const float *cos, const float *sin,
                        float *dst, float *tmp, int64_t d);
 int pd_paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *tables,
@@ -107,9 +111,12 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         if (!status)
             status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                      num_threads);
-        if (!status)
+        if (!status && inter % PD_NR == 0) /* whole panels: gate and up in one pass */
+            status = pd_gemm_silu(x, hidden, m, hidden, L->gate_up_p, act, inter, inter, num_threads);
+        else if (!status) {
             status = pd_gemm(x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter, num_threads);
-        if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
+            if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
+        }
         if (!status)
             status = pd_gemm(act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
     }

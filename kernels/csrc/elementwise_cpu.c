@@ -93,16 +93,18 @@ int pd_qk_norm_rope(float *qkv, int64_t rows, int64_t ld, int64_t hq, int64_t hk
     return 0;
 }
 
+/* o[i] = silu(g[i]) * u[i] for i < n: one row of pd_silu_mul, and the epilogue of the
+ * fused gate/up product (pd_gemm_silu, kernels/csrc/gemm_cpu.c), so both give the same bits */
+void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
+#pragma omp simd simdlen(8)
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads) {
     if (rows < 0 || dim <= 0 || ld < 2 * dim || num_threads < 1) return 1;
     if (rows * dim < PARALLEL_MIN_ELEMS) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * ld, *u = g + dim;
-        float *o = out + r * dim;
-#pragma omp simd simdlen(8)
-        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    for (int64_t r = 0; r < rows; r++) pd_silu_mul_row(gate_up + r * ld, gate_up + r * ld + dim, out + r * dim, dim);
     return 0;
 }
 

@@ -271,3 +271,42 @@ int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, c
     }
     return 0;
 }
+
+void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n); /* elementwise_cpu.c */
+
+/* act = silu(x @ gate^T) * (x @ up^T), SwiGLU's gate and up projections and its
+ * activation in one pass, with p = pack_weight([gate; up]) ([2 inter, k], inter a
+ * multiple of NR): gate panel j and up panel inter / NR + j make one tile pair, whose
+ * partial sums stay in a per-thread scratch of MC rows (in L1) until the last k slice,
+ * then pd_silu_mul_row writes act's 16 columns. The [m, 2 inter] product is never
+ * written out and read back. Each sum is pd_gemm's, in the same order, so act equals
+ * pd_silu_mul(pd_gemm(x, p)) bit for bit. Threads split the gate panels. */
+int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, float *act, int64_t lda,
+                 int64_t inter, int num_threads) {
+    if (m < 0 || k <= 0 || inter <= 0 || inter % NR || ldx < k || lda < inter || num_threads < 1) return 1;
+    if (m == 0) return 0;
+    if (m * 2 * inter * k < PARALLEL_MIN_MACS) num_threads = 1;
+    const int64_t panels = inter / NR, kstep = k_step(k);
+    if (panels < num_threads) num_threads = (int)panels;
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int t = 0; t < num_threads; t++) {
+        float gu[MC * 2 * NR]; /* [MC rows][16 gate | 16 up] */
+        const int64_t pb = panels * t / num_threads, pe = panels * (t + 1) / num_threads;
+        for (int64_t r0 = 0; r0 < m; r0 += MC) {
+            const int64_t mb = m - r0 < MC ? m - r0 : MC;
+            const float *xb = x + r0 * ldx;
+            for (int64_t j = pb; j < pe; j++) {
+                for (int64_t k0 = 0; k0 < k; k0 += kstep) {
+                    const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
+                    const float *pg = p + (j * k + k0) * NR, *pu = p + ((panels + j) * k + k0) * NR;
+                    for (int64_t i = 0; i < mb; i += MR)
+                        pd_gemm_tile2(mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, 1, pg, pu,
+                                      gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
+                }
+                for (int64_t i = 0; i < mb; i++)
+                    pd_silu_mul_row(gu + i * 2 * NR, gu + i * 2 * NR + NR, act + (r0 + i) * lda + j * NR, NR);
+            }
+        }
+    }
+    return 0;
+}

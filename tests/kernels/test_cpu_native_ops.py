@@ -175,6 +175,42 @@ def test_silu_mul_vs_float64(rows):
     torch.testing.assert_close(cpu_native.silu_mul(gate_up), (F.silu(g) * u).float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+# rows under, at and past the register tile and the 96-row block; k under, in and past
+# the two-halves split of the 192-long slice; inter of one and of many panels
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 97, 200])
+@pytest.mark.parametrize("k,inter", [(64, 16), (300, 48), (512, 1536), (1100, 32)])
+def test_gemm_silu_is_silu_mul_of_gemm_bit_for_bit(threads, m, k, inter):
+    """The fused gate/up product and activation equals the two steps it replaces exactly
+    (so a prefill and a decode of the same token agree), and float64's result closely."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(m * 7 + k + inter)
+        x = torch.randn(m, k + 3, generator=g)[:, 2:2 + k]  # rows further apart than k
+        w = torch.randn(2 * inter, k, generator=g) / k ** 0.5
+        packed = cpu_native.pack_weight(w)
+        got = cpu_native.gemm_silu(x, packed, inter)
+        assert torch.equal(got, cpu_native.silu_mul(cpu_native.gemm(x, packed, 2 * inter)))
+        gate, up = expected(x, w, None).double().chunk(2, dim=-1)
+        torch.testing.assert_close(got, (F.silu(gate) * up).float(), rtol=1e-4, atol=1e-4)
+        plan = kernels.LinearPlan(w)
+        assert torch.equal(plan.silu_mul(x), got)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemm_silu_refuses_what_it_does_not_fit_and_the_plan_falls_back():
+    w = torch.randn(2 * 24, 8)  # halves of 24 columns: not whole 16-column panels
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.gemm_silu(torch.randn(2, 8), cpu_native.pack_weight(w), 24)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.gemm_silu(torch.randn(2, 9), cpu_native.pack_weight(torch.randn(32, 8)), 16)
+    x = torch.randn(3, 8)
+    gate, up = expected(x, w, None).chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.LinearPlan(w).silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
 def test_elementwise_refuses_bad_shapes():
     with pytest.raises(cpu_native.NativeKernelError):
         cpu_native.silu_mul(torch.randn(2, 0))
