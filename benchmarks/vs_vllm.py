@@ -297,6 +297,10 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    off = report.get("offline") or {}
+    if not report.get("serving"):
+        plot_offline(off, path, plt)
+        return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, r in report.get("serving", {}).items():
         if name == "_crosscheck":
@@ -319,9 +323,28 @@ def plot(report: dict, path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    off = report.get("offline") or {}
     parts = [f"{e} {off[e]['tokens_per_s']:.1f} tok/s" for e in ("pdserve", "vllm") if off.get(e)]
     fig.suptitle(f"pdserve vs vLLM (CPU, 2 cores, small qwen3 fp32); offline: {', '.join(parts) or 'not run'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_offline(off: dict, path: Path, plt) -> None:
+    """Serving skipped: each engine's offline runs in the order they ran, and their medians."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    runs = off.get("runs") or {}
+    for engine in ("pdserve", "vllm"):
+        tps = [r["tokens_per_s"] for r in runs.get(engine, [])]
+        if tps:
+            ax.plot(range(1, len(tps) + 1), tps, marker="o", label=f"{engine} (median {statistics.median(tps):.1f})")
+    ratio = off.get("ratio_pdserve_over_vllm")
+    ax.set(xlabel="run", ylabel="output tokens / s", ylim=(0, None),
+           title=f"offline throughput, median ratio {ratio:.2f}x" if ratio else "offline throughput")
+    ax.set_xticks(range(1, 1 + max((len(v) for v in runs.values()), default=0)))
+    ax.grid(alpha=0.3)
+    if runs:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
