@@ -258,14 +258,18 @@ def supports_gemm(x: torch.Tensor, packed: torch.Tensor) -> bool:
             and x.shape[1] == packed.shape[1] and library() is not None)
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU, with `packed` =
-    pack_weight(weight) (kernels/csrc/gemm_cpu.c)."""
+def _library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The built library, and x with unit stride along its rows (what the GEMMs read)."""
     lib = library()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not available (see the warning above)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    return lib, x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU, with `packed` =
+    pack_weight(weight) (kernels/csrc/gemm_cpu.c)."""
+    lib, x = _library_and_rows(x)
     m, k = x.shape
     if packed.dim() != 3 or packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n or not packed.is_contiguous():
         raise ValueError(f"gemm: packed weight of shape {tuple(packed.shape)} does not fit x [{m}, {k}] and n={n}")
@@ -284,11 +288,7 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor
     pack_weight([gate; up]) ([2 inter, k], inter a multiple of PANEL): SwiGLU's two
     projections and activation in one pass (pd_gemm_silu in kernels/csrc/gemm_cpu.c), the
     same bits as silu_mul(gemm(x, packed, 2 * inter))."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the native CPU kernels are not available (see the warning above)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    lib, x = _library_and_rows(x)
     m, k = x.shape
     if (inter % PANEL or packed.dim() != 3 or packed.shape != (2 * inter // PANEL, k, PANEL)
             or not packed.is_contiguous()):
