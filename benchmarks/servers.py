@@ -25,6 +25,19 @@ PDSERVE_CONFIGS = {
 }
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# --emulate-avx2: an AVX-512 machine run as the AVX2 machines this project targets. torch's
+# ATen kernels, oneDNN and MKL are capped at AVX2, pdserve's C kernels are built without
+# AVX-512 (a build of their own, keyed by the flags), and vLLM loads its AVX2 kernels
+# (benchmarks/avx2_hook/sitecustomize.py). The CPU is still the same, caches and all.
+AVX2_ENV = {"PDSERVE_EMULATE_AVX2": "1", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "DNNL_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "PDSERVE_KERNEL_CFLAGS": "-mno-avx512f"}
+AVX2_HOOK = REPO / "benchmarks" / "avx2_hook"
+
+
+def emulate_avx2() -> dict[str, str]:
+    """Set AVX2_ENV in this process, for every server and child started after; returns it."""
+    os.environ.update(AVX2_ENV)
+    return AVX2_ENV
 
 
 def repo_pythonpath() -> str:
@@ -39,6 +52,8 @@ def log(msg: str) -> None:
 def vllm_env(vllm_python: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VLLM_ENV)
+    if env.get("PDSERVE_EMULATE_AVX2") == "1":
+        env["PYTHONPATH"] = str(AVX2_HOOK)
     iomp = Path(vllm_python).resolve().parents[1] / "lib" / "libiomp5.so"
     if not iomp.exists():  # the venv's python may be a symlink out of the venv
         iomp = Path(vllm_python).parents[1] / "lib" / "libiomp5.so"

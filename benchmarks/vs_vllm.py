@@ -2,7 +2,7 @@
 
     python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
         [--configs colocated,1p1d] [--rates 1,3] [--num-prompts 60] [--skip-offline] [--skip-serving]
-        [--crosscheck-rate 1] [--servers-up one|all] [--repeats 1]
+        [--crosscheck-rate 1] [--servers-up one|all] [--repeats 1] [--emulate-avx2]
         [--model DIR] [--out-dir results/vs_vllm]
 
 Not part of CI. Without --vllm-python (or with one that cannot import vllm) the vLLM side is
@@ -42,6 +42,12 @@ point at R req/s from our client and then one from vLLM's own `vllm bench serve`
 dataset, the same lengths, count and rate; its prompts are its own), back to back; both
 clients' TTFT and TPOT land in results.json under serving._crosscheck.
 
+AVX2 on an AVX-512 machine (`--emulate-avx2`): the machines this project targets have AVX2
+only, and so does vLLM's choice of kernels there. The flag caps torch's ATen kernels, oneDNN
+and MKL at AVX2 for both engines, builds pdserve's C kernels with -mno-avx512f, and makes
+vLLM load `vllm._C_AVX2` (benchmarks/avx2_hook); results.json's host.isa says which ran. The
+caches, clocks and memory are still the AVX-512 machine's.
+
 Writes results.json and vs_vllm.png into --out-dir, server logs under logs/.
 """
 from __future__ import annotations
@@ -72,7 +78,7 @@ from router.bench.arrivals import arrival_times  # noqa: E402
 from router.bench.metrics import goodput_rate, summarize  # noqa: E402
 from router.bench.runner import run_workload  # noqa: E402
 from router.bench.workloads import random_workload  # noqa: E402
-from servers import (MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, PDSERVE_CONFIGS, VLLM_ENV, Server, log,  # noqa: E402
+from servers import (MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, PDSERVE_CONFIGS, VLLM_ENV, Server, emulate_avx2, log,  # noqa: E402
                      start_pdserve, start_vllm, tree_cpu_s, vllm_bench_serve, vllm_env, vllm_version)
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.100
@@ -371,12 +377,16 @@ def main() -> int:
     p.add_argument("--servers-up", choices=("one", "all"), default="one",
                    help="one: each server is started for its point and stopped after, alone on the machine "
                         "(default); all: every server stays up through the whole sweep")
+    p.add_argument("--emulate-avx2", action="store_true",
+                   help="run this AVX-512 machine as an AVX2 one, for every engine: torch, oneDNN and MKL capped at AVX2, "
+                        "pdserve's C kernels built with -mno-avx512f, vLLM's AVX2 kernels (benchmarks/servers.py AVX2_ENV)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--py-spy-pid-file", default=None,
                    help="write the worker pids of the servers up here once they are warm (for profiling; "
                         "with --servers-up one, rewritten as each server starts)")
     args = p.parse_args()
+    isa = {"emulated_avx2": emulate_avx2()} if args.emulate_avx2 else {"native": "as the CPU allows"}
     freeze_startup_heap()  # this process is the load generator: no 100 ms collections mid-run
     t0 = time.monotonic()
     out_dir = Path(args.out_dir)
@@ -396,7 +406,7 @@ def main() -> int:
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
                     "pdserve_commit": git.stdout.strip(), "vllm_version": vver, "vllm_env": VLLM_ENV | {"LD_PRELOAD": "libiomp5.so"},
                     "model": args.model, "slo": {"ttft_ms": SLO_TTFT_S * 1000, "tpot_ms": SLO_TPOT_S * 1000},
-                    "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": os.getloadavg()}}
+                    "host": {"cpus": os.cpu_count(), "isa": isa, "platform": platform.platform(), "loadavg_at_start": os.getloadavg()}}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_offline:
             report["offline"] = offline(args, args.model, vocab, Path(tmp))

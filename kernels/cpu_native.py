@@ -5,7 +5,8 @@ It reads K/V blocks where they lie in the paged cache: no gather copy, one read 
 K and V row per step, the query heads of a GQA group sharing each read. On the CPU this
 is about 2-3x faster than `kernels.cpu_attention` (index_select + SDPA) at batch 32-64.
 
-Build: `$CC` (default `cc`) with `-O3 -march=native -ffast-math`, into
+Build: `$CC` (default `cc`) with `-O3 -march=native -ffast-math` and then any flags in
+`$PDSERVE_KERNEL_CFLAGS` (say `-mno-avx512f`, for the AVX2 code on an AVX-512 machine), into
 `$PDSERVE_CACHE/kernels` (default `~/.cache/pdserve/kernels`) under a name that hashes
 the source, the flags, the compiler and the CPU model, so a stale or foreign build is
 never loaded. Concurrent builders (several workers starting at once) each write a temp
@@ -21,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -79,7 +81,8 @@ def build(cache_dir: Path | None = None) -> Path:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
-    key = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
+    flags = FLAGS + shlex.split(os.environ.get("PDSERVE_KERNEL_CFLAGS", ""))
+    key = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(flags + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
                                     _compiler_version(cc),
                                     _cpu_model()]).encode()).hexdigest()[:16]
     root = cache_dir or Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
@@ -93,7 +96,7 @@ def build(cache_dir: Path | None = None) -> Path:
     try:
         for compile_extra, link_extra in (VECTOR_EXP, ([], [])):
             for src, obj in zip(SOURCES, objs):
-                res = subprocess.run([cc, *FLAGS, *compile_extra, "-c", "-o", obj, str(src)], capture_output=True,
+                res = subprocess.run([cc, *flags, *compile_extra, "-c", "-o", obj, str(src)], capture_output=True,
                                      text=True, timeout=300)
                 if res.returncode:
                     break

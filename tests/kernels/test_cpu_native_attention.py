@@ -105,6 +105,17 @@ def test_build_is_cached_and_keyed(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name], "no temp files left behind"
 
 
+def test_extra_compiler_flags_reach_the_compiler_and_the_key(tmp_path, monkeypatch):
+    default = cpu_native.build().name  # the session's own build: no flags added
+    monkeypatch.setenv("PDSERVE_KERNEL_CFLAGS", "-DPD_UNUSED_MACRO=1 '-DPD_QUOTED=a b'")
+    other = cpu_native.build(tmp_path)
+    assert other.name != default and other.is_file(), "other flags, another build"
+    monkeypatch.setenv("PDSERVE_KERNEL_CFLAGS", "-fno-such-flag-pdserve")
+    with pytest.raises(RuntimeError, match="no-such-flag-pdserve"):
+        cpu_native.build(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [other.name], "a failed build leaves nothing behind"
+
+
 def test_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
