@@ -56,7 +56,7 @@ def seeded_one_engine(model_dir: str, device: str, graphs: bool = False) -> list
 # ---- models and the transformers oracle -----------------------------------------------------
 
 def make_models(root: Path) -> dict[str, str]:
-    from common.model_factory import make_model
+    from common.loading.model_factory import make_model
     dirs = {arch: str(make_model(root / arch, arch, "tiny", seed=1)) for arch in ARCHS}
     dirs["small-qwen3"] = str(make_model(root / "small-qwen3", "qwen3", "small", seed=0))
     return dirs
@@ -151,7 +151,7 @@ def _kernel_row(dtype: torch.dtype, dev: str) -> dict:
 
 
 def _llm(model_dir: str, device: str, graphs: bool, dtype: str = "float32", **kw):
-    from common.llm import LLM
+    from common.engine.llm import LLM
     opts = dict(device=device, dtype=dtype, num_kv_blocks=1024, max_model_len=1024, max_num_seqs=64,
                 decode_graphs=graphs, seed=0, **kw)
     if not on_gpu(device):

@@ -19,8 +19,8 @@ import zmq
 
 from router.launch import free_port
 from common.sampling_params import SamplingParams
-from common.messages import AbortRequest, KVReady, PrefillRequest
-from common.transport import Client, Server
+from common.wire.messages import AbortRequest, KVReady, PrefillRequest
+from common.wire.transport import Client, Server
 
 SCRIPT = Path(__file__).resolve().with_name("kv_transfer.py")  # the children's entry point
 REPO = SCRIPT.parents[1]

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import zmq
 
-from common.worker_spec import WorkerSpec
-from common.auth import DeploymentKey
+from common.worker.spec import WorkerSpec
+from common.wire.auth import DeploymentKey
 from router.launch import Launcher, free_port
 from common.sampling_params import SamplingParams
-from common.messages import ErrorReply, GenerateRequest, TokenOutput
-from common.transport import Client
+from common.wire.messages import ErrorReply, GenerateRequest, TokenOutput
+from common.wire.transport import Client
 from kv_transfer_bandwidth import CPU_BACKENDS, RECV_TIMEOUT_MS
 
 # Handoff settings (part b), fixed by the brief.
@@ -30,7 +30,7 @@ FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens
 
 def ensure_model(model_dir: Path) -> Path:
     if not (model_dir / "config.json").is_file():
-        from common.model_factory import make_model
+        from common.loading.model_factory import make_model
         make_model(model_dir, "qwen3", "small", seed=0)
     return model_dir
 
@@ -95,7 +95,7 @@ def run_handoff(model_dir: Path, reps: int, bandwidth: list[dict]) -> dict:
     them; round 0 is the warm-up. Every pair gets the same prompts (their caches are
     separate), and no prompt repeats within a pair."""
     from common.config import EngineConfig
-    from common.model_runner import bytes_per_block
+    from common.engine.model_runner import bytes_per_block
     config = EngineConfig.build(str(model_dir), max_model_len=2048)
     rng = random.Random(0)
     prompts = [[rng.randrange(FIRST_TOKEN_ID, config.model.vocab_size) for _ in range(PROMPT_LEN)]

@@ -96,7 +96,7 @@ def ensure_model(model: str | None) -> Path:
         return path
     path = REPO / "results" / "models" / "qwen3-small"
     if not (path / "model.safetensors").is_file():
-        from common.model_factory import make_model
+        from common.loading.model_factory import make_model
         print(f"making the small qwen3 model in {path}", flush=True)
         make_model(path, "qwen3", "small", seed=0)
     return path

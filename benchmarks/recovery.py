@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--model", default=str(Path(tempfile.gettempdir()) / "pdserve-recovery-tiny"))
     args = p.parse_args()
     if not Path(args.model, "config.json").exists():
-        from common.model_factory import make_model
+        from common.loading.model_factory import make_model
         make_model(args.model, "qwen3", "tiny", seed=0)
     base = summary("undisturbed", run(args.model, None, args))
     hit = summary(f"{args.kill}-0 killed at {args.kill_after:g} s", run(args.model, args.kill, args))

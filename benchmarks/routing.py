@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, parts: set[str]) -> None:
     t_start, load_at_start = time.perf_counter(), os.getloadavg()
     if args.model is None and not (TINY_MODEL / "model.safetensors").is_file():
-        from common.model_factory import make_model  # ensure_model defaults to the small model: far slower here
+        from common.loading.model_factory import make_model  # ensure_model defaults to the small model: far slower here
         make_model(TINY_MODEL, "qwen3", "tiny", seed=0)
     model = ensure_model(args.model or str(TINY_MODEL))
     cfg = ModelConfig.from_dir(model)

@@ -18,7 +18,7 @@ from typing import Any
 from benchmarks.routing_harness import (BLOCK_SIZE, COUNTERS, ROUTED, SEGMENTS, Server, Stream, WorkerClient,
                                         breakdown, check, drive)
 from common.config import EngineConfig
-from common.model_runner import bytes_per_block
+from common.engine.model_runner import bytes_per_block
 from router.bench.metrics import RequestRecord, phase_breakdown, summarize
 from router.bench.runner import run_workload
 from router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload

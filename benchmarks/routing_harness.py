@@ -22,11 +22,11 @@ from typing import Any, AsyncIterator, Callable
 
 import zmq
 
-from common import messages as wire
-from common.auth import DeploymentKey, new_secret
+from common.wire import messages as wire
+from common.wire.auth import DeploymentKey, new_secret
 from common.sampling_params import SamplingParams
-from common.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
-from common.transport import Authenticator, Client
+from common.wire.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
+from common.wire.transport import Authenticator, Client
 from router.bench.metrics import RequestRecord
 from router.bench.workloads import BenchRequest
 from router.client import AsyncClient

@@ -86,7 +86,7 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model
     if model is None:
-        from common.default_model import resolve_model_dir
+        from common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
     llm = LLM(model, num_threads=args.threads, num_kv_blocks=64, max_model_len=512)
     decode_ms(llm, 8)  # warm-up: kernels built, weights packed, caches warm

@@ -360,7 +360,7 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not (Path(args.model) / "config.json").exists():
-        from common.model_factory import make_model
+        from common.loading.model_factory import make_model
         log(f"making the small qwen3 model in {args.model}")
         make_model(args.model, "qwen3", "small", seed=0)
     vocab = ModelConfig.from_dir(args.model).vocab_size

@@ -398,7 +398,7 @@ def main() -> int:
     elif not args.vllm_python:
         log("SKIPPING vLLM: no --vllm-python given; measuring pdserve only")
     if not (Path(args.model) / "config.json").exists():
-        from common.model_factory import make_model
+        from common.loading.model_factory import make_model
         log(f"making the small qwen3 model in {args.model}")
         make_model(args.model, "qwen3", "small", seed=0)
     vocab = ModelConfig.from_dir(args.model).vocab_size

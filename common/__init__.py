@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from common.llm import LLM
+        from common.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
         from common.sampling_params import SamplingParams

@@ -291,7 +291,7 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 10.0  # a silent peer (or an unanswered handshake) is lost after this
     ready_file: str = ""
-    # the deployment's secret (hex, common.auth): only ever in the 0600 config file, never argv/env
+    # the deployment's secret (hex, common.wire.auth): only ever in the 0600 config file, never argv/env
     secret: str = field(default="", repr=False)
     # fault tolerance (docs/reliability.md)
     router_pid: int = 0  # the router's process; this worker exits when it is gone (0: not watched)

@@ -1,5 +1,5 @@
 """Per-request sampling parameters: the one form they take everywhere, from the offline
-API and the HTTP body to the wire (common/messages.py registers this class as the
+API and the HTTP body to the wire (common/wire/messages.py registers this class as the
 "sampling" structure) and the sampler. Torch-free: the router imports it."""
 from __future__ import annotations
 

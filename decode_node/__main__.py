@@ -2,7 +2,7 @@
 writes FILE)."""
 import sys
 
-from common.worker_spec import worker_main
+from common.worker.spec import worker_main
 from decode_node.worker import serve
 
 sys.exit(worker_main(sys.argv[1:], "python -m decode_node", ("decode", "colocated"), serve))

@@ -3,7 +3,7 @@ prefill mixed into the decode batch). It is the decode worker with no prefill pe
 no transfer backend -- the A/B baseline of the SLO experiments."""
 from __future__ import annotations
 
-from common.engine import LLMEngine, RequestError
+from common.engine.engine import LLMEngine, RequestError
 from decode_node.worker import DecodeWorker
 
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from common.auth import DeploymentKey
+from common.wire.auth import DeploymentKey
 from common.config import ConfigError
-from common.liveness import process_alive
-from common.messages import KVHandshake, KVHandshakeReply, KVLayout, StatusRequest
-from common.transport import Client, Incoming
+from common.worker.liveness import process_alive
+from common.wire.messages import KVHandshake, KVHandshakeReply, KVLayout, StatusRequest
+from common.wire.transport import Client, Incoming
 
 
 class HandshakeError(ConfigError):
@@ -140,7 +140,7 @@ class PrefillPeers:
             if self._writes_into_our_memory(peer) or peer.info.get("host") == socket.gethostname():
                 # on this host a P's death is confirmed, never guessed from silence: a P busy
                 # with a long prefill is silent (and, over shm / CUDA IPC, may still be writing
-                # into our blocks). A reaped or zombie process is dead (common/liveness.py).
+                # into our blocks). A reaped or zombie process is dead (common/worker/liveness.py).
                 if not process_alive(peer.info.get("pid", 0)):
                     lost.append(self._drop(peer, "its process exited"))
                     continue

@@ -15,8 +15,8 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from common.messages import KVReady
-from common.sequence import Sequence
+from common.wire.messages import KVReady
+from common.engine.sequence import Sequence
 from common.timeline import Timeline
 from kv_transfer import PendingReceive
 

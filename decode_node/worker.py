@@ -15,14 +15,14 @@ import time
 import zmq
 
 from common.config import EngineConfig, WorkerConfig
-from common.engine import LLMEngine, RequestError, StepOutput
-from common.faults import Faults
-from common.messages import (AbortRequest, ErrorReply, GenerateRequest, KVHandshake, KVReady, PrefillFailed,
+from common.engine.engine import LLMEngine, RequestError, StepOutput
+from common.worker.faults import Faults
+from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, KVHandshake, KVReady, PrefillFailed,
                              PrefillRequest, StatusRequest, TokenOutput, WorkerStatus)
-from common.model_runner import decide_num_blocks, kv_cache_shape
+from common.engine.model_runner import decide_num_blocks, kv_cache_shape
 from common.timeline import Stamp, mark
-from common.transport import Incoming
-from common.worker_base import IDLE_WAIT_MS, WorkerBase
+from common.wire.transport import Incoming
+from common.worker.base import IDLE_WAIT_MS, WorkerBase
 from decode_node.peers import HandshakeError, PeerLost, PeerMessage, PrefillPeers
 from decode_node.requests import DecodeRequest, RequestTable, State
 from kv_transfer import KVReceiver, TransferError, init_transfer_group, make_receiver, resolve_backend, shm_name_hint

@@ -43,7 +43,7 @@ def store_kv(
         slots = slots[valid]
         key = key[valid]
         value = value[valid]
-    # by (block, offset): the caches may be views in another memory order (common.kv_layout)
+    # by (block, offset): the caches may be views in another memory order (common.engine.kv_layout)
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = key.to(k_cache.dtype)
     v_cache[blocks, offsets] = value.to(v_cache.dtype)

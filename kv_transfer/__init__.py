@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from common.config import BACKENDS, ConfigError, WorkerConfig
-from common.kv_layout import kv_cache_tensor
-from common.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.kv_layout
+from common.engine.kv_layout import kv_cache_tensor
+from common.engine.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.engine.kv_layout
 from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
 from kv_transfer.peer_check import check_block_ids, check_peer_info, shm_name_hint
 

@@ -1,6 +1,6 @@
 """The transfer backend interface: a KVSender in the prefill worker writes or sends the
 KV of finished prompt blocks; a KVReceiver in the decode worker owns the destination
-cache and takes delivery. Both sides agree on a KVLayout (common.kv_layout) at connect time."""
+cache and takes delivery. Both sides agree on a KVLayout (common.engine.kv_layout) at connect time."""
 from __future__ import annotations
 
 import abc
@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from common.messages import KVReady
+from common.wire.messages import KVReady
 
 
 class TransferError(RuntimeError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from common.config import parse_dtype
-from common.messages import KVReady
+from common.wire.messages import KVReady
 from kv_transfer.base import KVReceiver, KVSender, copy_blocks, dtype_name
 
 

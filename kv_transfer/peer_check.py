@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from common.messages import KVLayout
+from common.wire.messages import KVLayout
 from kv_transfer.base import TransferError
 
 

@@ -10,8 +10,8 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from common.config import parse_dtype
-from common.kv_layout import kv_cache_tensor
-from common.messages import KVReady
+from common.engine.kv_layout import kv_cache_tensor
+from common.wire.messages import KVReady
 from kv_transfer.base import KVReceiver, KVSender, copy_blocks, dtype_name
 
 

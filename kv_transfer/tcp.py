@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from common.messages import KVReady
+from common.wire.messages import KVReady
 from kv_transfer.base import KVReceiver, KVSender, TransferError, dtype_name, gather_kv, scatter_kv
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import parse_dtype
-from common.messages import KVReady
+from common.wire.messages import KVReady
 from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError, dtype_name, gather_kv, scatter_kv
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.sequence import Sequence
+from common.engine.sequence import Sequence
 from common.timeline import Timeline
 
 

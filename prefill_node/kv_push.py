@@ -3,8 +3,8 @@ finished blocks of which job go to which decode blocks, written layer by layer d
 the forward where the backend allows it (shm, CUDA IPC)."""
 from __future__ import annotations
 
-from common.engine import KVProgress
-from common.faults import Faults
+from common.engine.engine import KVProgress
+from common.worker.faults import Faults
 from common.timeline import Stamp, mark
 from kv_transfer import KVSender
 from prefill_node.jobs import JobState, JobTable, PrefillJob

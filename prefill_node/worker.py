@@ -11,14 +11,14 @@ import socket
 import time
 
 from common.config import EngineConfig, WorkerConfig
-from common.engine import LLMEngine, RequestError, StepOutput
-from common.faults import Faults
-from common.liveness import process_alive
-from common.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeReply, KVReady, PrefillFailed,
+from common.engine.engine import LLMEngine, RequestError, StepOutput
+from common.worker.faults import Faults
+from common.worker.liveness import process_alive
+from common.wire.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeReply, KVReady, PrefillFailed,
                              PrefillRequest, StatusRequest)
 from common.timeline import Stamp, mark
-from common.transport import Incoming
-from common.worker_base import WorkerBase
+from common.wire.transport import Incoming
+from common.worker.base import WorkerBase
 from kv_transfer import (KVSender, TransferError, check_block_ids, check_peer_info, init_transfer_group,
                          layout_mismatch, make_sender, resolve_backend)
 from kv_transfer.integrity import kv_checksum

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from common.config import KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions
-from common.default_model import resolve_model
+from common.loading.default_model import resolve_model
 from router.policy import POLICIES
 
 
@@ -41,14 +41,14 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
-    from common.gguf_convert import convert_gguf
+    from common.loading.gguf_convert import convert_gguf
     out = convert_gguf(args.gguf, args.out_dir)
     print(f"wrote {out} (float32 safetensors, config, tokenizer, chat template) from {args.gguf}")
     return 0
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from common.model_factory import make_model
+    from common.loading.model_factory import make_model
     out = make_model(args.dir, args.arch, args.size, args.seed)
     print(f"wrote {args.arch}/{args.size} model (seed {args.seed}) to {out}")
     return 0
@@ -135,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               prefill_devices=_devices(args.prefill_devices, args.prefill, "--prefill-devices"),
                               decode_devices=_devices(args.decode_devices, args.decode, "--decode-devices"))
     if args.secret_file:  # multi-host: every host's workers are given the same secret this way
-        from common.auth import read_secret_file
+        from common.wire.auth import read_secret_file
         try:
             dep = dataclasses.replace(dep, secret=read_secret_file(args.secret_file))
         except ValueError as e:

@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator, Iterator
 import zmq
 import zmq.asyncio
 
-from common import messages as wire
-from common.messages import AbortRequest, ClientHeartbeat, ErrorReply, SubmitRequest, TokenOutput
+from common.wire import messages as wire
+from common.wire.messages import AbortRequest, ClientHeartbeat, ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.text import merge_outputs
 

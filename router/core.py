@@ -14,18 +14,18 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from common import messages
-from common.auth import AuthError, DeploymentKey, new_secret
+from common.wire import messages
+from common.wire.auth import AuthError, DeploymentKey, new_secret
 from common.hashing import block_hashes
-from common.kv_layout import model_fingerprint
-from common.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
+from common.engine.kv_layout import model_fingerprint
+from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
                              TokenOutput, WorkerHello, WorkerStatus)
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
-from common.chat_template import ChatTemplateError
-from common.tokenizer import Tokenizer
+from common.text.chat_template import ChatTemplateError
+from common.text.tokenizer import Tokenizer
 from common.validation import RequestError, check_prompt_chars, check_sampling, check_text, check_token_ids
-from common.transport import Authenticator, bind_address, is_endpoint
+from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
@@ -39,7 +39,7 @@ class Router:
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
     (how many may be prepared or in flight at once, `config.max_inflight`) and the
     deployment's secret: the control socket and the worker sockets accept only messages
-    signed with it (common.auth); `secret` "" makes a fresh one (single host)."""
+    signed with it (common.wire.auth); `secret` "" makes a fresh one (single host)."""
 
     def __init__(self, config: RouterConfig, secret: str = "") -> None:
         self.config = config

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from common.config import ConfigError, EngineOptions, WorkerConfig
-from common.worker_spec import WorkerSpec
+from common.worker.spec import WorkerSpec
 from kv_transfer import resolve_backend
 from router.config import RouterConfig
 from router.launch import free_port
@@ -23,7 +23,7 @@ class DeploymentConfig:
     router: RouterConfig
     workers: tuple[WorkerSpec, ...]
     kv_transfer: str = ""  # the resolved backend; "" for a colocated deployment
-    secret: str = field(default="", repr=False)  # common.auth; "" = a fresh one per `serve` (single host)
+    secret: str = field(default="", repr=False)  # common.wire.auth; "" = a fresh one per `serve` (single host)
 
     def __post_init__(self) -> None:
         for w in self.workers:  # the router routes by prefix hashes of its own block size and model

@@ -6,7 +6,7 @@ U+FFFD means the character's bytes have not all arrived) nor in a tail that coul
 grow into a stop string."""
 from __future__ import annotations
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 
 def held_back_tail(text: str, stops: list[str]) -> int:

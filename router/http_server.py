@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.messages import ErrorReply, SubmitRequest, TokenOutput
+from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError

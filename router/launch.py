@@ -1,5 +1,5 @@
 """Starting and stopping worker processes. Each worker gets its config as data: the
-launcher writes its WorkerSpec (common.worker_spec) as a JSON file (mode 0600) in its
+launcher writes its WorkerSpec (common.worker.spec) as a JSON file (mode 0600) in its
 workdir and starts `python -m prefill_node --config FILE` (decode and colocated roles:
 `python -m decode_node`). A worker writes a ready file once its socket is bound; the
 launcher waits for every ready file and on stop terminates (then kills) every process it
@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.auth import new_secret
-from common.worker_spec import WorkerSpec
+from common.wire.auth import new_secret
+from common.worker.spec import WorkerSpec
 
 
 class LaunchError(RuntimeError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from common.hashing import block_hashes
-from common.messages import ErrorReply
+from common.wire.messages import ErrorReply
 from common.sampling_params import SamplingParams
 
 # error codes a worker (or the router's liveness checks) report for a failure that another

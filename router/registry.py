@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.messages import WorkerHello, WorkerStatus
+from common.wire.messages import WorkerHello, WorkerStatus
 from router.policy import WorkerView, prefix_overlap
 
 

@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from common.messages import ErrorReply, SubmitRequest, TokenOutput
+from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer
 from router.registry import WorkerEntry

@@ -15,7 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from common.gc_tuning import freeze_startup_heap
-from common.worker_spec import WorkerSpec
+from common.worker.spec import WorkerSpec
 from router.core import Router
 from router.deploy import DeploymentConfig
 from router.http_server import create_app

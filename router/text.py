@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from common.messages import TokenOutput
+from common.wire.messages import TokenOutput
 
 
 def merge_outputs(outs: Iterable[TokenOutput]) -> TokenOutput:

@@ -9,9 +9,9 @@ import time
 import zmq
 import zmq.asyncio
 
-from common import messages
-from common.messages import AbortRequest, ClientHeartbeat, ErrorReply, MessageError, SubmitRequest
-from common.transport import bind_address
+from common.wire import messages
+from common.wire.messages import AbortRequest, ClientHeartbeat, ErrorReply, MessageError, SubmitRequest
+from common.wire.transport import bind_address
 from router.core import Router
 from router.text import merge_outputs
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from common.attention import AttentionMetadata, attend
+from common.models.attention import AttentionMetadata, attend
 from common.config import ModelConfig
 from common.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from common.models.rope import rope_frequencies

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     from common.config import ModelConfig
-    from common.default_model import resolve_model
+    from common.loading.default_model import resolve_model
     model_dir = resolve_model(args.model)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     if args.workload == "random":
@@ -67,7 +67,7 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     if not args.dataset_path:
         raise ValueError(f"--workload {args.workload} needs --dataset-path")
     if args.workload == "sharegpt":
-        from common.tokenizer import Tokenizer
+        from common.text.tokenizer import Tokenizer
         return sharegpt_workload(args.dataset_path, args.num_prompts, Tokenizer(model_dir), None, seed=args.seed)
     return mooncake_workload(args.dataset_path, args.num_prompts, args.trace_scale, vocab, args.time_scale,
                              args.trace_start, args.max_output_len, args.max_input_len, args.seed)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from common import LLM, SamplingParams
 from common.config import ConfigError, EngineConfig, ModelConfig
-from common.engine import RequestError
+from common.engine.engine import RequestError
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

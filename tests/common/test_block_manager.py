@@ -13,10 +13,10 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.block_manager import BlockManager
+from common.engine.block_manager import BlockManager
 from common.hashing import block_hashes, cacheable_prefix_hashes
 from common.sampling_params import SamplingParams
-from common.sequence import Sequence
+from common.engine.sequence import Sequence
 
 BS = 4
 NUM_BLOCKS = 12

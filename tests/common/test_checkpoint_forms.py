@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common import LLM, SamplingParams
-from common.chat_template import ChatTemplateError
+from common.text.chat_template import ChatTemplateError
 from common.config import ConfigError, ModelConfig
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

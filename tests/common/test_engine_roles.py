@@ -9,9 +9,9 @@ import random
 import pytest
 
 from common.config import EngineConfig
-from common.engine import KVProgress, LLMEngine
+from common.engine.engine import KVProgress, LLMEngine
 from common.sampling_params import SamplingParams
-from common.sequence import Sequence, SequenceStatus
+from common.engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 16
 MAX_LEN = 128

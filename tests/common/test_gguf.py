@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from common import LLM, SamplingParams
 from common.config import ConfigError
-from common.gguf_convert import convert_gguf
-from common.tokenizer import Tokenizer
+from common.loading.gguf_convert import convert_gguf
+from common.text.tokenizer import Tokenizer
 from tests.conftest import ARCHS
 from tests.gguf_fixture import QUANT_TYPES, write_gguf
 
@@ -78,7 +78,7 @@ def test_convert_gguf_cli_and_bad_input(model_dirs, tmp_path):
 
 
 def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatch, capsys):
-    import common.default_model as dm
+    import common.loading.default_model as dm
     from router.cli import main
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "default_gguf", lambda: None)

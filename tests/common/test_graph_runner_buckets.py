@@ -1,4 +1,4 @@
-"""common.graph_runner bucketing: which padded batch sizes get a (CUDA-graph) decode
+"""common.engine.graph_runner bucketing: which padded batch sizes get a (CUDA-graph) decode
 buffer, and which bucket serves a batch."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.graph_runner import bucket_sizes, pick_bucket
+from common.engine.graph_runner import bucket_sizes, pick_bucket
 
 
 @pytest.mark.parametrize("max_batch, want", [

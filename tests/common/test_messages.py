@@ -1,4 +1,4 @@
-"""common.messages: every registered message survives encode/decode, and decoding
+"""common.wire.messages: every registered message survives encode/decode, and decoding
 rejects whatever does not match the declared, versioned structure."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import msgpack
 import pytest
 import zmq
 
-from common import messages
+from common.wire import messages
 from common.sampling_params import SamplingParams
-from common.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, MessageError, StatusRequest, decode, encode)
-from common.transport import Client, Server
+from common.wire.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, MessageError, StatusRequest, decode, encode)
+from common.wire.transport import Client, Server
 
 
 def _sample(tp: Any, n: int) -> Any:

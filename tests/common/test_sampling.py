@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common import LLM
-from common.sampler import Sampler, _filter_top_k_top_p, make_generator
+from common.engine.sampler import Sampler, _filter_top_k_top_p, make_generator
 from common.sampling_params import SamplingParams, SamplingParamsError
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampler import Sampler
+from common.engine.sampler import Sampler
 from common.sampling_params import MAX_TOKENS_LIMIT, MAX_TOP_K, SamplingParams, SamplingParamsError
 
 

@@ -1,4 +1,4 @@
-"""A worker's config as data (common/worker_spec.py): the JSON file the launcher writes
+"""A worker's config as data (common/worker/spec.py): the JSON file the launcher writes
 round-trips, and as input it is validated, each error naming the field."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from common.config import ConfigError, EngineOptions, WorkerConfig
-from common.worker_spec import WorkerSpec, worker_main
+from common.worker.spec import WorkerSpec, worker_main
 
 
 def spec() -> WorkerSpec:
@@ -80,7 +80,7 @@ def test_worker_config_round_trips():
 def test_graph_runner_only_where_it_replays_graphs(tmp_path, monkeypatch, role, device, asked, expected):
     import torch
 
-    from common.model_factory import make_model
+    from common.loading.model_factory import make_model
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the choice is logic: no GPU needed
     model = make_model(tmp_path / "m", "qwen3", "tiny", seed=0)
     s = WorkerSpec.of(str(model), role, f"{role}-0", num_kv_blocks=64, max_model_len=256, device=device,

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.auth import new_secret
+from common.wire.auth import new_secret
 from common.config import EngineConfig, WorkerConfig
-from common.messages import ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, TokenOutput
+from common.wire.messages import ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, TokenOutput
 from common.sampling_params import SamplingParams
-from common.transport import Incoming
+from common.wire.transport import Incoming
 from decode_node.peers import PeerLost, PeerMessage, PrefillPeer
 from decode_node.requests import DecodeRequest, State
 from decode_node.worker import DecodeWorker

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine import LLMEngine
+from common.engine.engine import LLMEngine
 from common.sampling_params import SamplingParams
 from decode_node.requests import State
 from tests.decode_node.harness import FakeTransfer, prompt

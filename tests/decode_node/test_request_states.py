@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from common.messages import AbortRequest, ErrorReply, GenerateRequest, KVReady, TokenOutput
+from common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, KVReady, TokenOutput
 from common.sampling_params import SamplingParams
-from common.transport import Incoming
+from common.wire.transport import Incoming
 from decode_node.peers import PeerLost, PeerMessage, PrefillPeer
 from decode_node.requests import TRANSITIONS, RequestTable, State
 from tests.decode_node.harness import (NUM_BLOCKS, P_ADDR, FakeClient, FakeTransfer, nblocks, prompt)

@@ -10,7 +10,7 @@ from tests.decode_node.harness import P_ADDR
 
 
 def _req(rid: str, seq_id: int) -> DecodeRequest:
-    from common.sequence import Sequence
+    from common.engine.sequence import Sequence
     return DecodeRequest(rid, Sequence(seq_id, [5, 6, 7], SamplingParams()), b"x", P_ADDR, False)
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import zmq
 
-from common.auth import DeploymentKey
+from common.wire.auth import DeploymentKey
 from common.sampling_params import SamplingParams
-from common.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
-from common.transport import Client
-from common.worker_spec import WorkerSpec
+from common.wire.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
+from common.wire.transport import Client
+from common.worker.spec import WorkerSpec
 from router.launch import LaunchError, Launcher, WorkerProcess, free_port
 
 BLOCK_SIZE = 16

@@ -10,7 +10,7 @@ import pytest
 
 from router.launch import free_port
 from common.sampling_params import SamplingParams
-from common.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, encode
+from common.wire.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, encode
 from tests.disagg.driver import Deployment, engine_options, start_pair, start_single
 
 MAX_MODEL_LEN = 128

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import kernels
 from common.models.layers import Linear, RotaryEmbedding
-from common.kv_layout import kv_cache_tensor
+from common.engine.kv_layout import kv_cache_tensor
 from kernels import cpu_native, reference
 
 

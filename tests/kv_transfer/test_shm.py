@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.messages import KVReady
+from common.wire.messages import KVReady
 from kv_transfer.shm import ShmReceiver, ShmSender
 
 SHAPE = (2, 3, 8, 4, 2, 5)  # [2, L, num_blocks, block_size, H, D]

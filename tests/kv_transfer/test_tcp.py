@@ -8,8 +8,8 @@ import pytest
 import torch
 import zmq
 
-from common.messages import KVReady, StatusRequest
-from common.transport import Client, Server
+from common.wire.messages import KVReady, StatusRequest
+from common.wire.transport import Client, Server
 from kv_transfer.base import TransferError
 from kv_transfer.tcp import TcpReceiver, TcpSender
 

@@ -15,7 +15,7 @@ from router.launch import free_port
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import torch
-    from common.messages import KVReady
+    from common.wire.messages import KVReady
     from kv_transfer.torch_dist import DistReceiver, DistSender, init_group
 
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]

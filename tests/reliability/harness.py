@@ -1,5 +1,5 @@
 """Helpers for the fault-tolerance tests: a real `pdserve serve` with short liveness
-timeouts and faults injected through PDSERVE_FAULTS (common/faults.py), requests over
+timeouts and faults injected through PDSERVE_FAULTS (common/worker/faults.py), requests over
 HTTP, and the checks every test ends with: each request's output, block counts back to
 baseline on every surviving worker, and no process left behind."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 import zmq
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,10 +9,10 @@ import dataclasses
 import zmq
 import zmq.asyncio
 
-from common import messages
+from common.wire import messages
 from common.sampling_params import SamplingParams
-from common.messages import ErrorReply, GenerateRequest, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus
-from common.transport import Authenticator, bind_address
+from common.wire.messages import ErrorReply, GenerateRequest, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus
+from common.wire.transport import Authenticator, bind_address
 from router.config import RouterConfig
 from router.core import Router
 

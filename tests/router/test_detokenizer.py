@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers.pre_tokenizers import ByteLevel
 
-from common.messages import TokenOutput
-from common.tokenizer import Tokenizer
+from common.wire.messages import TokenOutput
+from common.text.tokenizer import Tokenizer
 from router.detokenizer import IncrementalDetokenizer, held_back_tail
 from router.text import merge_outputs, usage
 

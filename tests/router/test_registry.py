@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 from common.hashing import cacheable_prefix_hashes
-from common.messages import WorkerHello, WorkerStatus
+from common.wire.messages import WorkerHello, WorkerStatus
 from router.policy import choose_prefill
 from router.registry import WorkerRegistry, refusal
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.router.serving import serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")

@@ -10,12 +10,12 @@ import pytest
 import torch
 import zmq
 
-from common.auth import DeploymentKey, new_secret
-from common.kv_layout import layout_of
-from common.messages import KVHandshake, KVHandshakeReply, PrefillFailed, PrefillRequest
+from common.wire.auth import DeploymentKey, new_secret
+from common.engine.kv_layout import layout_of
+from common.wire.messages import KVHandshake, KVHandshakeReply, PrefillFailed, PrefillRequest
 from common.sampling_params import SamplingParams
-from common.transport import Client
-from common.worker_spec import WorkerSpec
+from common.wire.transport import Client
+from common.worker.spec import WorkerSpec
 from kv_transfer import shm_name_hint
 from kv_transfer.shm import ShmReceiver
 from tests.disagg.driver import engine_options, shm_segments, start_pair

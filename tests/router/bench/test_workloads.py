@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from common.block_manager import BlockManager
+from common.engine.block_manager import BlockManager
 from common.sampling_params import SamplingParams
-from common.sequence import Sequence
+from common.engine.sequence import Sequence
 from router.bench.workloads import (FIRST_ORDINARY_TOKEN, BenchRequest, ideal_hit_rate, mooncake_workload,
                                     random_workload, shared_prefix_workload)
 
@@ -172,7 +172,7 @@ def test_mooncake_scale_too_large_is_rejected():
 # ---- ideal hit rate -----------------------------------------------------------------------
 
 def _block_manager_hit_rate(prompts: list[list[int]], block_size: int) -> float:
-    """What a real, never-evicting prefix cache (common.block_manager) hits when the
+    """What a real, never-evicting prefix cache (common.engine.block_manager) hits when the
     prompts are prefilled one after another: cached blocks / blocks looked up."""
     bm = BlockManager(num_blocks=10_000, block_size=block_size)
     for i, ids in enumerate(prompts):

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.block_manager import BlockManager
+from common.engine.block_manager import BlockManager
 from common.config import SchedulerConfig
-from common.sequence import Sequence, SequenceStatus
+from common.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

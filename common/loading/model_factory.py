@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from common.config import SUPPORTED_ARCHS, ConfigError
-from common.tokenizer import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_bpe_tokenizer
+from common.text.tokenizer import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_bpe_tokenizer
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from typing import Callable
 
 import torch
 
-from common.attention import AttentionMetadata
+from common.models.attention import AttentionMetadata
 from common.config import EngineConfig
-from common.model_runner import ModelRunner
-from common.scheduler import ScheduledBatch
+from common.engine.model_runner import ModelRunner
+from common.engine.scheduler import ScheduledBatch
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -10,15 +10,15 @@ from typing import Protocol
 
 import torch
 
-from common.block_manager import BlockManager
+from common.engine.block_manager import BlockManager
 from common.config import EngineConfig
-from common.graph_runner import GraphRunner
+from common.engine.graph_runner import GraphRunner
 from common.hashing import block_hashes
-from common.model_runner import ModelRunner
+from common.engine.model_runner import ModelRunner
 from common.sampling_params import SamplingParams
-from common.scheduler import ScheduledBatch, Scheduler
-from common.sequence import SeqIdCounter, Sequence, SequenceStatus
-from common.tokenizer import Tokenizer
+from common.engine.scheduler import ScheduledBatch, Scheduler
+from common.engine.sequence import SeqIdCounter, Sequence, SequenceStatus
+from common.text.tokenizer import Tokenizer
 from common.validation import RequestError, check_sampling, prompt_token_ids
 
 __all__ = ["KVProgress", "KVWriter", "LLMEngine", "RequestError", "StepOutput"]

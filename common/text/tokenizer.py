@@ -11,7 +11,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from common.chat_template import ChatTemplateError, load_chat_template
+from common.text.chat_template import ChatTemplateError, load_chat_template
 from common.config import ConfigError, read_json
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from common.config import EngineConfig
-from common.messages import KVLayout
+from common.wire.messages import KVLayout
 from kernels import huge_pages
 
 _CHUNK = 1 << 20  # bytes hashed from each end of a weight file

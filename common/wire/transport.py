@@ -1,7 +1,7 @@
 """Typed ZeroMQ endpoints: every send encodes a declared message (plus optional raw
 frames) and every receive decodes one, so no ad-hoc dicts reach a socket. Internal
 endpoints (given the deployment's key) sign every message they send and drop, with a log
-line, every message that is not authentic (common.auth); the public front end has none."""
+line, every message that is not authentic (common.wire.auth); the public front end has none."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,9 @@ from typing import Any
 
 import zmq
 
-from common import messages
-from common.auth import AuthError, DeploymentKey
-from common.messages import ErrorReply, MessageError
+from common.wire import messages
+from common.wire.auth import AuthError, DeploymentKey
+from common.wire.messages import ErrorReply, MessageError
 
 
 class Authenticator:

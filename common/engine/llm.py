@@ -7,7 +7,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from common.config import EngineConfig
-from common.engine import LLMEngine, RequestError
+from common.engine.engine import LLMEngine, RequestError
 from common.sampling_params import SamplingParams
 
 
@@ -18,7 +18,7 @@ class LLM:
 
     def __init__(self, model_dir: str | Path, **options: Any) -> None:
         if str(model_dir).lower().endswith(".gguf"):  # converted once into pdserve's cache
-            from common.default_model import resolve_model_dir
+            from common.loading.default_model import resolve_model_dir
             model_dir = resolve_model_dir(str(model_dir))
         self.engine = LLMEngine(EngineConfig.build(model_dir, **options))
         self.tokenizer = self.engine.tokenizer

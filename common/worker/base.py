@@ -13,14 +13,14 @@ from pathlib import Path
 
 import zmq
 
-from common.auth import DeploymentKey
+from common.wire.auth import DeploymentKey
 from common.config import ConfigError, EngineConfig, WorkerConfig
-from common.engine import LLMEngine
+from common.engine.engine import LLMEngine
 from common.gc_tuning import freeze_startup_heap
-from common.kv_layout import layout_of
-from common.liveness import process_alive
-from common.messages import WorkerStatus
-from common.transport import Client, Incoming, Server
+from common.engine.kv_layout import layout_of
+from common.worker.liveness import process_alive
+from common.wire.messages import WorkerStatus
+from common.wire.transport import Client, Incoming, Server
 
 
 
@@ -144,7 +144,7 @@ class WorkerBase:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         self.write_ready_file()
         if self.reporter is not None:
-            from common.messages import WorkerHello
+            from common.wire.messages import WorkerHello
             self.reporter.send(WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
                                            self.engine.block_manager.num_blocks,
                                            self.config.cache.block_size, self.layout.model_fingerprint))

@@ -9,15 +9,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from common.attention import AttentionMetadata
+from common.models.attention import AttentionMetadata
 from common.config import ConfigError, EngineConfig
-from common.kv_layout import kv_cache_tensor
+from common.engine.kv_layout import kv_cache_tensor
 from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
-from common.sampler import Sampler, make_generator
-from common.scheduler import ScheduledBatch
-from common.sequence import Sequence
-from common.weights import load_weights
+from common.engine.sampler import Sampler, make_generator
+from common.engine.scheduler import ScheduledBatch
+from common.engine.sequence import Sequence
+from common.loading.weights import load_weights
 
 
 # Test hook, off unless set: a step whose sampled sequences include one holding this token
@@ -28,7 +28,7 @@ FAULT_TOKEN_ENV = "PDSERVE_TEST_FAULT_TOKEN"
 
 def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
     """[2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim] (the index order; on
-    the CPU the memory order differs: `common.kv_layout.kv_cache_tensor`)."""
+    the CPU the memory order differs: `common.engine.kv_layout.kv_cache_tensor`)."""
     m = config.model
     return (2, m.num_layers, num_blocks, config.cache.block_size, m.num_kv_heads, m.head_dim)
 

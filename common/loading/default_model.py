@@ -41,7 +41,7 @@ def _converted(gguf: Path, target: Path) -> Path:
     """`target` holding `gguf` converted, made atomically (another process may race us)."""
     if (target / "model.safetensors").is_file():
         return target
-    from common.gguf_convert import convert_gguf
+    from common.loading.gguf_convert import convert_gguf
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.making-"))
     try:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from common.hashing import ROOT_HASH, cacheable_prefix_hashes, hash_block
-from common.sequence import Sequence
+from common.engine.sequence import Sequence
 
 
 @dataclass
