@@ -40,9 +40,9 @@ def emulate_avx2() -> dict[str, str]:
     return AVX2_ENV
 
 
-def repo_pythonpath() -> str:
+def repo_pythonpath(repo: Path = REPO) -> str:
     """PYTHONPATH with the repository first, keeping what was there (wheels installed aside)."""
-    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def log(msg: str) -> None:
@@ -128,15 +128,18 @@ class Server:
                 pass
 
 
-def start_pdserve(cfg: str, model: str, logdir: Path, extra: list[str] = ()) -> Server:
-    """`pdserve serve` in one of PDSERVE_CONFIGS, plus `extra` flags (devices, say)."""
+def start_pdserve(cfg: str, model: str, logdir: Path, extra: list[str] = (), *, repo: Path = REPO,
+                  name: str = "") -> Server:
+    """`pdserve serve` in one of PDSERVE_CONFIGS, plus `extra` flags (devices, say), from the
+    checkout `repo` (another commit's worktree: an A/B of two commits in one run)."""
     ready = logdir / f"pdserve-{cfg}-{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "router.cli", "serve", model, *PDSERVE_CONFIGS[cfg], "--http-port", "0",
            "--zmq-port", "0", "--ready-file", str(ready), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED), "--num-kv-blocks", "2048",
            *extra]
-    s = Server(f"pdserve-{cfg}", cmd, dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=repo_pythonpath()),
-               logdir / f"pdserve-{cfg}.log")
+    name = name or f"pdserve-{cfg}"
+    s = Server(name, cmd, dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=repo_pythonpath(repo)),
+               logdir / f"{name}.log")
     s.cmd = " ".join(cmd[1:])  # type: ignore[attr-defined]
     while not ready.exists():
         s.fail_if_dead(300)

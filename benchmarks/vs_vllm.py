@@ -169,14 +169,24 @@ def measure(server: Server, others: list[Server], reqs, times) -> dict:
     return res
 
 
+BASELINE_SUFFIX = "@baseline"
+
+
 def server_names(args: argparse.Namespace) -> list[str]:
-    return [f"pdserve-{c}" for c in args.configs.split(",")] + (["vllm"] if args.vllm_python else [])
+    ours = [f"pdserve-{c}" for c in args.configs.split(",")]
+    base = [n + BASELINE_SUFFIX for n in ours] if getattr(args, "baseline", None) else []
+    return ours + base + (["vllm"] if args.vllm_python else [])
 
 
 def start_server(name: str, args: argparse.Namespace, model: str, vocab: int, logdir: Path) -> Server:
     """Start one server, warm it up with two requests (not counted), let it settle."""
-    s = start_vllm(args.vllm_python, model, logdir) if name == "vllm" else \
-        start_pdserve(name.removeprefix("pdserve-"), model, logdir)
+    if name == "vllm":
+        s = start_vllm(args.vllm_python, model, logdir)
+    elif name.endswith(BASELINE_SUFFIX):
+        cfg = name.removeprefix("pdserve-").removesuffix(BASELINE_SUFFIX)
+        s = start_pdserve(cfg, model, logdir, repo=Path(args.baseline), name=name)
+    else:
+        s = start_pdserve(name.removeprefix("pdserve-"), model, logdir)
     try:
         warm = random_workload(2, args.input_len, args.output_len, 0.0, vocab, seed=99)
         recs, _ = asyncio.run(run_workload(warm, "http", s.url, [0.0, 0.0], None, 0.0, True, False, 0, False))
@@ -298,6 +308,30 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
 
 # ---- report -------------------------------------------------------------------------------
 
+def baseline_ratios(serving: dict) -> dict:
+    """Per config and rate: this checkout's median figures over the baseline checkout's
+    (`--baseline`), and each one's over vLLM's where vLLM ran. Below 1 is faster."""
+    out: dict = {}
+    keys = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
+    for name, r in serving.items():
+        base = serving.get(name + BASELINE_SUFFIX)
+        if name.startswith("_") or name.endswith(BASELINE_SUFFIX) or base is None:
+            continue
+        vllm = {p["request_rate"]: p for p in serving.get("vllm", {}).get("sweep", []) if "error" not in p}
+        rows = []
+        for ours, theirs in zip(r["sweep"], base["sweep"]):
+            if "error" in ours or "error" in theirs:
+                continue
+            row = {"request_rate": ours["request_rate"], **{f"{k}_over_baseline": ours[k] / theirs[k] for k in keys}}
+            v = vllm.get(ours["request_rate"])
+            if v is not None:
+                row.update({f"{k}_over_vllm": ours[k] / v[k] for k in keys},
+                           **{f"baseline_{k}_over_vllm": theirs[k] / v[k] for k in keys})
+            rows.append(row)
+        out[name] = rows
+    return out
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -380,6 +414,9 @@ def main() -> int:
     p.add_argument("--emulate-avx2", action="store_true",
                    help="run this AVX-512 machine as an AVX2 one, for every engine: torch, oneDNN and MKL capped at AVX2, "
                         "pdserve's C kernels built with -mno-avx512f, vLLM's AVX2 kernels (benchmarks/servers.py AVX2_ENV)")
+    p.add_argument("--baseline", default=None,
+                   help="a checkout of another pdserve commit (e.g. a `git worktree`): its servers "
+                        "(`pdserve-CONFIG@baseline`) serve every point too, in the same alternation")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--py-spy-pid-file", default=None,
@@ -419,6 +456,8 @@ def main() -> int:
                                           "output_len": args.output_len, "arrivals": "Poisson", "rates": args.rates,
                                           "prompts": "fresh random token ids per point, same for every server"}
             report["serving"] = serving(args, args.model, vocab, out_dir / "logs", on_ready)
+    if args.baseline and report.get("serving"):
+        report["baseline_ratios"] = baseline_ratios(report["serving"])
     report["host"]["loadavg_at_end"] = os.getloadavg()
     report["runtime_s"] = time.monotonic() - t0
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
@@ -442,6 +481,15 @@ def main() -> int:
                   f"TPOT mean/p99 {pt['mean_tpot_ms']:.1f}/{pt['p99_tpot_ms']:.1f} ms, attainment "
                   f"{pt['slo_attainment']:.0%}, goodput {pt['request_goodput']:.2f} req/s")
         print(f"{name:<18} goodput rate: {r['goodput_rate']}")
+    for name, rows in report.get("baseline_ratios", {}).items():
+        for row in rows:
+            print(f"{name} rate {row['request_rate']}: over the baseline checkout, TTFT mean/p99 "
+                  f"{row['mean_ttft_ms_over_baseline']:.3f}/{row['p99_ttft_ms_over_baseline']:.3f}, TPOT mean/p99 "
+                  f"{row['mean_tpot_ms_over_baseline']:.3f}/{row['p99_tpot_ms_over_baseline']:.3f}")
+            if "mean_tpot_ms_over_vllm" in row:
+                print(f"  over vLLM: this TTFT/TPOT mean {row['mean_ttft_ms_over_vllm']:.3f}/"
+                      f"{row['mean_tpot_ms_over_vllm']:.3f}, baseline {row['baseline_mean_ttft_ms_over_vllm']:.3f}/"
+                      f"{row['baseline_mean_tpot_ms_over_vllm']:.3f}")
     return 0
 
 

@@ -86,3 +86,23 @@ def test_all_servers_up_through_the_sweep(vs, monkeypatch):
     assert log[3:6] == [("measure", n, sorted(set(names) - {n})) for n in names]
     assert sorted(log[6:]) == sorted(("stop", n) for n in names)
 
+
+
+def test_baseline_ratios_divide_this_checkout_by_the_baseline_and_by_vllm(vs):
+    serving = {"pdserve-colocated": {"sweep": [point(1.0, 100, 10, 1.0), point(3.0, 200, 20, 0.9)]},
+               "pdserve-colocated@baseline": {"sweep": [point(1.0, 50, 20, 1.0), point(3.0, 100, 10, 0.9)]},
+               "vllm": {"sweep": [point(1.0, 200, 40, 1.0), {"request_rate": 3.0, "error": "down"}]}}
+    rows = vs.baseline_ratios(serving)["pdserve-colocated"]
+    assert [r["request_rate"] for r in rows] == [1.0, 3.0]
+    assert rows[0]["mean_ttft_ms_over_baseline"] == 2.0 and rows[0]["mean_tpot_ms_over_baseline"] == 0.5
+    assert rows[0]["mean_tpot_ms_over_vllm"] == 0.25 and rows[0]["baseline_mean_tpot_ms_over_vllm"] == 0.5
+    assert "mean_tpot_ms_over_vllm" not in rows[1]  # vLLM failed at that rate
+    assert set(vs.baseline_ratios(serving)) == {"pdserve-colocated"}
+
+
+def test_baseline_servers_join_the_alternation_only_when_asked(vs):
+    args = argparse.Namespace(configs="colocated,1p1d", baseline=None, vllm_python="/v/bin/python")
+    assert vs.server_names(args) == ["pdserve-colocated", "pdserve-1p1d", "vllm"]
+    args.baseline = "/tmp/old"
+    assert vs.server_names(args) == ["pdserve-colocated", "pdserve-1p1d", "pdserve-colocated@baseline",
+                                     "pdserve-1p1d@baseline", "vllm"]
