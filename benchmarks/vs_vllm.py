@@ -144,12 +144,23 @@ def own_cpu_s() -> float:
     return t.user + t.system
 
 
+def process_cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds of one process, without its children (pdserve: the router process)."""
+    try:
+        t = proc.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return t.user + t.system
+
+
 def measure(server: Server, others: list[Server], reqs, times) -> dict:
     """One point against `server`. Besides the figures: the CPU seconds the server's
-    process tree used, those of every other server kept up (`idle_others_cpu_s`), and
-    `other_cpu_s`, what the rest of the machine used (neither the server nor this client):
-    how quiet the run was."""
+    process tree used, its top process alone per 1k streamed tokens (pdserve's router,
+    vLLM's API server: `top_cpu_ms_per_1k_tokens`), those of every other server kept up
+    (`idle_others_cpu_s`), and `other_cpu_s`, what the rest of the machine used (neither
+    the server nor this client): how quiet the run was."""
     load0 = os.getloadavg()[0]
+    top0 = process_cpu_s(server.ps)
     cpu0 = {s.name: tree_cpu_s(s.ps) for s in [server, *others]}
     busy0, mine0 = busy_cpu_s(), own_cpu_s()
     coro = run_workload(reqs, "http", server.url, times, None, 0.0, True, False, 0, False)
@@ -159,9 +170,12 @@ def measure(server: Server, others: list[Server], reqs, times) -> dict:
         return {"error": f"timed out after {POINT_TIMEOUT_S:.0f} s"}
     res = summarize(records, duration, SLO_TTFT_S, SLO_TPOT_S, (90, 99))
     cpu1 = {s.name: tree_cpu_s(s.ps) for s in [server, *others]}
+    top_cpu = process_cpu_s(server.ps) - top0
     server_cpu = cpu1[server.name] - cpu0[server.name]
     client_cpu = own_cpu_s() - mine0
-    res.update(server_cpu_s=server_cpu, client_cpu_s=client_cpu,
+    out_tokens = sum(r.output_len for r in records if r.success)
+    res.update(server_cpu_s=server_cpu, client_cpu_s=client_cpu, top_cpu_s=round(top_cpu, 3),
+               top_cpu_ms_per_1k_tokens=round(top_cpu * 1e6 / out_tokens, 1) if out_tokens else None,
                other_cpu_s=round(busy_cpu_s() - busy0 - server_cpu - client_cpu, 2),
                idle_others_cpu_s={s.name: round(cpu1[s.name] - cpu0[s.name], 2) for s in others},
                loadavg_1m_before=load0, loadavg_1m_after=os.getloadavg()[0],
@@ -257,8 +271,10 @@ def median_point(rate: float, pts: list[dict]) -> dict:
     ok = [p for p in pts if "error" not in p]
     if not ok:
         return {"request_rate": rate, "error": pts[0]["error"] if pts else "no points"}
+    cpu = [p["top_cpu_ms_per_1k_tokens"] for p in ok if p.get("top_cpu_ms_per_1k_tokens")]
     return {"request_rate": rate, "repeats": len(ok),
-            **{k: statistics.median(p[k] for p in ok) for k in MEDIAN_KEYS}}
+            **{k: statistics.median(p[k] for p in ok) for k in MEDIAN_KEYS},
+            "top_cpu_ms_per_1k_tokens": statistics.median(cpu) if cpu else None}
 
 
 def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_ready=None) -> dict:
@@ -323,6 +339,9 @@ def baseline_ratios(serving: dict) -> dict:
             if "error" in ours or "error" in theirs:
                 continue
             row = {"request_rate": ours["request_rate"], **{f"{k}_over_baseline": ours[k] / theirs[k] for k in keys}}
+            if ours.get("top_cpu_ms_per_1k_tokens") and theirs.get("top_cpu_ms_per_1k_tokens"):
+                row["top_cpu_ms_per_1k_tokens_over_baseline"] = \
+                    ours["top_cpu_ms_per_1k_tokens"] / theirs["top_cpu_ms_per_1k_tokens"]
             v = vllm.get(ours["request_rate"])
             if v is not None:
                 row.update({f"{k}_over_vllm": ours[k] / v[k] for k in keys},
@@ -483,7 +502,9 @@ def main() -> int:
         print(f"{name:<18} goodput rate: {r['goodput_rate']}")
     for name, rows in report.get("baseline_ratios", {}).items():
         for row in rows:
-            print(f"{name} rate {row['request_rate']}: over the baseline checkout, TTFT mean/p99 "
+            cpu = row.get("top_cpu_ms_per_1k_tokens_over_baseline")
+            print(f"{name} rate {row['request_rate']}: over the baseline checkout, router CPU per 1k tokens "
+                  f"{'-' if cpu is None else format(cpu, '.3f')}, TTFT mean/p99 "
                   f"{row['mean_ttft_ms_over_baseline']:.3f}/{row['p99_ttft_ms_over_baseline']:.3f}, TPOT mean/p99 "
                   f"{row['mean_tpot_ms_over_baseline']:.3f}/{row['p99_tpot_ms_over_baseline']:.3f}")
             if "mean_tpot_ms_over_vllm" in row:
