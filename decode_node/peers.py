@@ -3,7 +3,6 @@ messages they send. It never touches requests: it reports events, and the worker
 decides what they mean for the requests that wait on a peer."""
 from __future__ import annotations
 
-import re
 import socket
 import sys
 import time
@@ -15,14 +14,11 @@ from common.wire.auth import DeploymentKey
 from common.config import ConfigError
 from common.worker.liveness import process_alive
 from common.wire.messages import KVHandshake, KVHandshakeReply, KVLayout, StatusRequest
-from common.wire.transport import Client, Incoming
+from common.wire.transport import Client, Incoming, is_endpoint
 
 
 class HandshakeError(ConfigError):
     """A prefill worker refused this decode worker (incompatible KV layout or backend)."""
-
-
-_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)$")
 
 
 @dataclass
@@ -84,7 +80,7 @@ class PrefillPeers:
         so a slow or absent peer never stalls the running batch."""
         if address in self.peers:
             return self.peers[address]
-        if not _ENDPOINT.match(address):
+        if not is_endpoint(address):  # the same rule the router applies to a worker's address
             raise HandshakeError(f"prefill address {address!r} is not a ZeroMQ endpoint (tcp://host:port or ipc://path)")
         try:
             client = Client(self.ctx, address, identity=self.decode_id.encode(), key=self.key)

@@ -41,7 +41,7 @@ class DecodeWorker(WorkerBase):
         self.requests = RequestTable()
         self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0, leases_expired=0,
                              transfers_rejected=0)
-        self.faults = Faults.from_env(self.worker_id)
+        faults = Faults.from_env(self.worker_id)  # a bad PDSERVE_FAULTS fails before the cache exists
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
                                   self.backend, self.key)
@@ -50,6 +50,7 @@ class DecodeWorker(WorkerBase):
             for address in worker_config.prefill_peers:
                 self.peers.connect(address, self.handshake())
                 self.peers.wait_ready(address)
+            faults.wrap_decode(self)
         except BaseException:
             self.close()  # do not leave the shared KV segment behind
             raise
@@ -224,8 +225,6 @@ class DecodeWorker(WorkerBase):
         return self.engine.has_work()
 
     def step(self) -> None:
-        if self.faults.delay_step_ms:  # an injected slow worker
-            time.sleep(self.faults.delay_step_ms / 1000)
         start = time.time()
         outputs = self.engine.step()
         now = time.time()
@@ -286,8 +285,6 @@ class DecodeWorker(WorkerBase):
     # ---- replies and exits -----------------------------------------------------------------
     def emit(self, req: DecodeRequest, out: StepOutput) -> None:
         """Send a step's token; a finished sequence has released its blocks in the engine."""
-        if self.faults.kill_mid_decode and self.faults.hit("kill_mid_decode"):
-            self.faults.kill(f"request {req.request_id} mid-decode")
         if not out.finished:
             self.server.send(req.identity, TokenOutput(req.request_id, [out.new_token]))
             return

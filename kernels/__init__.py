@@ -6,7 +6,6 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> out
     gather_blocks(cache, block_ids) -> buf
     scatter_blocks(cache, block_ids, buf) -> None
-    paged_prefill_attention(...)   # torch reference only
     LinearPlan(weight, bias)(x) -> y       # CPU: a packed copy of the weight, native GEMM
     LinearPlan([gate; up]).silu_mul(x) -> silu(x gate^T) * (x up^T)  # fused on CPU
     add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)   # fused on CPU
@@ -40,7 +39,6 @@ __all__ = [
     "reference",
     "store_kv",
     "paged_decode_attention",
-    "paged_prefill_attention",
     "LinearPlan",
     "add_rms_norm",
     "qk_norm_rope_",
@@ -260,21 +258,6 @@ ONEDNN_ROWS_HINT = 64
 def _cpu_native():
     from . import cpu_native
     return cpu_native
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,  # [Ntok, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
-    cu_seqlens_q: torch.Tensor,  # [B + 1]
-    context_lens: torch.Tensor,  # [B] int32
-    scale: float,
-) -> torch.Tensor:  # [Ntok, Hq, D]
-    """Causal (chunked) prefill attention over paged KV (torch reference on all devices)."""
-    return reference.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
-    )
 
 
 def gather_blocks(

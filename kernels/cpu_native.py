@@ -254,13 +254,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def supports_gemm(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `gemm` takes x [m, k] with this packed weight: enabled, CPU float32, unit
-    stride along k, built."""
-    return (enabled() and x.device.type == "cpu" and x.dtype == packed.dtype == torch.float32 and x.dim() == 2
-            and x.shape[1] == packed.shape[1] and library() is not None)
-
-
 def _library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
     """The built library, and x with unit stride along its rows (what the GEMMs read)."""
     lib = library()

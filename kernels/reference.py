@@ -11,12 +11,10 @@ KV cache layout (one layer): ``k_cache`` / ``v_cache`` of shape
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = [
     "store_kv",
     "paged_decode_attention",
-    "paged_prefill_attention",
     "gather_blocks",
     "scatter_blocks",
 ]
@@ -92,61 +90,6 @@ def paged_decode_attention(
     out = out.reshape(b, hq, d)  # [B, Hq, D]
     out.masked_fill_((lens <= 0)[:, None, None], 0.0)  # empty context -> 0, not NaN
     return out.to(q.dtype)
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,  # [Ntok, Hq, D], packed tokens of B sequences
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
-    cu_seqlens_q: torch.Tensor,  # [B + 1] int32/int64, cumulative query lengths
-    context_lens: torch.Tensor,  # [B] int32, full context length incl. the new tokens
-    scale: float,
-) -> torch.Tensor:  # [Ntok, Hq, D], q.dtype
-    """Causal (chunked) prefill attention over paged KV.
-
-    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; these are
-    the LAST ``q_len`` tokens of its context of length ``context_lens[b]`` and their
-    K/V are already stored in the cache. The query at absolute position ``p``
-    attends to context positions ``<= p``. One SDPA call per sequence.
-    """
-    ntok, hq, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    out = torch.zeros_like(q)  # rows not owned by any sequence stay 0
-    cu = cu_seqlens_q.tolist()
-    lens = context_lens.tolist()
-    bt_all = block_tables.to(device=q.device, dtype=torch.long)  # [B, max_blocks]
-    for b, ctx in enumerate(lens):
-        start, end = cu[b], cu[b + 1]
-        q_len = end - start
-        if q_len <= 0:
-            continue
-        if q_len > ctx:
-            raise ValueError(f"sequence {b}: q_len {q_len} > context_len {ctx}")
-        nblk = -(-ctx // block_size)
-        blocks = bt_all[b, :nblk].clamp(min=0)  # [nblk]
-        k = k_cache[blocks].reshape(nblk * block_size, hkv, d)[:ctx]  # [ctx, Hkv, D]
-        v = v_cache[blocks].reshape(nblk * block_size, hkv, d)[:ctx]  # [ctx, Hkv, D]
-        qb = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
-        kb = k.transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
-        vb = v.transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
-        if q_len == ctx:
-            # Square: top-left and bottom-right causal alignment coincide.
-            o = F.scaled_dot_product_attention(
-                qb, kb, vb, is_causal=True, scale=scale, enable_gqa=hkv != hq
-            )
-        elif q_len == 1:
-            # Last token sees the whole context: no mask needed.
-            o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=hkv != hq)
-        else:
-            qpos = torch.arange(ctx - q_len, ctx, device=q.device)  # [q_len]
-            kpos = torch.arange(ctx, device=q.device)  # [ctx]
-            mask = kpos[None, :] <= qpos[:, None]  # [q_len, ctx], True = attend
-            o = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=hkv != hq
-            )
-        out[start:end] = o.transpose(0, 1)  # [q_len, Hq, D]
-    return out
 
 
 def gather_blocks(

@@ -4,7 +4,6 @@ the forward where the backend allows it (shm, CUDA IPC)."""
 from __future__ import annotations
 
 from common.engine.engine import KVProgress
-from common.worker.faults import Faults
 from common.timeline import Stamp, mark
 from kv_transfer import KVSender
 from prefill_node.jobs import JobState, JobTable, PrefillJob
@@ -14,11 +13,9 @@ class LayerPush:
     """Owns one step's list of block copies; `commit` records them as pushed once the
     step has run (a failed step pushes nothing)."""
 
-    def __init__(self, jobs: JobTable, senders: dict[str, KVSender], faults: Faults | None = None) -> None:
+    def __init__(self, jobs: JobTable, senders: dict[str, KVSender]) -> None:
         self.jobs = jobs
         self.senders = senders
-        self.faults = faults
-        self.kill_at_layer = -1  # fault injection: kill_mid_transfer
         self.copies: list[tuple[KVSender, list[int], list[int]]] = []  # (sender, src blocks, dst blocks)
         self.advanced: list[tuple[PrefillJob, int]] = []  # (job, blocks pushed after the step)
         self.scheduled: list[PrefillJob] = []
@@ -37,15 +34,11 @@ class LayerPush:
             dst = job.dst_block_ids[lo - job.skip_blocks:hi - job.skip_blocks]
             self.copies.append((sender, src, dst))
             self.advanced.append((job, hi))
-        if self.copies and self.faults is not None and self.faults.hit("kill_mid_transfer"):
-            self.kill_at_layer = self.copies[0][0].kv_cache.shape[1] // 2
         return bool(self.copies)
 
     def write_layer(self, layer: int) -> None:
         for sender, src, dst in self.copies:
             sender.write_layer(layer, src, dst)
-        if layer == self.kill_at_layer and self.faults is not None:
-            self.faults.kill(f"after writing layer {layer} of a step's KV")
 
     def commit(self) -> None:
         for job, hi in self.advanced:

@@ -42,8 +42,8 @@ class PrefillWorker(WorkerBase):
         self.decode_peers: dict[str, tuple[int, str]] = {}  # decode_id -> (pid, host) from its handshake
         self.decode_seen: dict[str, float] = {}  # decode_id -> when it last sent anything (monotonic s)
         self._next_peer_check = 0.0
-        self.faults = Faults.from_env(self.worker_id)
         init_transfer_group(worker_config, engine_config.device.device)
+        Faults.from_env(self.worker_id).wrap_prefill(self)
 
     # ---- messages ----------------------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
@@ -132,7 +132,7 @@ class PrefillWorker(WorkerBase):
         return self.engine.has_work()
 
     def step(self) -> None:
-        push = LayerPush(self.jobs, self.senders, self.faults)
+        push = LayerPush(self.jobs, self.senders)
         outputs = self.engine.step(push)
         push.commit()
         end = time.time()
@@ -154,8 +154,6 @@ class PrefillWorker(WorkerBase):
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
                         sampler_state=self.engine.sampler_state(seq))
         src = seq.block_table[job.skip_blocks:]
-        if self.faults.hit("kill_after_prefill"):
-            self.faults.kill(f"request {job.request_id} prefilled, before KVReady")
         try:
             frames = [] if sender.layerwise else sender.send(ready, src, job.dst_block_ids)
             if self.wconfig.verify_transfers:
@@ -165,17 +163,7 @@ class PrefillWorker(WorkerBase):
             self.end(job, JobState.FAILED, f"KV send failed: {e}")
             return
         mark(job.timeline, Stamp.TRANSFER_END)
-        if self.faults.hit("corrupt_transfer"):
-            self.log(f"request {job.request_id}: corrupting its transfer (injected)")
-            ready.checksum = (ready.checksum + 1) % (1 << 32) if ready.checksum >= 0 else ready.checksum
-        drop = self.faults.hit("drop_transfer")
-        if self.faults.delay_transfer_ms and self.faults.hit("delay_transfer_at"):
-            self.log(f"request {job.request_id}: delaying KVReady by {self.faults.delay_transfer_ms} ms (injected)")
-            time.sleep(self.faults.delay_transfer_ms / 1000)
-        if drop:
-            self.log(f"request {job.request_id}: dropping KVReady (injected)")
-        else:
-            self.server.send(job.identity, ready, frames)
+        self.server.send(job.identity, ready, frames)
         self.counters["blocks_sent"] += n_blocks
         self.counters["bytes_sent"] = sum(s.bytes_sent for s in self.senders.values())
         self.counters["prefills"] += 1

@@ -66,7 +66,6 @@ class Router:
         # tokenizers releases the GIL while encoding: the event loop keeps serving meanwhile
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._by_wire: dict[str, InFlight] = {}  # attempt id -> request (router/recovery.py)
-        self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -82,9 +81,6 @@ class Router:
         self.control.close(0)
         self.ctx.term()
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}-{int(time.time() * 1000) % 100000}"
 
     # ---- workers ----------------------------------------------------------------------
     async def _control_loop(self) -> None:

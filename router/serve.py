@@ -18,7 +18,7 @@ from common.gc_tuning import freeze_startup_heap
 from common.worker.spec import WorkerSpec
 from router.core import Router
 from router.deploy import DeploymentConfig
-from router.http_server import create_app
+from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
@@ -77,7 +77,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         supervisor.start()
         http_url = "(disabled)"
         if config.enable_http:
-            http = _QuietServer(uvicorn.Config(create_app(router), host=config.host, port=config.http_port,
+            http = _QuietServer(uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port,
                                                loop="none", log_level="warning", lifespan="off"))
             http_task = asyncio.create_task(http.serve())
             while not http.started:

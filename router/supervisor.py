@@ -24,7 +24,6 @@ class Supervisor:
         self.router = router
         self.launcher = launcher
         self.restart = restart
-        self.restarts = 0
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -65,6 +64,5 @@ class Supervisor:
         except LaunchError as e:
             print(f"pdserve: restart of {wp.name} failed: {e}", file=sys.stderr, flush=True)
             return
-        self.restarts += 1
         print(f"pdserve: restarted worker {wp.name} (pid {new.proc.pid}) at {new.address}", file=sys.stderr,
               flush=True)

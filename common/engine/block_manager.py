@@ -99,12 +99,6 @@ class BlockManager:
         seq.block_table.extend(sorted(self._pop_free() for _ in range(need)))
         return True
 
-    def allocate_blocks(self, n: int) -> list[int] | None:
-        """n fresh blocks not tied to a sequence (e.g. reserved for an incoming transfer)."""
-        if n > len(self._free):
-            return None
-        return [self._pop_free() for _ in range(n)]
-
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:

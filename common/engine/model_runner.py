@@ -20,12 +20,6 @@ from common.engine.sequence import Sequence
 from common.loading.weights import load_weights
 
 
-# Test hook, off unless set: a step whose sampled sequences include one holding this token
-# id raises after the forward (KV written), as a real per-request failure in a step would.
-# The multi-process tests of step isolation set it; nothing else should.
-FAULT_TOKEN_ENV = "PDSERVE_TEST_FAULT_TOKEN"
-
-
 def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
     """[2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim] (the index order; on
     the CPU the memory order differs: `common.engine.kv_layout.kv_cache_tensor`)."""
@@ -83,8 +77,6 @@ class ModelRunner:
         self.model.kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(config.model.num_layers)]
         self.sampler = Sampler(config.seed, dev.device)
         self._generators: dict[int, torch.Generator] = {}
-        fault = os.environ.get(FAULT_TOKEN_ENV, "")
-        self._fault_token = int(fault) if fault.isdigit() else None
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -134,8 +126,6 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
         """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
         logits = self.model.compute_logits(hidden)  # [S, V]
-        if self._fault_token is not None and any(self._fault_token in s.token_ids for s in seqs):
-            raise RuntimeError(f"injected fault: a sequence holds token {self._fault_token} ({FAULT_TOKEN_ENV})")
         tokens = self.sampler(logits, [s.sampling_params for s in seqs], [self._generator(s) for s in seqs])
         return {s.seq_id: t for s, t in zip(seqs, tokens)}
 

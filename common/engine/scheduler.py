@@ -125,15 +125,13 @@ class Scheduler:
             budget -= n
         return batch
 
-    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Account a finished step; returns the seqs that now need a sampled token."""
-        ready = []
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Account a step that succeeded: its tokens are computed and its full blocks
+        enter the prefix cache. Returns nothing: which sequences sampled a token is the
+        runner's answer (the engine reads it from `execute`), not the scheduler's."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens == len(seq):
-                ready.append(seq)
-        return ready
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

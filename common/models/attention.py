@@ -28,10 +28,6 @@ class AttentionMetadata:
     prefill_block_tables: list[torch.Tensor]  # per prefill sequence, [n_blocks] int64
     _prefill_tables: torch.Tensor | None = field(default=None, repr=False)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode
-
     def prefill_tables(self) -> torch.Tensor:
         """The prefill sequences' block tables as one [P, max_blocks] int32 tensor, -1
         padded (made once per step, on first use)."""

@@ -54,7 +54,9 @@ _ENDPOINT = re.compile(r"^(tcp://[^\s:/]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:\d{1,
 
 def is_endpoint(address: str) -> bool:
     """Whether a peer-supplied address is a ZeroMQ endpoint this side may connect to
-    (tcp://host:port, or ipc://path); inproc and odd strings are not."""
+    (tcp://host:port, or ipc://path). The one rule for every such address: the router's
+    check of a worker's, and a decode worker's of a prefill peer's. inproc is refused:
+    workers are other processes, and an inproc name would reach a socket inside this one."""
     return isinstance(address, str) and len(address) <= 1024 and bool(_ENDPOINT.match(address)) and \
         (not address.startswith("tcp://") or 0 < int(address.rsplit(":", 1)[1]) < 65536)
 

@@ -17,10 +17,3 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     times = np.cumsum(gaps) - gaps[0]  # the first request goes at t=0
     return times.tolist()
 
-
-def scale_timestamps(timestamps_ms: list[float], time_scale: float) -> list[float]:
-    """Trace replay: seconds from the first arrival, divided by time_scale (2 = twice the rate)."""
-    if not timestamps_ms:
-        return []
-    t0 = timestamps_ms[0]
-    return [(t - t0) / 1000.0 / time_scale for t in timestamps_ms]

@@ -53,7 +53,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.waiting: list[Sequence] = []
         self.live: list[Sequence] = []
-        self.external: list[list[int]] = []  # blocks taken with allocate_blocks
         self.kv: dict[int, list[tuple[int, ...] | None]] = {b: [None] * BS for b in range(NUM_BLOCKS)}
         self.hash_prefix: dict[int, tuple[int, ...]] = {}  # block hash -> the tokens it covers
         self.cached_hashes: set[int] = set()  # replay of the stored/evicted events
@@ -123,24 +122,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if requeue:  # like a preemption: recomputed later, maybe from the prefix cache
             self.waiting.append(seq)
 
-    @rule(n=st.integers(1, 4))
-    def take_blocks(self, n: int) -> None:
-        free_before = self.bm.num_free_blocks
-        blocks = self.bm.allocate_blocks(n)
-        if blocks is None:
-            assert n > free_before
-            return
-        assert len(set(blocks)) == n
-        for b in blocks:  # an incoming transfer overwrites them
-            self.kv[b] = [(-1,)] * BS
-        self.external.append(blocks)
-
-    @precondition(lambda self: self.external)
-    @rule(pick=st.integers(0, 99))
-    def release_blocks(self, pick: int) -> None:
-        for b in self.external.pop(pick % len(self.external)):
-            self.bm.release(b)
-
     # ---- checks ----------------------------------------------------------------------
     def _compute(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
@@ -158,7 +139,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         bm.check_invariants()
         holders = Counter(b for s in self.live for b in s.block_table)
-        holders.update(b for blocks in self.external for b in blocks)
         for s in self.live:
             assert len(set(s.block_table)) == len(s.block_table), "a seq holds a block twice"
         assert sum(b.ref_count for b in bm.blocks) == sum(holders.values())
@@ -192,9 +172,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for s in self.live:
             self.bm.free(s)
-        for blocks in self.external:
-            for b in blocks:
-                self.bm.release(b)
         self.bm.check_invariants()
         assert self.bm.num_free_blocks == NUM_BLOCKS, "blocks leaked"
         assert all(b.ref_count == 0 for b in self.bm.blocks)

@@ -67,23 +67,3 @@ def naive_decode(q, k_cache, v_cache, bt, lens, scale):
             out[b, h] = naive_attention_one(q[b, h] * scale, ks[:, h // group], vs[:, h // group])
     return out
 
-
-def naive_prefill(q, k_cache, v_cache, bt, cu, lens, scale):
-    ntok, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    group = hq // hkv
-    out = torch.zeros(ntok, hq, d, dtype=torch.float64)
-    for b in range(len(lens)):
-        ctx = int(lens[b])
-        start, end = int(cu[b]), int(cu[b + 1])
-        q_len = end - start
-        kv = [token_kv(k_cache, v_cache, bt[b], t) for t in range(ctx)]
-        for i in range(q_len):
-            p = ctx - q_len + i  # absolute position of this query token
-            ks = torch.stack([kv[t][0] for t in range(p + 1)])  # [p+1, Hkv, D]
-            vs = torch.stack([kv[t][1] for t in range(p + 1)])
-            for h in range(hq):
-                out[start + i, h] = naive_attention_one(
-                    q[start + i, h] * scale, ks[:, h // group], vs[:, h // group]
-                )
-    return out

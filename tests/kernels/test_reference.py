@@ -16,7 +16,7 @@ import torch
 import kernels
 from kernels import reference as R
 
-from ._paged_utils import make_paged, naive_decode, naive_prefill
+from ._paged_utils import make_paged, naive_decode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,45 +93,6 @@ def test_decode_ref_empty_context_is_zero():
 
 
 # --------------------------------------------------------------------------- #
-# paged_prefill_attention
-# --------------------------------------------------------------------------- #
-
-PREFILL_CASES = {
-    "full": ([5, 9], [5, 9]),  # q_len == context_len
-    "chunk": ([3, 4], [10, 7]),  # q_len < context_len (prefix already cached)
-    "mixed": ([1, 6, 4, 2], [8, 6, 11, 2]),  # decode-like, full, chunk, full
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", list(PREFILL_CASES))
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
-def test_prefill_ref_vs_naive(dtype, case, hq, hkv):
-    q_lens, ctx_lens = PREFILL_CASES[case]
-    d, block_size = 8, 4
-    k_cache, v_cache, bt, cl = make_paged(ctx_lens, block_size, hkv, d, dtype, seed=1)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), hq, d).to(dtype)
-    scale = d**-0.5
-    out = R.paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, scale)
-    assert out.dtype == dtype and out.shape == q.shape
-    exp = naive_prefill(q, k_cache, v_cache, bt, cu, cl, scale)
-    torch.testing.assert_close(out.double(), exp, **TOL[dtype])
-
-
-def test_prefill_last_token_matches_decode():
-    """Last query row of each chunk == decode attention at that position."""
-    _q_lens, ctx_lens = [3, 5], [7, 5]  # query lengths as cu_seqlens_q below spells them
-    k_cache, v_cache, bt, cl = make_paged(ctx_lens, 4, 1, 8, torch.float32, seed=2)
-    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    q = torch.randn(8, 2, 8)
-    out = R.paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, 0.5)
-    last = cu[1:] - 1
-    dec = R.paged_decode_attention(q[last], k_cache, v_cache, bt, cl, 0.5)
-    torch.testing.assert_close(out[last], dec)
-
-
-# --------------------------------------------------------------------------- #
 # gather_blocks / scatter_blocks
 # --------------------------------------------------------------------------- #
 
@@ -186,8 +147,7 @@ def test_public_api():
     for name in [
         "store_kv",
         "paged_decode_attention",
-        "paged_prefill_attention",
-        "gather_blocks",
+            "gather_blocks",
         "scatter_blocks",
         "triton_store_kv",
         "triton_paged_decode_attention",

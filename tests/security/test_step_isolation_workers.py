@@ -1,12 +1,12 @@
 """Worker survival across processes: a prompt that makes the prefill step raise (the
-env-gated test hook PDSERVE_TEST_FAULT_TOKEN in common/engine/model_runner.py stands for a real
-per-request failure) fails that request alone with an error; the others in the same
+env-gated test hook PDSERVE_TEST_FAULT_TOKEN, common/worker/faults.py's `PoisonToken`,
+stands for a real per-request failure) fails that request alone with an error; the others in the same
 batch finish token-exact and the workers go on serving."""
 from __future__ import annotations
 
 import pytest
 
-from common.engine.model_runner import FAULT_TOKEN_ENV
+from common.worker.faults import FAULT_TOKEN_ENV
 from tests.disagg.driver import engine_options, start_pair
 
 POISON = 333

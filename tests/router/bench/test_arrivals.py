@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from router.bench.arrivals import arrival_times, scale_timestamps
+from router.bench.arrivals import arrival_times
 
 N = 20_000
 
@@ -41,8 +41,3 @@ def test_bad_rate_or_burstiness_is_rejected(rate, burstiness):
     with pytest.raises(ValueError):
         arrival_times(4, rate, burstiness)
 
-
-def test_scale_timestamps_is_seconds_from_first_over_scale():
-    assert scale_timestamps([5000, 6000, 9000], 1.0) == pytest.approx([0.0, 1.0, 4.0])
-    assert scale_timestamps([5000, 6000, 9000], 4.0) == pytest.approx([0.0, 0.25, 1.0])
-    assert scale_timestamps([], 2.0) == []
