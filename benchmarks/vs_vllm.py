@@ -1,4 +1,4 @@
-"""pdserve against vLLM's CPU build on this machine, side by side in one run (issue 13).
+"""pdserve against vLLM's CPU build on the machine it runs on, side by side in one run (issue 13).
 
     python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
         [--configs colocated,1p1d] [--rates 1,3] [--num-prompts 60] [--skip-offline] [--skip-serving]
