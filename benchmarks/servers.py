@@ -1,6 +1,6 @@
 """The servers the benchmarks compare, as processes: pdserve (`pdserve serve`, one of
 `PDSERVE_CONFIGS`) and vLLM's CPU build (its OpenAI server, in its own venv, with the
-environment that makes it run well on this 2-core AVX2 machine), plus vLLM's own load
+environment that pins its threads to the 2 cores and sizes its KV cache), plus vLLM's own load
 generator, `vllm bench serve`. Used by vs_vllm.py and slo_experiment.py."""
 from __future__ import annotations
 

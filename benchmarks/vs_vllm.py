@@ -1,4 +1,4 @@
-"""pdserve against vLLM's CPU build on this machine, side by side in one run (issue 13).
+"""pdserve against vLLM's CPU build on the machine it runs on, side by side in one run (issue 13).
 
     python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
         [--configs colocated,1p1d] [--rates 1,3] [--num-prompts 60] [--skip-offline] [--skip-serving]
@@ -19,11 +19,10 @@ threads (offline_throughput.py's own child, no overhead phase) and vLLM's `LLM.g
 
 Serving: by default (`--servers-up one`) each server is started for each rate it serves,
 warmed up with two requests, given SETTLE_S, measured (`--repeats` points, each with fresh
-prompts and send times) and stopped, so that it has the machine to itself. With every
-server up through the sweep (`--servers-up all`, the old way), idle servers were not idle
-enough (vLLM's used 1-2 CPU seconds per 65 s point): pdserve's first point at 1 req/s had
-a TTFT p99 of 773-841 ms in three such runs, and 472-595 ms in four runs of the same
-workload alone on the machine. Every point records
+prompts and send times) and stopped, so that it has the machine to itself: an idle
+server is not idle enough (an idle vLLM still uses CPU between requests), and on 2 cores
+whatever it takes shows in the measured server's tail latency. `--servers-up all` keeps
+every server up through the sweep instead. Every point records
 `other_cpu_s`, the CPU seconds the rest of the machine used (neither the server nor the
 client), to judge how quiet it was. pdserve configs: `colocated` = one colocated worker
 with 2 torch threads; `1p1d` = 1 prefill + 1 decode worker, 1 thread each. vLLM:

@@ -2,7 +2,7 @@
 
 On the CPU there is no graph to capture, and at a few sequences a decoder layer's Python
 dispatch (a dozen torch ops and ctypes calls, each a few microseconds) costs more than
-its arithmetic: ~0.4 ms per layer, 12 of SmolLM2's ~36 ms per token. `DecodeStack` holds
+its arithmetic, at every layer of every step. `DecodeStack` holds
 every layer's weight and cache pointers, set up once, and runs all layers of a pure
 decode batch in one call, through the native kernels the per-op path calls one by one
 (the same results up to float rounding in the q/k norm and rotary step).

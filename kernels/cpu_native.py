@@ -2,8 +2,8 @@
 first use with the system C compiler and called through ctypes.
 
 It reads K/V blocks where they lie in the paged cache: no gather copy, one read of each
-K and V row per step, the query heads of a GQA group sharing each read. On the CPU this
-is about 2-3x faster than `kernels.cpu_attention` (index_select + SDPA) at batch 32-64.
+K and V row per step, the query heads of a GQA group sharing each read. That is why it
+beats `kernels.cpu_attention` (index_select + SDPA), which copies the context first.
 
 Build: `$CC` (default `cc`) with `-O3 -march=native -ffast-math` and then any flags in
 `$PDSERVE_KERNEL_CFLAGS` (say `-mno-avx512f`, for the AVX2 code on an AVX-512 machine), into

@@ -56,8 +56,8 @@ def scatter_kv(kv_cache: torch.Tensor, block_ids: list[int], buf: torch.Tensor) 
 
 
 # From this many runs on, a CUDA copy goes as one gather and one scatter per layer: each
-# run's copy_ is a kernel launch, and on an H100 512 scattered 2 MiB blocks moved one by one
-# at 3.9 GB/s (docs/gpu.md). On CPU (shm) each run stays a memcpy, the fastest there.
+# run's copy_ is a kernel launch, so scattered blocks copied run by run are launch-bound
+# (docs/gpu.md). On CPU (shm) each run stays a memcpy, which has no launch to amortize.
 INDEXED_COPY_MIN_RUNS = 4
 
 

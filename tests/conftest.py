@@ -1,6 +1,9 @@
 """Test-wide setup. Environment first: Triton must see TRITON_INTERPRET before any kernel
-module is imported, and nothing may reach a model hub."""
+module is imported, and nothing may reach a model hub. Then the test tiers: every test is
+marked here (`pytest_collection_modifyitems`), see TIERS below."""
+import inspect
 import os
+import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # TRITON_INTERPRET=0 on a GPU: compiled kernels
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -41,3 +44,109 @@ def real_model_dir() -> str:
 def _cached_default() -> bool:
     from common.loading.default_model import DEFAULT_NAME, cache_root
     return (cache_root() / DEFAULT_NAME / "model.safetensors").is_file()
+
+
+# ---- test tiers -------------------------------------------------------------------------
+# The markers are registered in pyproject.toml; README "Tests" says how to run each tier.
+#   multiprocess  the test, a fixture it uses, or a tests/ helper either calls, starts
+#                 processes: workers, a router, `pdserve`, a python child (found by reading
+#                 their code for the names in PROCESS_STARTERS)
+#   real_model    it needs the default SmolLM2 model (the `real_model_dir` fixture, or a
+#                 param in REAL_MODEL_PARAMS)
+#   unit          everything else: in-process
+#   slow          > ~10 s on a 2-core machine (SLOW, from a `--durations=0` run), any tier
+
+PROCESS_STARTERS = {"subprocess", "multiprocessing", "router.launch.Launcher"}
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Parametrized fixtures that load the real model for one param only: (file, fixture) -> param.
+REAL_MODEL_PARAMS = {("tests/router/test_detokenizer.py", "tok"): "real"}
+
+# Tests whose own run (not a shared fixture's start-up) takes ~10 s or more on a 2-core
+# machine, by node-id prefix. No unit test does; these all start processes.
+SLOW = (
+    "tests/reliability/",
+    "tests/router/test_fuzz.py::",
+    "tests/router/bench/test_bench_e2e.py::test_bench_sweep_and_detailed_run",
+    "tests/router/test_serve_bad_input.py::test_bad_input_while_a_stream_runs",
+    "tests/router/test_serve_colocated.py::test_colocated_serves_greedy_and_stops_on_sigint",
+    "tests/router/test_serve_overload.py::test_burst_gets_completions_or_429_and_health_stays_fast",
+    "tests/common/test_gguf.py::test_convert_gguf_cli_and_bad_input",
+)
+
+
+def _qualified_name(obj: object) -> str:
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global and attribute names a code object (and the functions nested in it) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _in_tests(obj: object) -> bool:
+    """Whether a function or class is defined under tests/ (test files are imported under
+    their base names, not as tests.*, so the file is what tells)."""
+    try:
+        return inspect.getfile(inspect.unwrap(obj)).startswith(TESTS_DIR + os.sep)
+    except TypeError:  # a builtin, or an instance
+        return False
+
+
+def _starts_processes(obj: object, seen: set[int]) -> bool:
+    """Whether `obj` (a function, or a class of tests/) uses a PROCESS_STARTERS name,
+    directly or through the tests/ functions and classes it uses."""
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if inspect.isclass(obj):
+        return any(_starts_processes(f, seen) for f in vars(obj).values() if inspect.isfunction(f))
+    func = inspect.unwrap(obj)
+    if not inspect.isfunction(func):
+        return False
+    for name in _code_names(func.__code__):
+        used = func.__globals__.get(name)
+        if used is None:
+            continue
+        if _qualified_name(used) in PROCESS_STARTERS:
+            return True
+        if (inspect.isfunction(used) or inspect.isclass(used)) and _in_tests(used) and _starts_processes(used, seen):
+            return True
+    return False
+
+
+def _tiers(item: pytest.Item) -> set[str]:
+    path = item.nodeid.split("::")[0]
+    fixtures = item._fixtureinfo.name2fixturedefs  # every fixture the test uses, transitively
+    funcs = [getattr(item, "function", None)] + [defs[-1].func for defs in fixtures.values()]
+    seen: set[int] = set()
+    tiers = set()
+    if any(f is not None and _starts_processes(f, seen) for f in funcs):
+        tiers.add("multiprocess")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "real_model_dir" in fixtures or any(params.get(name) == value for (file, name), value
+                                           in REAL_MODEL_PARAMS.items() if file == path):
+        tiers.add("real_model")
+    if not tiers:
+        tiers.add("unit")
+    if item.nodeid.startswith(SLOW):
+        tiers.add("slow")
+    return tiers
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Adds the tier markers to every test; a tier a test file marks itself (`pytestmark`)
+    is kept, and a test marked multiprocess or real_model there is not also unit."""
+    for item in items:
+        explicit = {m.name for m in item.iter_markers()}
+        tiers = _tiers(item)
+        if explicit & {"multiprocess", "real_model"}:
+            tiers.discard("unit")
+        for tier in sorted(tiers - explicit):
+            item.add_marker(tier)

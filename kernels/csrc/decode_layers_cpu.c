@@ -12,9 +12,9 @@
  *     h = a @ o_w^T                                           (pd_gemm)
  *     x, residual = add_rms_norm(h, residual, post_norm)      (pd_add_rms_norm)
  *     h = down(silu(gate) * up)                 (pd_gemm_silu; pd_gemm, pd_silu_mul)
- * Between layers Python dispatch cost ~0.4 ms per layer (a dozen torch ops and ctypes
- * calls, each a few microseconds, plus module calls): more than the layer's own work at
- * one sequence. Here it is one call per step.
+ * Between layers, Python dispatch (a dozen torch ops and ctypes calls, each a few
+ * microseconds, plus module calls) costs more than the layer's own work at one
+ * sequence. Here it is one call per step.
  *
  *   h         [m, hidden] in: the embeddings; out: the last layer's MLP output
  *   residual  [m, hidden] out: the residual stream (the final norm adds h to it)

@@ -12,14 +12,12 @@
  * no horizontal sums: on AVX2, 6 rows by one panel (12 accumulators of 8 lanes); on
  * AVX-512, 8 rows by two panels (16 accumulators of 16 lanes). A panel's slice of KC
  * steps is reused from L1 by every row group of x, whose rows are read where they lie,
- * MC at a time so that those a panel meets stay in L2 (packing them, as BLAS does, was
- * no faster on Zen 4, with either tile). Threads split the panels in equal contiguous
- * runs: each streams its own part of w. Measured against MKL (`F.linear`) and oneDNN on
- * its own packed weight, side by side (benchmarks/cpu_linear.py, the small qwen3's
- * layer, 2 threads): on Zen 1 (AVX2) 1.3-3x MKL and 1.1-1.6x oneDNN at 1-64 rows (a
- * decode batch), 0.95-1x oneDNN from 256 rows (a prefill chunk); on Zen 4 (AVX-512, where
- * oneDNN takes its AVX-512 kernel and MKL stays on AVX2) 1.3-1.8x oneDNN at 1-8 rows,
- * 1.0-1.08x at 16-128 and 0.97-0.99x from 256.
+ * MC at a time so that those a panel meets stay in L2 (so packing x as BLAS does gains
+ * nothing measurable: the rows are read from L2 either way).
+ * Threads split the panels in equal contiguous runs: each streams its own part of w,
+ * which is what a decode batch of a few rows is bound by; splitting rows instead would
+ * make every thread stream all of w. benchmarks/cpu_linear.py compares it with MKL
+ * (`F.linear`) and oneDNN side by side.
  *
  * Summation order: each output is summed over k in slices, each slice a chain of fused
  * multiply-adds from zero, and the slices' sums added into y in order (the bias first)
@@ -44,7 +42,7 @@
 #define PARALLEL_MIN_MACS 65536 /* below this one thread is faster than waking two */
 
 #if defined(__AVX512F__)
-/* AVX-512 (Zen 4, Sapphire Rapids): a panel's 16 columns are one 16-lane register. The
+/* AVX-512: a panel's 16 columns are one 16-lane register. The
  * tile is up to 8 rows by two panels (16 of the 32 registers accumulate; per step of k
  * two loads and one broadcast per row for two fused multiply-adds), or by one panel for
  * the last of an odd count and for pd_gemm_tile. Every output is the same chain of fused

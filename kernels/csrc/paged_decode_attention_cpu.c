@@ -17,10 +17,8 @@
  * OpenMP threads in contiguous runs of about equal context length. The CPU engine lays
  * each block out head-major (common.kv_layout), so a head's rows of a block are one run
  * in memory. Blocks lie scattered, so on AVX-512 builds the next blocks are asked for
- * ahead (PREFETCH_AHEAD, below). On the 2-core AVX2 machine (Zen 1) the kernel reads
- * ~13-15 GB/s of K/V, what a plain read of the same blocks gets; on the 2-core Zen 4
- * ~26 GB/s on blocks in random order, again what a plain read of them gets (34 GB/s for
- * one sequential read).
+ * ahead (PREFETCH_AHEAD, below). The kernel is memory-bound: it aims to read K/V as fast
+ * as a plain read of the same scattered blocks, and spends no pass on anything else.
  * Built by kernels/cpu_native.py with the system C compiler at first use.
  */
 #include <math.h>
@@ -115,12 +113,11 @@ static inline __attribute__((always_inline)) void axpy_rows(float *o, const floa
  * one is read. Blocks lie scattered in the cache, so the hardware prefetcher starts over
  * at each. On AVX-512 builds the paired loops ask for one line of the block PREFETCH_AHEAD
  * ahead with each line they load (prefetcht2, same offset), so the requests run evenly
- * alongside the arithmetic: on the 2-core Zen 4, at 36 sequences of 200-500 tokens (~330
- * MB a step), 12.7 ms against 17.3 for asking for a whole block (256 lines) at once at
- * the top of each block, which stalls the loads behind it, and 12.7 ms for a plain read
- * of the same blocks. Rows that are not paired (one query head per kv head) still ask for
- * whole blocks. On Zen 1 (AVX2), at 1-4 blocks ahead, into L1 or L2, prefetching only cost
- * time: there it is off. */
+ * alongside the arithmetic; asking for a whole block (256 lines) at once at the top of
+ * each block stalls the loads behind it. Two blocks ahead, into L2, was the best of 1 to
+ * 6. Rows that are not paired (one query head per kv head) still ask for whole blocks.
+ * AVX2 builds do not prefetch: on the AVX2 machine it was tried on, at 1-4 blocks ahead,
+ * into L1 or L2, it only cost time. */
 #if defined(PD_AVX2) && defined(__AVX512F__)
 #define PD_AVX512 1
 #define PREFETCH_AHEAD 2

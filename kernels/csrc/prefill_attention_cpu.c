@@ -17,9 +17,9 @@
  * of 16 (K transposed, V as is), and two small products run on the GEMM's register tile
  * (kernels/csrc/gemm_tile.h): scores S = Q K^T [R x KEYS], then, after the online
  * softmax's update of each row's max and sum (and the rescaling of its output so far),
- * O += P V, both over two panels at a time where there are two. Against torch's SDPA
- * flash kernel on the 2-core AVX2 machine (~20-25 GFLOP/s at 128-512 tokens, head dim
- * 64), these run at the tile's speed.
+ * O += P V, both over two panels at a time where there are two. The products run at the
+ * GEMM tile's speed, and the context is read in place from the paged cache, where SDPA
+ * needs it gathered into a contiguous copy first.
  * Built by kernels/cpu_native.py with the system C compiler at first use.
  */
 #include <float.h>
