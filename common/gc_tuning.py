@@ -1,10 +1,10 @@
 """Python's cycle collector in a serving process. A worker holds ~200k long-lived objects
 after start-up (the model's modules, torch, tokenizer, transformers), and every
-oldest-generation collection walks them all: 105-135 ms on this machine, a stall of
-every request in the step it lands in (seen once per ~90 served requests on the small
-model, enough to set a run's p99). Start-up objects are frozen (`gc.freeze`) once the
-process is ready, so later collections walk only what serving allocates (1.6 ms
-measured). vLLM does the same in its engine core, API server and load generator."""
+oldest-generation collection walks them all: a stall of a hundred-odd milliseconds for
+every request in the step it lands in, often enough to set a serving run's p99.
+Start-up objects are frozen (`gc.freeze`) once the process is ready, so later
+collections walk only what serving allocates. vLLM does the same in its engine core,
+API server and load generator."""
 from __future__ import annotations
 
 import gc

@@ -3,7 +3,7 @@
 glibc serves every allocation above its mmap threshold (128 KiB at start) with a fresh
 mmap and returns it with munmap on free, and trims the heap top on free. A forward pass
 allocates and frees activations of several MiB per op, so each one page-faults its
-memory in again: on the CPU that costs ~15% of a prefill step. Raising the mmap
+memory in again, a sizeable share of a CPU prefill step. Raising the mmap
 threshold to 32 MiB (glibc's maximum) and the trim threshold to 1 GiB keeps freed
 activation memory in the heap for the next op. The price is that the process keeps its
 peak heap instead of returning it to the OS. `PDSERVE_MALLOC_TUNING=0` turns it off.

@@ -56,7 +56,7 @@ def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str | to
     the order every reader indexes it by. On the CPU each block is laid out head-major in
     memory ([kv_heads, block_size, head_dim]; the tensor is a transposed view of it): decode
     attention then reads a head's keys of a block as one run instead of 256-byte pieces a
-    token row apart, ~17% faster on the 2-core AVX2 machine (as vLLM's CPU cache does).
+    token row apart, which the hardware prefetcher follows (vLLM's CPU cache does the same).
     Whole-block copies (transfers) do not care; indexing code must not `.view` it.
     `storage`: a flat tensor of exactly the right size to lay it in (shared memory; both
     sides of a mapping build their view here, so they agree), taken as it is; else the

@@ -72,8 +72,8 @@ class WorkerBase:
     def idle_wait_ms(self) -> int:
         """How long the loop blocks on its sockets when it has no step to run. A message
         wakes it at once; the wait only paces timers (heartbeats every heartbeat_s, leases
-        and peer checks of seconds), so an idle worker takes next to no CPU (at 10 ms an
-        idle decode worker took ~4% of a core)."""
+        and peer checks of seconds), so it can be long and an idle worker takes next to no
+        CPU: waking every few ms would cost an idle worker a noticeable share of a core."""
         return IDLE_WAIT_MS
 
     def idle(self) -> None:
