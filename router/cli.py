@@ -7,37 +7,46 @@ import json
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 
-from common.config import KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions
+from common.config import KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions, Option
 from common.loading.default_model import resolve_model
 from router.policy import POLICIES
 
 
+# The engine group is generated from the engine options (common/config.py: each option's
+# type, default and help written once there); flags nobody gives stay out of the
+# namespace (SUPPRESS), so the options' own defaults apply, not a copy kept here.
+ENGINE_FLAGS = {"seed": "--engine-seed"}  # `generate --seed` is the sampling seed
+
+
+def engine_flag(option: Option) -> str:
+    """The flag of an engine option: --block-size; a bool's flag drops `enable_` and comes
+    with its --no- form (--prefix-caching / --no-prefix-caching)."""
+    if option.name in ENGINE_FLAGS:
+        return ENGINE_FLAGS[option.name]
+    name = option.name.removeprefix("enable_") if option.type is bool else option.name
+    return "--" + name.replace("_", "-")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from --memory-fraction)")
-    g.add_argument("--memory-fraction", type=float, default=0.2)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default="float32")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--decode-graphs", action="store_true",
-                   help="decode batches through the bucketed static buffers on the CPU too (always on for a CUDA "
-                        "decode worker); on the CPU it only pads batches, for testing the bucketing")
+    for option in EngineOptions.options().values():
+        if option.type is bool:
+            g.add_argument(engine_flag(option), dest=option.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=f"{option.help} (default: {'on' if option.default else 'off'})")
+            continue
+        default = "" if option.default is None else f" (default: {option.default})"  # None: the help says what
+        (kind,) = [t for t in typing.get_args(option.type) or (option.type,) if t is not type(None)]
+        flag = engine_flag(option)
+        g.add_argument(flag, dest=option.name, type=kind, default=argparse.SUPPRESS,
+                       metavar=flag[2:].upper().replace("-", "_"), help=option.help + default)
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
-    return EngineOptions(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                         memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                         dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-                         enable_prefix_caching=not args.no_prefix_caching,
-                         decode_graphs=getattr(args, "decode_graphs", False))
+    """The engine options of the flags given; the rest keep the options' defaults."""
+    return EngineOptions.of(**{name: getattr(args, name) for name in EngineOptions.options() if hasattr(args, name)})
 
 
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
@@ -110,15 +119,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = engine_options(args)
     engine = options.engine_config(model)  # validates the flags before anything starts
     # every worker gets the same max_model_len as the router, resolved from the model once here
-    options = dataclasses.replace(options, max_model_len=engine.scheduler.max_model_len)
+    options = options.replace(max_model_len=engine.scheduler.max_model_len)
     n_workers = args.colocated or (args.prefill + args.decode)
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
+    threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
-    max_inflight = args.max_inflight or 4 * options.max_num_seqs * (args.colocated or args.decode)
+    max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * (args.colocated or args.decode)
     api_key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY") or None
     router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
                           host=args.host, http_port=args.http_port, zmq_port=args.zmq_port, routing=args.routing,
-                          max_model_len=engine.scheduler.max_model_len, block_size=options.block_size,
+                          max_model_len=engine.scheduler.max_model_len, block_size=options.cache.block_size,
                           enable_http=args.http_port >= 0, max_inflight=max_inflight,
                           max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
                           api_key=api_key, retries=args.retries, restart_workers=args.restart,
