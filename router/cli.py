@@ -17,8 +17,10 @@ from router.policy import POLICIES
 
 # The engine group is generated from the engine options (common/config.py: each option's
 # type, default and help written once there); flags nobody gives stay out of the
-# namespace (SUPPRESS), so the options' own defaults apply, not a copy kept here.
-ENGINE_FLAGS = {"seed": "--engine-seed"}  # `generate --seed` is the sampling seed
+# namespace (SUPPRESS), so the options' own defaults apply, not a copy kept here. Their
+# dests are prefixed, apart from the other flags' (`generate --seed` is the sampling seed).
+ENGINE_DEST = "engine_"
+ENGINE_FLAGS = {"seed": "--engine-seed"}
 
 
 def engine_flag(option: Option) -> str:
@@ -34,19 +36,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for option in EngineOptions.options().values():
         if option.type is bool:
-            g.add_argument(engine_flag(option), dest=option.name, action=argparse.BooleanOptionalAction,
+            g.add_argument(engine_flag(option), dest=ENGINE_DEST + option.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=f"{option.help} (default: {'on' if option.default else 'off'})")
             continue
         default = "" if option.default is None else f" (default: {option.default})"  # None: the help says what
         (kind,) = [t for t in typing.get_args(option.type) or (option.type,) if t is not type(None)]
         flag = engine_flag(option)
-        g.add_argument(flag, dest=option.name, type=kind, default=argparse.SUPPRESS,
+        g.add_argument(flag, dest=ENGINE_DEST + option.name, type=kind, default=argparse.SUPPRESS,
                        metavar=flag[2:].upper().replace("-", "_"), help=option.help + default)
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine options of the flags given; the rest keep the options' defaults."""
-    return EngineOptions.of(**{name: getattr(args, name) for name in EngineOptions.options() if hasattr(args, name)})
+    given = {name: getattr(args, ENGINE_DEST + name) for name in EngineOptions.options() if hasattr(args, ENGINE_DEST + name)}
+    return EngineOptions.of(**given)
 
 
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
@@ -71,8 +74,9 @@ PLAIN_PROMPTS = ["The router sends the request to", "A prefill worker computes",
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from common import LLM, SamplingParams
+    options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
-    llm = LLM(model, **engine_options(args).to_dict())
+    llm = LLM(model, **options.to_dict())
     # the default model is an instruct model: by default each prompt is a user's chat turn
     chat = args.chat if args.chat is not None else args.model is None
     prompts = args.prompt or (CHAT_PROMPTS if chat else PLAIN_PROMPTS)
@@ -108,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.config import RouterConfig
     from router.deploy import plan_deployment
     from router.serve import run
+    options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
@@ -116,8 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.decode = 1 if args.decode is None else args.decode
     if not args.colocated and (args.prefill < 1 or args.decode < 1):
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
-    options = engine_options(args)
-    engine = options.engine_config(model)  # validates the flags before anything starts
+    engine = options.engine_config(model)  # checks them against the model before anything starts
     # every worker gets the same max_model_len as the router, resolved from the model once here
     options = options.replace(max_model_len=engine.scheduler.max_model_len)
     n_workers = args.colocated or (args.prefill + args.decode)
