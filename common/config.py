@@ -308,7 +308,7 @@ def _options() -> dict[str, Option]:
 
 @functools.cache
 def _option_slots() -> dict[str, schema.Slot]:
-    return {name: schema.Slot(o.type, required=False) for name, o in _options().items()}
+    return {name: schema.slot(o.type, required=False) for name, o in _options().items()}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -160,3 +160,40 @@ def test_a_gpu_device_is_refused_where_the_engine_is_built_not_where_it_is_plann
     options = EngineOptions.of(device="cuda:0")  # a router may plan a worker on a GPU it lacks itself
     with pytest.raises(ConfigError, match="'cuda:0' requested but CUDA is not available"):
         options.engine_config(_model(tmp_path, 1024))
+
+
+# ---- the checker itself ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    either: int | str
+    items: tuple[int, ...] = ()
+    inner: _Inner | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def test_build_checks_nested_and_union_fields():
+    from common import schema
+    got = schema.build(_Outer, {"either": "a", "items": [1, 2], "inner": {"n": 3}, "extra": {"k": [None]}}, "o", ValueError)
+    assert got == _Outer("a", (1, 2), _Inner(3), {"k": [None]})
+    with pytest.raises(ValueError, match=r"^o\.either: expected an integer or str, got float 1\.5$"):
+        schema.build(_Outer, {"either": 1.5}, "o", ValueError)
+    with pytest.raises(ValueError, match=r"^o\.inner\.n: expected an integer, got bool True$"):
+        schema.build(_Outer, {"either": 1, "inner": {"n": True}}, "o", ValueError)
+    with pytest.raises(ValueError, match=r"^o\.items\[2\]: expected an integer, got bool False$"):
+        schema.build(_Outer, {"either": 1, "items": [1, 2, False]}, "o", ValueError)
+
+
+def test_a_field_type_the_checker_does_not_know_is_a_bug_not_bad_input():
+    from common import schema
+
+    @dataclasses.dataclass
+    class Odd:
+        when: set[int]
+    with pytest.raises(TypeError, match="unsupported field type"):
+        schema.build(Odd, {"when": [1]}, "odd", ValueError)
