@@ -267,8 +267,9 @@ class EngineOptions:
         for name, value in options.items():
             by_section.setdefault(known[name].section, {})[name] = value
         own = by_section.pop("", {})
-        sections = {name: _SECTIONS[name](**values) for name, values in by_section.items()}
-        return cls(**sections, **own)
+        sections = _sections()
+        # EngineOptions, not cls: EngineConfig inherits this, and it needs a model
+        return EngineOptions(**{name: sections[name](**values) for name, values in by_section.items()}, **own)
 
     def replace(self, **options: Any) -> "EngineOptions":
         """A copy with some flat options changed."""
@@ -288,17 +289,20 @@ class EngineOptions:
         return EngineConfig(model=model, **{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
 
 
-_SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+@functools.cache
+def _sections() -> dict[str, type]:
+    """EngineOptions' fields that are per-concern configs, by field name."""
+    hints = typing.get_type_hints(EngineOptions)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineOptions) if dataclasses.is_dataclass(hints[f.name])}
 
 
 @functools.cache
 def _options() -> dict[str, Option]:
     out: dict[str, Option] = {}
-    owners = [(section, cls) for section, cls in _SECTIONS.items()] + [("", EngineOptions)]
-    for section, cls in owners:
+    for section, cls in [*_sections().items(), ("", EngineOptions)]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if section == "" and f.name in _SECTIONS:
+            if section == "" and f.name in _sections():
                 continue
             # one name space: a flat name must say which field it sets
             assert f.name not in out, f"engine option {f.name!r} is defined twice"
