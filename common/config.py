@@ -224,14 +224,21 @@ class DeviceConfig:
 
 
 class Option(NamedTuple):
-    """One engine option as users spell it (`LLM(..., block_size=32)`, `--block-size 32`, a
-    worker spec's "engine" object): the field of the section of EngineOptions that holds it."""
+    """One config field as users spell it (`LLM(..., block_size=32)`, `--block-size 32`, a
+    worker spec's "engine" object), with what the CLI shows for it."""
 
     name: str
-    section: str  # the EngineOptions field holding it: cache, scheduler, device; "" for EngineOptions' own
+    section: str  # an engine option's EngineOptions field holding it: cache, scheduler, device; "" for its own
     type: Any  # the field's type hint
     default: Any
     help: str
+
+
+def options_of(cls: type, section: str = "") -> dict[str, Option]:
+    """The fields of the config dataclass `cls` as options: name, type, default, help."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: Option(f.name, section, hints[f.name], f.default, f.metadata.get("help", ""))
+            for f in dataclasses.fields(cls)}
 
 
 @dataclass(frozen=True)
@@ -300,13 +307,12 @@ def _sections() -> dict[str, type]:
 def _options() -> dict[str, Option]:
     out: dict[str, Option] = {}
     for section, cls in [*_sections().items(), ("", EngineOptions)]:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if section == "" and f.name in _sections():
+        for name, o in options_of(cls, section).items():
+            if section == "" and name in _sections():
                 continue
             # one name space: a flat name must say which field it sets
-            assert f.name not in out, f"engine option {f.name!r} is defined twice"
-            out[f.name] = Option(f.name, section, hints[f.name], f.default, f.metadata.get("help", ""))
+            assert name not in out, f"engine option {name!r} is defined twice"
+            out[name] = o
     return out
 
 
@@ -353,17 +359,20 @@ class WorkerConfig:
     world_size: int = 0
     prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers to handshake with at start
     report_to: str = ""  # router address to push WorkerStatus heartbeats to
-    heartbeat_s: float = 0.5
-    peer_timeout_s: float = 10.0  # a silent peer (or an unanswered handshake) is lost after this
+    heartbeat_s: float = option(0.5, "worker heartbeat interval (s)")
+    peer_timeout_s: float = option(10.0, "a prefill/decode peer silent this long (s), or a handshake unanswered, "
+                                         "is lost (same host: its process is watched)")
     ready_file: str = ""
     # the deployment's secret (hex, common.wire.auth): only ever in the 0600 config file, never argv/env
     secret: str = field(default="", repr=False)
     # fault tolerance (docs/reliability.md)
     router_pid: int = 0  # the router's process; this worker exits when it is gone (0: not watched)
-    router_timeout_s: float = 3.0  # how often the router is checked; the worker stops within this
-    lease_s: float = 30.0  # decode: a reservation whose KV has not landed by then is given up
-    drain_s: float = 10.0  # SIGTERM: how long running requests may finish before the worker exits
-    verify_transfers: bool = False  # KVReady carries a checksum of the sent KV; D checks it
+    router_timeout_s: float = option(3.0, "how often (s) a worker checks its router; it exits within this "
+                                          "after the router")
+    lease_s: float = option(30.0, "a decode worker gives up a reservation whose KV has not landed after "
+                                  "this long (s)")
+    drain_s: float = option(10.0, "SIGTERM: how long (s) a worker's running requests may finish before it exits")
+    verify_transfers: bool = option(False, "checksum every KV transfer: KVReady carries it, D checks it")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -9,47 +9,59 @@ import sys
 import time
 import typing
 from pathlib import Path
+from typing import Any
 
-from common.config import KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions, Option
+from common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions, Option, WorkerConfig,
+                           options_of)
 from common.loading.default_model import resolve_model
 from router.policy import POLICIES
 
 
-# The engine group is generated from the engine options (common/config.py: each option's
-# type, default and help written once there); flags nobody gives stay out of the
-# namespace (SUPPRESS), so the options' own defaults apply, not a copy kept here. Their
-# dests are prefixed, apart from the other flags' (`generate --seed` is the sampling seed).
+# The engine flags, and serve's worker liveness flags, are generated from the configs'
+# fields (common/config.py: each field's type, default and help written once there);
+# flags nobody gives stay out of the namespace (SUPPRESS), so the configs' own defaults
+# apply, not a copy kept here. Their dests are prefixed, apart from the other flags'
+# (`generate --seed` is the sampling seed).
 ENGINE_DEST = "engine_"
-ENGINE_FLAGS = {"seed": "--engine-seed"}
+WORKER_DEST = "worker_"
+FLAGS = {"seed": "--engine-seed"}  # where the rule in config_flag() does not fit
+SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 
 
-def engine_flag(option: Option) -> str:
-    """The flag of an engine option: --block-size; a bool's flag drops `enable_` and comes
-    with its --no- form (--prefix-caching / --no-prefix-caching)."""
-    if option.name in ENGINE_FLAGS:
-        return ENGINE_FLAGS[option.name]
-    name = option.name.removeprefix("enable_") if option.type is bool else option.name
+def config_flag(option: Option) -> str:
+    """The flag of a config field: --block-size; a seconds field drops `_s` (--lease);
+    a bool's flag drops `enable_` and comes with its --no- form (--no-prefix-caching)."""
+    if option.name in FLAGS:
+        return FLAGS[option.name]
+    name = option.name.removeprefix("enable_") if option.type is bool else option.name.removesuffix("_s")
     return "--" + name.replace("_", "-")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    for option in EngineOptions.options().values():
+def add_config_flags(g: argparse._ArgumentGroup, options: list[Option], dest: str) -> None:
+    for option in options:
+        flag = config_flag(option)
         if option.type is bool:
-            g.add_argument(engine_flag(option), dest=ENGINE_DEST + option.name, action=argparse.BooleanOptionalAction,
+            g.add_argument(flag, dest=dest + option.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=f"{option.help} (default: {'on' if option.default else 'off'})")
             continue
         default = "" if option.default is None else f" (default: {option.default})"  # None: the help says what
         (kind,) = [t for t in typing.get_args(option.type) or (option.type,) if t is not type(None)]
-        flag = engine_flag(option)
-        g.add_argument(flag, dest=ENGINE_DEST + option.name, type=kind, default=argparse.SUPPRESS,
+        g.add_argument(flag, dest=dest + option.name, type=kind, default=argparse.SUPPRESS,
                        metavar=flag[2:].upper().replace("-", "_"), help=option.help + default)
+
+
+def given(args: argparse.Namespace, dest: str) -> dict[str, Any]:
+    """The config fields whose flags were given, by field name."""
+    return {name[len(dest):]: value for name, value in vars(args).items() if name.startswith(dest)}
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p.add_argument_group("engine"), list(EngineOptions.options().values()), ENGINE_DEST)
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine options of the flags given; the rest keep the options' defaults."""
-    given = {name: getattr(args, ENGINE_DEST + name) for name in EngineOptions.options() if hasattr(args, ENGINE_DEST + name)}
-    return EngineOptions.of(**given)
+    return EngineOptions.of(**given(args, ENGINE_DEST))
 
 
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
@@ -136,9 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
                           api_key=api_key, retries=args.retries, restart_workers=args.restart,
                           stale_after_s=args.stale_after, client_timeout_s=args.client_timeout)
-    timeouts = {"heartbeat_s": args.heartbeat, "peer_timeout_s": args.peer_timeout,
-                "router_timeout_s": args.router_timeout, "lease_s": args.lease, "drain_s": args.drain,
-                "verify_transfers": args.verify_transfers}
+    timeouts = given(args, WORKER_DEST)
     if args.colocated:
         dep = plan_deployment(router, options, threads_per_worker=threads, worker_timeouts=timeouts,
                               colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices"))
@@ -220,14 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
     g.add_argument("--retries", type=int, default=2, help="re-route a request whose worker failed this many times")
     g.add_argument("--stale-after", type=float, default=5.0, help="a worker silent this long (s) is dead")
-    g.add_argument("--heartbeat", type=float, default=0.5, help="worker heartbeat interval (s)")
-    g.add_argument("--peer-timeout", type=float, default=10.0,
-                   help="a prefill/decode peer silent this long (s) is lost (same host: its process is watched)")
-    g.add_argument("--router-timeout", type=float, default=3.0, help="workers exit this long (s) after the router")
-    g.add_argument("--lease", type=float, default=30.0,
-                   help="a decode worker gives up a reservation whose KV has not landed after this long (s)")
-    g.add_argument("--drain", type=float, default=10.0, help="SIGTERM: a worker finishes its requests for up to (s)")
-    g.add_argument("--verify-transfers", action="store_true", help="checksum every KV transfer (D checks it)")
+    worker = options_of(WorkerConfig)
+    add_config_flags(g, [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     g.add_argument("--client-timeout", type=float, default=10.0,
                    help="a heartbeating ZeroMQ client silent this long (s) is gone: its requests are aborted")
     _add_engine_args(p)

@@ -1,6 +1,6 @@
-"""`pdserve`'s engine flags are generated from the engine options (common/config.py): every
-option has a flag, a flag nobody gives leaves the option's own default, and the help text
-is the option's."""
+"""`pdserve`'s engine flags (and serve's worker liveness flags) are generated from the
+configs (common/config.py): every option has a flag, a flag nobody gives leaves the
+config's own default, and the help text is the field's."""
 from __future__ import annotations
 
 import subprocess
@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from common.config import EngineOptions
-from router.cli import ENGINE_DEST, build_parser, engine_flag, engine_options
+from common.config import EngineOptions, WorkerConfig, options_of
+from router.cli import ENGINE_DEST, SERVE_WORKER_FIELDS, WORKER_DEST, build_parser, config_flag, engine_options, given
 
 COMMANDS = ("generate", "serve")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_no_engine_flag_gives_the_configs_defaults(command):
+def test_no_config_flag_gives_the_configs_defaults(command):
     args = build_parser().parse_args([command])
     assert engine_options(args) == EngineOptions()
     assert not [dest for dest in vars(args) if dest.startswith(ENGINE_DEST)]  # the CLI holds no default of its own
@@ -30,10 +30,10 @@ def _other(value: object) -> str:
 def test_every_option_has_a_flag_that_sets_it(command):
     for name, option in EngineOptions.options().items():
         if option.type is bool:
-            flag = engine_flag(option) if not option.default else "--no-" + engine_flag(option)[2:]
+            flag = config_flag(option) if not option.default else "--no-" + config_flag(option)[2:]
             argv, want = [flag], not option.default
         else:
-            argv = [engine_flag(option), _other(option.default)]
+            argv = [config_flag(option), _other(option.default)]
             want = option.type(argv[1]) if isinstance(option.type, type) else int(argv[1])
         got = engine_options(build_parser().parse_args([command, *argv])).to_dict()
         assert got == {**EngineOptions().to_dict(), name: want}, argv
@@ -55,10 +55,21 @@ def test_help_shows_each_options_help_and_default():
     for option in EngineOptions.options().values():
         shown = "on" if option.default is True else "off" if option.default is False else option.default
         after = "" if option.default is None else f" (default: {shown})"  # a None default's help says what it means
-        assert f"{engine_flag(option)} " in text and " ".join((option.help + after).split()) in text, option.name
+        assert f"{config_flag(option)} " in text and " ".join((option.help + after).split()) in text, option.name
 
 
 def test_a_bad_flag_value_exits_2_naming_the_option(capsys):
     from router.cli import main
     assert main(["generate", "/no/such/model", "--block-size", "24"]) == 2
     assert "block_size must be a positive power of two, got 24" in capsys.readouterr().err
+
+
+def test_serves_worker_liveness_flags_come_from_worker_config():
+    assert given(build_parser().parse_args(["serve"]), WORKER_DEST) == {}  # WorkerConfig's defaults apply
+    fields = options_of(WorkerConfig)
+    argv = ["serve", "--heartbeat", "0.25", "--lease", "5", "--verify-transfers"]
+    assert given(build_parser().parse_args(argv), WORKER_DEST) == {"heartbeat_s": 0.25, "lease_s": 5.0,
+                                                                   "verify_transfers": True}
+    assert [config_flag(fields[n]) for n in SERVE_WORKER_FIELDS] == [
+        "--heartbeat", "--peer-timeout", "--router-timeout", "--lease", "--drain", "--verify-transfers"]
+    assert all(fields[n].help for n in SERVE_WORKER_FIELDS)
