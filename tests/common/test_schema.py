@@ -58,7 +58,8 @@ SAME_REFUSALS = {
                      lambda: _worker_error(prefill_peers="abc"), "expected a list, got str 'abc'"),
     "null for int": (lambda: _message_error("worker_status", {**STATUS, "waiting": None}),
                      lambda: _worker_error(rank=None), "expected an integer, got null"),
-    "str for X | None": (lambda: _message_error("worker_status", {**STATUS, "waiting": "x"}),
+    "str for X | None": (lambda: _message_error("generate", {"request_id": "r", "prompt_token_ids": [1],
+                                                         "sampling": {"seed": "x"}}),  # seed: int | None
                                lambda: _engine_error(num_kv_blocks="x"), "expected an integer, got str 'x'"),
 }
 
