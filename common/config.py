@@ -176,6 +176,11 @@ class CacheConfig:
             raise ConfigError(f"memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
 
 
+# max_model_len left unset: the model's own limit, but no more than this, so a model made
+# for 32k-128k contexts does not size its KV need and graph buffers for them by default
+MAX_MODEL_LEN_CAP = 4096
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits. `max_num_batched_tokens` is the per-step token budget.
@@ -184,7 +189,7 @@ class SchedulerConfig:
     max_num_seqs: int = option(64, "sequences batched at once")
     max_num_batched_tokens: int = option(2048, "token budget of one step, prefill chunks and decodes together")
     max_model_len: int | None = option(None, "longest sequence, prompt and output, in tokens "
-                                             "(default: the model's max_position_embeddings, at most 4096)")
+                                             f"(default: the model's max_position_embeddings, at most {MAX_MODEL_LEN_CAP})")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps within the token budget")
     enable_prefix_caching: bool = option(True, "reuse the KV of prompt prefixes already computed")
 
@@ -261,8 +266,8 @@ class EngineOptions:
         """Every option by its flat name, in declaration order."""
         return _options()
 
-    @classmethod
-    def of(cls, **options: Any) -> "EngineOptions":
+    @staticmethod
+    def of(**options: Any) -> "EngineOptions":
         """From flat options (block_size=32, num_kv_blocks=64, dtype="bfloat16", ...);
         the rest keep their defaults. Each section validates its values."""
         known = _options()
@@ -275,7 +280,6 @@ class EngineOptions:
             by_section.setdefault(known[name].section, {})[name] = value
         own = by_section.pop("", {})
         sections = _sections()
-        # EngineOptions, not cls: EngineConfig inherits this, and it needs a model
         return EngineOptions(**{name: sections[name](**values) for name, values in by_section.items()}, **own)
 
     def replace(self, **options: Any) -> "EngineOptions":
@@ -286,10 +290,10 @@ class EngineOptions:
         """The flat form: every option by name (a worker spec's "engine" object)."""
         return {name: getattr(getattr(self, o.section) if o.section else self, name) for name, o in _options().items()}
 
-    @classmethod
-    def from_dict(cls, data: object, where: str = "engine") -> "EngineOptions":
+    @staticmethod
+    def from_dict(data: object, where: str = "engine") -> "EngineOptions":
         """From the flat form as input (JSON): names and types checked, naming the field."""
-        return cls.of(**schema.check_fields(_option_slots(), data, where, ConfigError))
+        return EngineOptions.of(**schema.check_fields(_option_slots(), data, where, ConfigError))
 
     def engine_config(self, model_dir: str | Path) -> "EngineConfig":
         model = ModelConfig.from_dir(model_dir)
@@ -330,7 +334,7 @@ class EngineConfig(EngineOptions):
 
     def __post_init__(self) -> None:
         if self.scheduler.max_model_len is None:
-            resolved = min(self.model.max_position_embeddings, 4096)
+            resolved = min(self.model.max_position_embeddings, MAX_MODEL_LEN_CAP)
             object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler, max_model_len=resolved))
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ConfigError(
