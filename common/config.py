@@ -212,7 +212,7 @@ class DeviceConfig:
     it may not have itself."""
 
     device: str = option("cpu", "cpu, cuda or cuda:i")
-    dtype: str = option("float32", f"weights and KV cache dtype ({', '.join(_DTYPES)})")
+    dtype: str = option("float32", f"weights and KV cache dtype: {', '.join(_DTYPES)}")
     num_threads: int | None = option(None, "torch intra-op threads per process (default: torch's own; "
                                            "`serve`: the CPU cores shared among the workers)")
 

@@ -38,6 +38,7 @@ def config_flag(option: Option) -> str:
 
 
 def add_config_flags(g: argparse._ArgumentGroup, options: list[Option], dest: str) -> None:
+    """One flag per option, typed and helped by its field; its value lands at dest + name."""
     for option in options:
         flag = config_flag(option)
         if option.type is bool:
