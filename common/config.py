@@ -6,14 +6,16 @@ validation of user-supplied values happens here, at the edge.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+from common import schema
 
 if TYPE_CHECKING:
     from common.rope_config import RopeConfig
@@ -150,38 +152,54 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def option(default: Any, help: str) -> Any:
+    """A config field with a default and the help text the CLI shows for it: each engine
+    option's default and help are written once, here in its config."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache geometry. `num_blocks=None` sizes the cache from `memory_fraction`."""
+    """Paged KV cache geometry. `num_kv_blocks=None` sizes the cache from `memory_fraction`."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    memory_fraction: float = 0.2  # of total device (or host) memory, used only if num_blocks is None
+    block_size: int = option(16, "tokens per KV cache block (a power of two); router and workers share it")
+    num_kv_blocks: int | None = option(None, "KV cache size in blocks (default: sized by memory_fraction)")
+    memory_fraction: float = option(0.2, "share of the device's free memory (the host's RAM on CPU) for the KV "
+                                         "cache, when num_kv_blocks is not given")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.memory_fraction <= 0.95:
             raise ConfigError(f"memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
 
 
+# max_model_len left unset: the model's own limit, but no more than this, so a model made
+# for 32k-128k contexts does not size its KV need and graph buffers for them by default
+MAX_MODEL_LEN_CAP = 4096
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits. `max_num_batched_tokens` is the per-step token budget."""
+    """Batching limits. `max_num_batched_tokens` is the per-step token budget.
+    `max_model_len=None` is resolved against the model by EngineConfig."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
+    max_num_seqs: int = option(64, "sequences batched at once")
+    max_num_batched_tokens: int = option(2048, "token budget of one step, prefill chunks and decodes together")
+    max_model_len: int | None = option(None, "longest sequence, prompt and output, in tokens "
+                                             f"(default: the model's max_position_embeddings, at most {MAX_MODEL_LEN_CAP})")
+    enable_chunked_prefill: bool = option(True, "split long prompts over steps within the token budget")
+    enable_prefix_caching: bool = option(True, "reuse the KV of prompt prefixes already computed")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ConfigError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
@@ -189,90 +207,147 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where and in what precision the model runs."""
+    """Where and in what precision the model runs. Whether the device exists is checked
+    where the engine is built (EngineConfig), not here: a router plans workers for GPUs
+    it may not have itself."""
 
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    device: str = option("cpu", "cpu, cuda or cuda:i")
+    dtype: str = option("float32", f"weights and KV cache dtype: {', '.join(_DTYPES)}")
+    num_threads: int | None = option(None, "torch intra-op threads per process (default: torch's own; "
+                                           "`serve`: the CPU cores shared among the workers)")
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything one engine (offline, colocated worker, P or D worker) needs."""
+class Option(NamedTuple):
+    """One config field as users spell it (`LLM(..., block_size=32)`, `--block-size 32`, a
+    worker spec's "engine" object), with what the CLI shows for it."""
 
-    model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-    seed: int = 0
-    decode_graphs: bool = False  # decode steps through bucketed static buffers (CUDA graphs on GPU)
+    name: str
+    section: str  # an engine option's EngineOptions field holding it: cache, scheduler, device; "" for its own
+    type: Any  # the field's type hint
+    default: Any
+    help: str
 
-    def __post_init__(self) -> None:
-        if self.scheduler.max_model_len > self.model.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len {self.scheduler.max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.model.max_position_embeddings}")
 
-    @classmethod
-    def build(cls, model_dir: str | Path, **options: Any) -> "EngineConfig":
-        """Keyword options as users of `LLM(...)` and the CLI spell them (EngineOptions'
-        fields: block_size, num_kv_blocks, max_model_len, dtype, device, ...)."""
-        return EngineOptions(**options).engine_config(model_dir)
+def options_of(cls: type, section: str = "") -> dict[str, Option]:
+    """The fields of the config dataclass `cls` as options: name, type, default, help."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: Option(f.name, section, hints[f.name], f.default, f.metadata.get("help", ""))
+            for f in dataclasses.fields(cls)}
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """An engine's settings without the model: what the CLI, `LLM(...)` and a worker's
-    config file give. `engine_config(model_dir)` reads the model and validates them."""
+    """An engine's settings without the model: the per-concern configs plus the engine's
+    own fields. Filled by the CLI, `LLM(...)` and a worker's config file, all through the
+    flat option names (`options()`: each section's fields, by their own names);
+    `engine_config(model_dir)` reads the model and resolves the rest."""
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from memory_fraction
-    memory_fraction: float = 0.2
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 4096
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    dtype: str = "float32"
-    device: str = "cpu"
-    num_threads: int | None = None
-    seed: int = 0
-    decode_graphs: bool = False  # decode steps through bucketed static buffers (CUDA graphs on GPU)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    seed: int = option(0, "the engine's random seed, for requests that bring none")
+    decode_graphs: bool = option(False, "decode batches through the bucketed static buffers (CUDA graphs on a GPU; "
+                                        "always on for a CUDA decode worker); on the CPU it only pads batches, "
+                                        "for testing the bucketing")
 
-    def engine_config(self, model_dir: str | Path) -> EngineConfig:
-        model = ModelConfig.from_dir(model_dir)
-        max_model_len = self.max_model_len
-        if max_model_len is None:
-            max_model_len = min(model.max_position_embeddings, 4096)
-        return EngineConfig(
-            model=model,
-            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
-                              memory_fraction=self.memory_fraction),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                                      enable_prefix_caching=self.enable_prefix_caching),
-            device=DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.num_threads),
-            seed=self.seed,
-            decode_graphs=self.decode_graphs,
-        )
+    @staticmethod
+    def options() -> dict[str, Option]:
+        """Every option by its flat name, in declaration order."""
+        return _options()
+
+    @staticmethod
+    def of(**options: Any) -> "EngineOptions":
+        """From flat options (block_size=32, num_kv_blocks=64, dtype="bfloat16", ...);
+        the rest keep their defaults. Each section validates its values."""
+        known = _options()
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(map(repr, unknown))} "
+                              f"(known: {', '.join(known)})")
+        by_section: dict[str, dict[str, Any]] = {}
+        for name, value in options.items():
+            by_section.setdefault(known[name].section, {})[name] = value
+        own = by_section.pop("", {})
+        sections = _sections()
+        return EngineOptions(**{name: sections[name](**values) for name, values in by_section.items()}, **own)
+
+    def replace(self, **options: Any) -> "EngineOptions":
+        """A copy with some flat options changed."""
+        return EngineOptions.of(**{**self.to_dict(), **options})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat form: every option by name (a worker spec's "engine" object)."""
+        return {name: getattr(getattr(self, o.section) if o.section else self, name) for name, o in _options().items()}
+
+    @staticmethod
+    def from_dict(data: object, where: str = "engine") -> "EngineOptions":
+        """From the flat form as input (JSON): names and types checked, naming the field."""
+        return EngineOptions.of(**schema.check_fields(_option_slots(), data, where, ConfigError))
+
+    def engine_config(self, model_dir: str | Path) -> "EngineConfig":
+        model = ModelConfig.from_dir(model_dir)
+        return EngineConfig(model=model, **{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
+
+
+@functools.cache
+def _sections() -> dict[str, type]:
+    """EngineOptions' fields that are per-concern configs, by field name."""
+    hints = typing.get_type_hints(EngineOptions)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineOptions) if dataclasses.is_dataclass(hints[f.name])}
+
+
+@functools.cache
+def _options() -> dict[str, Option]:
+    out: dict[str, Option] = {}
+    for section, cls in [*_sections().items(), ("", EngineOptions)]:
+        for name, o in options_of(cls, section).items():
+            if section == "" and name in _sections():
+                continue
+            # one name space: a flat name must say which field it sets
+            assert name not in out, f"engine option {name!r} is defined twice"
+            out[name] = o
+    return out
+
+
+@functools.cache
+def _option_slots() -> dict[str, schema.Slot]:
+    return {name: schema.slot(o.type, required=False) for name, o in _options().items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineOptions):
+    """EngineOptions resolved against one model: everything one engine (offline,
+    colocated worker, P or D worker) needs. `scheduler.max_model_len` is set here."""
+
+    model: ModelConfig
+
+    def __post_init__(self) -> None:
+        if self.scheduler.max_model_len is None:
+            resolved = min(self.model.max_position_embeddings, MAX_MODEL_LEN_CAP)
+            object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler, max_model_len=resolved))
+        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {self.scheduler.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model.max_position_embeddings}")
+        if self.device.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device.device!r} requested but CUDA is not available")
 
     @classmethod
-    def from_dict(cls, data: object) -> "EngineOptions":
-        return from_dict(cls, data, "engine options")
+    def build(cls, model_dir: str | Path, **options: Any) -> "EngineConfig":
+        """From flat options as users of `LLM(...)` and the CLI spell them
+        (EngineOptions.options(): block_size, num_kv_blocks, max_model_len, dtype, ...)."""
+        return EngineOptions.of(**options).engine_config(model_dir)
 
 
 @dataclass(frozen=True)
@@ -288,17 +363,20 @@ class WorkerConfig:
     world_size: int = 0
     prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers to handshake with at start
     report_to: str = ""  # router address to push WorkerStatus heartbeats to
-    heartbeat_s: float = 0.5
-    peer_timeout_s: float = 10.0  # a silent peer (or an unanswered handshake) is lost after this
+    heartbeat_s: float = option(0.5, "worker heartbeat interval (s)")
+    peer_timeout_s: float = option(10.0, "a prefill/decode peer silent this long (s), or a handshake unanswered, "
+                                         "is lost (same host: its process is watched)")
     ready_file: str = ""
     # the deployment's secret (hex, common.wire.auth): only ever in the 0600 config file, never argv/env
     secret: str = field(default="", repr=False)
     # fault tolerance (docs/reliability.md)
     router_pid: int = 0  # the router's process; this worker exits when it is gone (0: not watched)
-    router_timeout_s: float = 3.0  # how often the router is checked; the worker stops within this
-    lease_s: float = 30.0  # decode: a reservation whose KV has not landed by then is given up
-    drain_s: float = 10.0  # SIGTERM: how long running requests may finish before the worker exits
-    verify_transfers: bool = False  # KVReady carries a checksum of the sent KV; D checks it
+    router_timeout_s: float = option(3.0, "how often (s) a worker checks its router; it exits within this "
+                                          "after the router")
+    lease_s: float = option(30.0, "a decode worker gives up a reservation whose KV has not landed after "
+                                  "this long (s)")
+    drain_s: float = option(10.0, "SIGTERM: how long (s) a worker's running requests may finish before it exits")
+    verify_transfers: bool = option(False, "checksum every KV transfer: KVReady carries it, D checks it")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -316,50 +394,7 @@ class WorkerConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: object) -> "WorkerConfig":
-        return from_dict(cls, data, "worker config")
+    def from_dict(cls, data: object, where: str = "worker") -> "WorkerConfig":
+        """From JSON as input: unknown, missing or mistyped fields raise ConfigError naming the field."""
+        return schema.build(cls, data, where, ConfigError)
 
-
-# ---- plain-data (JSON) form of the frozen configs ------------------------------------------
-
-_T = typing.TypeVar("_T")
-
-
-def from_dict(cls: type[_T], data: object, where: str) -> _T:
-    """An instance of the frozen dataclass `cls` from a JSON object, checked as input:
-    unknown, missing or mistyped fields raise ConfigError naming the field, and the
-    dataclass's own validation runs as for any other construction."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
-    hints = typing.get_type_hints(cls)
-    values = {name: _check_type(value, hints[name], f"{where} field {name!r}") for name, value in data.items()}
-    return cls(**values)
-
-
-def _check_type(value: object, tp: object, where: str) -> object:
-    """`value` as type `tp` (int, float, str, bool, X | None, tuple[str, ...]), or ConfigError."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (tp,) = [a for a in args if a is not type(None)]
-    if typing.get_origin(tp) is tuple:
-        item = typing.get_args(tp)[0]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        return tuple(_check_type(v, item, f"{where} item") for v in value)
-    ok = {bool: lambda v: isinstance(v, bool),
-          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          str: lambda v: isinstance(v, str)}[tp]  # type: ignore[index]
-    if not ok(value):
-        raise ConfigError(f"{where} must be {tp.__name__}, got {value!r}")  # type: ignore[union-attr]
-    return float(value) if tp is float else value  # type: ignore[arg-type]

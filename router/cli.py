@@ -7,37 +7,62 @@ import json
 import os
 import sys
 import time
+import typing
 from pathlib import Path
+from typing import Any
 
-from common.config import KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions
+from common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions, Option, WorkerConfig,
+                           options_of)
 from common.loading.default_model import resolve_model
 from router.policy import POLICIES
 
 
+# The engine flags, and serve's worker liveness flags, are generated from the configs'
+# fields (common/config.py: each field's type, default and help written once there);
+# flags nobody gives stay out of the namespace (SUPPRESS), so the configs' own defaults
+# apply, not a copy kept here. Their dests are prefixed, apart from the other flags'
+# (`generate --seed` is the sampling seed).
+ENGINE_DEST = "engine_"
+WORKER_DEST = "worker_"
+FLAGS = {"seed": "--engine-seed"}  # where the rule in config_flag() does not fit
+SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
+
+
+def config_flag(option: Option) -> str:
+    """The flag of a config field: --block-size; a seconds field drops `_s` (--lease);
+    a bool's flag drops `enable_` and comes with its --no- form (--no-prefix-caching)."""
+    if option.name in FLAGS:
+        return FLAGS[option.name]
+    name = option.name.removeprefix("enable_") if option.type is bool else option.name.removesuffix("_s")
+    return "--" + name.replace("_", "-")
+
+
+def add_config_flags(g: argparse._ArgumentGroup, options: list[Option], dest: str) -> None:
+    """One flag per option, typed and helped by its field; its value lands at dest + name."""
+    for option in options:
+        flag = config_flag(option)
+        if option.type is bool:
+            g.add_argument(flag, dest=dest + option.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=f"{option.help} (default: {'on' if option.default else 'off'})")
+            continue
+        default = "" if option.default is None else f" (default: {option.default})"  # None: the help says what
+        (kind,) = [t for t in typing.get_args(option.type) or (option.type,) if t is not type(None)]
+        g.add_argument(flag, dest=dest + option.name, type=kind, default=argparse.SUPPRESS,
+                       metavar=flag[2:].upper().replace("-", "_"), help=option.help + default)
+
+
+def given(args: argparse.Namespace, dest: str) -> dict[str, Any]:
+    """The config fields whose flags were given, by field name."""
+    return {name[len(dest):]: value for name, value in vars(args).items() if name.startswith(dest)}
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from --memory-fraction)")
-    g.add_argument("--memory-fraction", type=float, default=0.2)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default="float32")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--decode-graphs", action="store_true",
-                   help="decode batches through the bucketed static buffers on the CPU too (always on for a CUDA "
-                        "decode worker); on the CPU it only pads batches, for testing the bucketing")
+    add_config_flags(p.add_argument_group("engine"), list(EngineOptions.options().values()), ENGINE_DEST)
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
-    return EngineOptions(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                         memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                         dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-                         enable_prefix_caching=not args.no_prefix_caching,
-                         decode_graphs=getattr(args, "decode_graphs", False))
+    """The engine options of the flags given; the rest keep the options' defaults."""
+    return EngineOptions.of(**given(args, ENGINE_DEST))
 
 
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
@@ -62,8 +87,9 @@ PLAIN_PROMPTS = ["The router sends the request to", "A prefill worker computes",
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from common import LLM, SamplingParams
+    options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
-    llm = LLM(model, **engine_options(args).to_dict())
+    llm = LLM(model, **options.to_dict())
     # the default model is an instruct model: by default each prompt is a user's chat turn
     chat = args.chat if args.chat is not None else args.model is None
     prompts = args.prompt or (CHAT_PROMPTS if chat else PLAIN_PROMPTS)
@@ -99,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.config import RouterConfig
     from router.deploy import plan_deployment
     from router.serve import run
+    options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
@@ -107,25 +134,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.decode = 1 if args.decode is None else args.decode
     if not args.colocated and (args.prefill < 1 or args.decode < 1):
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
-    options = engine_options(args)
-    engine = options.engine_config(model)  # validates the flags before anything starts
+    engine = options.engine_config(model)  # checks them against the model before anything starts
     # every worker gets the same max_model_len as the router, resolved from the model once here
-    options = dataclasses.replace(options, max_model_len=engine.scheduler.max_model_len)
+    options = options.replace(max_model_len=engine.scheduler.max_model_len)
     n_workers = args.colocated or (args.prefill + args.decode)
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
+    threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
-    max_inflight = args.max_inflight or 4 * options.max_num_seqs * (args.colocated or args.decode)
+    max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * (args.colocated or args.decode)
     api_key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY") or None
     router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
                           host=args.host, http_port=args.http_port, zmq_port=args.zmq_port, routing=args.routing,
-                          max_model_len=engine.scheduler.max_model_len, block_size=options.block_size,
+                          max_model_len=engine.scheduler.max_model_len, block_size=options.cache.block_size,
                           enable_http=args.http_port >= 0, max_inflight=max_inflight,
                           max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
                           api_key=api_key, retries=args.retries, restart_workers=args.restart,
                           stale_after_s=args.stale_after, client_timeout_s=args.client_timeout)
-    timeouts = {"heartbeat_s": args.heartbeat, "peer_timeout_s": args.peer_timeout,
-                "router_timeout_s": args.router_timeout, "lease_s": args.lease, "drain_s": args.drain,
-                "verify_transfers": args.verify_transfers}
+    timeouts = given(args, WORKER_DEST)
     if args.colocated:
         dep = plan_deployment(router, options, threads_per_worker=threads, worker_timeouts=timeouts,
                               colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices"))
@@ -207,14 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
     g.add_argument("--retries", type=int, default=2, help="re-route a request whose worker failed this many times")
     g.add_argument("--stale-after", type=float, default=5.0, help="a worker silent this long (s) is dead")
-    g.add_argument("--heartbeat", type=float, default=0.5, help="worker heartbeat interval (s)")
-    g.add_argument("--peer-timeout", type=float, default=10.0,
-                   help="a prefill/decode peer silent this long (s) is lost (same host: its process is watched)")
-    g.add_argument("--router-timeout", type=float, default=3.0, help="workers exit this long (s) after the router")
-    g.add_argument("--lease", type=float, default=30.0,
-                   help="a decode worker gives up a reservation whose KV has not landed after this long (s)")
-    g.add_argument("--drain", type=float, default=10.0, help="SIGTERM: a worker finishes its requests for up to (s)")
-    g.add_argument("--verify-transfers", action="store_true", help="checksum every KV transfer (D checks it)")
+    worker = options_of(WorkerConfig)
+    add_config_flags(g, [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     g.add_argument("--client-timeout", type=float, default=10.0,
                    help="a heartbeating ZeroMQ client silent this long (s) is gone: its requests are aborted")
     _add_engine_args(p)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import ConfigError
+from common.config import CacheConfig, ConfigError
 from router.policy import POLICIES
 
 
@@ -20,7 +20,7 @@ class RouterConfig:
     control_port: int = 0  # worker hello/heartbeats
     routing: str = "prefix_load"
     max_model_len: int = 2048
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = 5.0
     seed: int = 0
     enable_http: bool = True

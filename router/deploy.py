@@ -2,7 +2,6 @@
 options, worker config), filled once by `pdserve serve` and handed to the launcher."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from common.config import ConfigError, EngineOptions, WorkerConfig
@@ -27,8 +26,8 @@ class DeploymentConfig:
 
     def __post_init__(self) -> None:
         for w in self.workers:  # the router routes by prefix hashes of its own block size and model
-            if w.engine.block_size != self.router.block_size:
-                raise ConfigError(f"worker {w.worker.worker_id} has block_size {w.engine.block_size}, "
+            if w.engine.cache.block_size != self.router.block_size:
+                raise ConfigError(f"worker {w.worker.worker_id} has block_size {w.engine.cache.block_size}, "
                                   f"the router {self.router.block_size}")
             if w.model_dir != self.router.model_dir:
                 raise ConfigError(f"worker {w.worker.worker_id} serves {w.model_dir}, the router {self.router.model_dir}")
@@ -38,15 +37,15 @@ class DeploymentConfig:
 
     @property
     def prefill_devices(self) -> tuple[str, ...]:
-        return tuple(w.engine.device for w in self.role("prefill"))
+        return tuple(w.engine.device.device for w in self.role("prefill"))
 
     @property
     def decode_devices(self) -> tuple[str, ...]:
-        return tuple(w.engine.device for w in self.role("decode"))
+        return tuple(w.engine.device.device for w in self.role("decode"))
 
     @property
     def colocated_devices(self) -> tuple[str, ...]:
-        return tuple(w.engine.device for w in self.role("colocated"))
+        return tuple(w.engine.device.device for w in self.role("colocated"))
 
 
 def check_one_rank_per_gpu(devices: tuple[str, ...]) -> None:
@@ -76,7 +75,7 @@ def plan_deployment(router: RouterConfig, engine: EngineOptions, *, prefill_devi
         raise ConfigError("a deployment is either colocated or prefill/decode, not both")
 
     def spec(role: str, name: str, device: str, **worker: object) -> WorkerSpec:
-        options = dataclasses.replace(engine, device=device, num_threads=threads_per_worker)
+        options = engine.replace(device=device, num_threads=threads_per_worker)
         return WorkerSpec(router.model_dir, options, WorkerConfig(role=role, worker_id=name, **worker,
                                                                            **(worker_timeouts or {})))  # type: ignore[arg-type]
 

@@ -12,9 +12,9 @@ from common.sampling_params import SamplingParams
 
 
 class LLM:
-    """An in-process engine on a model folder (or a .gguf file). Options are those of `EngineConfig.build`: block_size,
-    num_kv_blocks, memory_fraction, max_num_seqs, max_num_batched_tokens, max_model_len,
-    enable_chunked_prefill, enable_prefix_caching, dtype, device, num_threads, seed."""
+    """An in-process engine on a model folder (or a .gguf file). Options are the engine
+    options by their flat names (`EngineOptions.options()`: block_size, num_kv_blocks,
+    max_model_len, dtype, device, ...), as `EngineConfig.build` takes them."""
 
     def __init__(self, model_dir: str | Path, **options: Any) -> None:
         if str(model_dir).lower().endswith(".gguf"):  # converted once into pdserve's cache

@@ -34,8 +34,8 @@ def bytes_per_block(config: EngineConfig) -> int:
 
 def decide_num_blocks(config: EngineConfig) -> int:
     """Cache size in blocks: the configured count, else `memory_fraction` of device memory."""
-    if config.cache.num_blocks is not None:
-        n = config.cache.num_blocks
+    if config.cache.num_kv_blocks is not None:
+        n = config.cache.num_kv_blocks
     else:
         if config.device.device.startswith("cuda"):
             free, _ = torch.cuda.mem_get_info(torch.device(config.device.device))

@@ -3,19 +3,18 @@
 Wire form: msgpack map {"v": PROTOCOL_VERSION, "type": <tag>, "data": {field: value}}.
 Raw tensor bytes (tcp KV transfer) travel as extra ZeroMQ frames after the message.
 Decoding rejects unknown versions, unknown types, unknown or missing fields and wrong
-field types with MessageError; a process answers that with an ErrorReply and goes on.
+field types (checked by common/schema.py, the checker config files use too) with
+MessageError; a process answers that with an ErrorReply and goes on.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
+from common import schema
 from common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -238,7 +237,7 @@ def decode(raw: bytes) -> Any:
     cls = _REGISTRY.get(obj["type"]) if isinstance(obj["type"], str) else None
     if cls is None:
         raise MessageError(f"unknown message type {obj['type']!r}")
-    return _from_wire(cls, obj["data"], obj["type"])
+    return schema.build(cls, obj["data"], obj["type"], MessageError)
 
 
 def _to_wire(msg: Any) -> dict[str, Any]:
@@ -247,77 +246,3 @@ def _to_wire(msg: Any) -> dict[str, Any]:
         v = getattr(msg, f.name)
         out[f.name] = _to_wire(v) if dataclasses.is_dataclass(v) else v
     return out
-
-
-@functools.cache
-def _structure(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
-    """A message class's field types and fields, resolved once (get_type_hints costs ~1 ms)."""
-    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _from_wire(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise MessageError(f"{where}: expected a map, got {type(data).__name__}")
-    hints, fields = _structure(cls)
-    unknown = set(data) - set(fields)
-    if unknown:
-        raise MessageError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{where}: missing field {name!r}")
-            continue
-        kwargs[name] = _check(hints[name], data[name], f"{where}.{name}")
-    unchecked = getattr(cls, "unchecked", None)  # values checked by the receiver, naming the request
-    return unchecked(**kwargs) if unchecked is not None else cls(**kwargs)
-
-
-def _check(tp: Any, v: Any, where: str) -> Any:
-    """Validate `v` against type hint `tp`; returns it (nested messages constructed)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return v
-    if origin in (Union, types.UnionType):
-        errors = []
-        for arg in typing.get_args(tp):
-            try:
-                return _check(arg, v, where)
-            except MessageError as e:
-                errors.append(str(e))
-        raise MessageError(f"{where}: {v!r} matches none of {tp}")
-    if tp is type(None):
-        if v is not None:
-            raise MessageError(f"{where}: expected null")
-        return v
-    if origin is list:
-        if not isinstance(v, list):
-            raise MessageError(f"{where}: expected a list, got {type(v).__name__}")
-        (arg,) = typing.get_args(tp)
-        if arg is int and all(type(x) is int for x in v):  # token ids: the common, long case (bool is no int)
-            return v
-        return [_check(arg, x, f"{where}[{i}]") for i, x in enumerate(v)]
-    if origin is dict:
-        if not isinstance(v, dict):
-            raise MessageError(f"{where}: expected a map, got {type(v).__name__}")
-        karg, varg = typing.get_args(tp)
-        return {_check(karg, k, where): _check(varg, x, f"{where}[{k!r}]") for k, x in v.items()}
-    if dataclasses.is_dataclass(tp):
-        return _from_wire(tp, v, where)
-    if tp is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise MessageError(f"{where}: expected a number, got {type(v).__name__}")
-        return float(v)
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise MessageError(f"{where}: expected an integer, got {type(v).__name__}")
-        return v
-    if tp is bytes:
-        if not isinstance(v, bytes):
-            raise MessageError(f"{where}: expected binary data, got {type(v).__name__}")
-        return v
-    if tp in (str, bool):
-        if not isinstance(v, tp):
-            raise MessageError(f"{where}: expected {tp.__name__}, got {type(v).__name__}")
-        return v
-    raise TypeError(f"unsupported field type {tp} at {where}")  # a bug in this module, not input

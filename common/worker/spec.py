@@ -6,7 +6,7 @@ workdir) and starts `python -m prefill_node --config FILE` or `python -m decode_
 File format (version 1):
 
     {"version": 1, "model_dir": "/path/to/model",
-     "engine": {EngineOptions fields: "block_size": 16, "num_kv_blocks": 256, ...},
+     "engine": {EngineOptions' flat options: "block_size": 16, "num_kv_blocks": 256, ...},
      "worker": {WorkerConfig fields: "role": "decode", "worker_id": "decode-0", ...}}
 """
 from __future__ import annotations
@@ -49,7 +49,8 @@ class WorkerSpec:
         model_dir = data.get("model_dir")
         if not isinstance(model_dir, str) or not model_dir:
             raise ConfigError(f"worker config file field 'model_dir' must be a non-empty string, got {model_dir!r}")
-        return cls(model_dir, EngineOptions.from_dict(data.get("engine", {})), WorkerConfig.from_dict(data.get("worker")))
+        return cls(model_dir, EngineOptions.from_dict(data.get("engine", {}), "engine"),
+                   WorkerConfig.from_dict(data.get("worker"), "worker"))
 
     def write(self, path: str | Path) -> Path:
         """Write as JSON, readable by the owner only (it names sockets of the deployment)."""
@@ -72,14 +73,14 @@ class WorkerSpec:
 
     @classmethod
     def of(cls, model_dir: str, role: str, worker_id: str, **options: Any) -> "WorkerSpec":
-        """A spec from flat keyword options, each an EngineOptions or a WorkerConfig field
+        """A spec from flat keyword options, each an engine option or a WorkerConfig field
         (block_size=32, kv_transfer="shm", peer_timeout_s=2.0, ...)."""
-        engine_fields = {f.name for f in dataclasses.fields(EngineOptions)}
+        engine_fields = set(EngineOptions.options())
         worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)} - {"role", "worker_id"}
         unknown = sorted(set(options) - engine_fields - worker_fields)
         if unknown:
             raise ConfigError(f"unknown worker option(s) {', '.join(map(repr, unknown))}")
-        engine = EngineOptions(**{k: v for k, v in options.items() if k in engine_fields})
+        engine = EngineOptions.of(**{k: v for k, v in options.items() if k in engine_fields})
         worker = WorkerConfig(role=role, worker_id=worker_id, **{k: v for k, v in options.items() if k in worker_fields})
         return cls(str(model_dir), engine, worker)
 
@@ -89,7 +90,7 @@ class WorkerSpec:
         graph to replay, and padding a batch to its bucket only adds rows to compute
         (a batch of 9 ran as 16), so the graph runner is used there only when asked for
         (`decode_graphs`, which the tests set to exercise the bucketing)."""
-        on_gpu = self.engine.device.startswith("cuda")
+        on_gpu = self.engine.device.device.startswith("cuda")
         decode_graphs = self.engine.decode_graphs or (on_gpu and self.worker.role != "prefill")
         return dataclasses.replace(self.engine, decode_graphs=decode_graphs).engine_config(self.model_dir)
 

@@ -21,7 +21,7 @@ def test_file_round_trips_and_is_private(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     back = WorkerSpec.read(path)
     assert back == spec()
-    assert back.engine == EngineOptions(num_kv_blocks=64, max_model_len=256, num_threads=1)
+    assert back.engine == EngineOptions.of(num_kv_blocks=64, max_model_len=256, num_threads=1)
     assert back.worker.prefill_peers == ("tcp://127.0.0.1:5000",) and back.worker.peer_timeout_s == 2.0
 
 

@@ -14,12 +14,12 @@ ROUTER = RouterConfig(model_dir="/models/m", http_port=0, zmq_port=0)
 
 
 def test_pd_plan_gives_each_worker_its_device_and_gloo_ranks():
-    dep = plan_deployment(ROUTER, EngineOptions(num_kv_blocks=64), prefill_devices=("cpu",),
+    dep = plan_deployment(ROUTER, EngineOptions.of(num_kv_blocks=64), prefill_devices=("cpu",),
                           decode_devices=("cpu", "cpu"), kv_transfer="gloo", threads_per_worker=1)
     assert [w.worker.worker_id for w in dep.workers] == ["prefill-0", "decode-0", "decode-1"]
     assert [w.worker.rank for w in dep.workers] == [0, 1, 2]
     assert {w.worker.world_size for w in dep.workers} == {3} and len({w.worker.dist_init for w in dep.workers}) == 1
-    assert all(w.engine.num_kv_blocks == 64 and w.engine.num_threads == 1 for w in dep.workers)
+    assert all(w.engine.cache.num_kv_blocks == 64 and w.engine.device.num_threads == 1 for w in dep.workers)
     assert (dep.prefill_devices, dep.decode_devices, dep.colocated_devices) == (("cpu",), ("cpu", "cpu"), ())
 
 
@@ -32,7 +32,7 @@ def test_colocated_plan_and_auto_backend():
 def test_workers_must_share_the_routers_block_size_and_model():
     dep = plan_deployment(ROUTER, EngineOptions(), prefill_devices=("cpu",), decode_devices=("cpu",))
     with pytest.raises(ConfigError, match="block_size"):
-        DeploymentConfig(ROUTER, (dataclasses.replace(dep.workers[0], engine=EngineOptions(block_size=32)),))
+        DeploymentConfig(ROUTER, (dataclasses.replace(dep.workers[0], engine=EngineOptions.of(block_size=32)),))
     with pytest.raises(ConfigError, match="serves"):
         DeploymentConfig(ROUTER, (dataclasses.replace(dep.workers[0], model_dir="/models/other"),))
 

@@ -1,0 +1,75 @@
+"""`pdserve`'s engine flags (and serve's worker liveness flags) are generated from the
+configs (common/config.py): every option has a flag, a flag nobody gives leaves the
+config's own default, and the help text is the field's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from common.config import EngineOptions, WorkerConfig, options_of
+from router.cli import ENGINE_DEST, SERVE_WORKER_FIELDS, WORKER_DEST, build_parser, config_flag, engine_options, given
+
+COMMANDS = ("generate", "serve")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_config_flag_gives_the_configs_defaults(command):
+    args = build_parser().parse_args([command])
+    assert engine_options(args) == EngineOptions()
+    assert not [dest for dest in vars(args) if dest.startswith(ENGINE_DEST)]  # the CLI holds no default of its own
+
+
+def _other(value: object) -> str:
+    """A flag value other than the default, valid for the option."""
+    return {16: "32", 0.2: "0.5", 64: "8", 2048: "4096", "cpu": "cuda:0", "float32": "bfloat16", 0: "7"}.get(value, "3")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_has_a_flag_that_sets_it(command):
+    for name, option in EngineOptions.options().items():
+        if option.type is bool:
+            flag = config_flag(option) if not option.default else "--no-" + config_flag(option)[2:]
+            argv, want = [flag], not option.default
+        else:
+            argv = [config_flag(option), _other(option.default)]
+            want = option.type(argv[1]) if isinstance(option.type, type) else int(argv[1])
+        got = engine_options(build_parser().parse_args([command, *argv])).to_dict()
+        assert got == {**EngineOptions().to_dict(), name: want}, argv
+
+
+def test_the_established_flags_keep_their_spelling():
+    args = build_parser().parse_args(["serve", "--block-size", "32", "--num-kv-blocks", "64", "--max-model-len", "256",
+                                      "--no-prefix-caching", "--decode-graphs", "--num-threads", "1"])
+    assert engine_options(args) == EngineOptions.of(block_size=32, num_kv_blocks=64, max_model_len=256,
+                                                    enable_prefix_caching=False, decode_graphs=True, num_threads=1)
+    args = build_parser().parse_args(["generate", "--seed", "5", "--engine-seed", "9"])  # sampling seed vs engine seed
+    assert args.seed == 5 and engine_options(args).seed == 9
+
+
+def test_help_shows_each_options_help_and_default():
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    text = " ".join(out.split())  # argparse wraps lines
+    for option in EngineOptions.options().values():
+        shown = "on" if option.default is True else "off" if option.default is False else option.default
+        after = "" if option.default is None else f" (default: {shown})"  # a None default's help says what it means
+        assert f"{config_flag(option)} " in text and " ".join((option.help + after).split()) in text, option.name
+
+
+def test_a_bad_flag_value_exits_2_naming_the_option(capsys):
+    from router.cli import main
+    assert main(["generate", "/no/such/model", "--block-size", "24"]) == 2
+    assert "block_size must be a positive power of two, got 24" in capsys.readouterr().err
+
+
+def test_serves_worker_liveness_flags_come_from_worker_config():
+    assert given(build_parser().parse_args(["serve"]), WORKER_DEST) == {}  # WorkerConfig's defaults apply
+    fields = options_of(WorkerConfig)
+    argv = ["serve", "--heartbeat", "0.25", "--lease", "5", "--verify-transfers"]
+    assert given(build_parser().parse_args(argv), WORKER_DEST) == {"heartbeat_s": 0.25, "lease_s": 5.0,
+                                                                   "verify_transfers": True}
+    assert [config_flag(fields[n]) for n in SERVE_WORKER_FIELDS] == [
+        "--heartbeat", "--peer-timeout", "--router-timeout", "--lease", "--drain", "--verify-transfers"]
+    assert all(fields[n].help for n in SERVE_WORKER_FIELDS)
