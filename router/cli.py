@@ -14,7 +14,7 @@ from typing import Any
 from common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions, Option, WorkerConfig,
                            options_of)
 from common.loading.default_model import resolve_model
-from router.policy import POLICIES
+from router.config import RouterConfig
 
 
 # The engine flags, and serve's worker liveness flags, are generated from the configs'
@@ -24,8 +24,14 @@ from router.policy import POLICIES
 # (`generate --seed` is the sampling seed).
 ENGINE_DEST = "engine_"
 WORKER_DEST = "worker_"
+ROUTER_DEST = "router_"
 FLAGS = {"seed": "--engine-seed"}  # where the rule in config_flag() does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
+SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
+    "": ("host", "http_port", "zmq_port", "routing"),
+    "limits": ("max_prompt_chars", "max_body_bytes"),
+    "faults": ("retries", "stale_after_s", "client_timeout_s"),
+}
 
 
 def config_flag(option: Option) -> str:
@@ -122,7 +128,6 @@ def _devices(spec: str | None, count: int, flag: str) -> tuple[str, ...]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Fill the DeploymentConfig once from the flags, then run it."""
-    from router.config import RouterConfig
     from router.deploy import plan_deployment
     from router.serve import run
     options = engine_options(args)  # the flags' values are checked before a model is fetched
@@ -142,13 +147,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
     max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * (args.colocated or args.decode)
     api_key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY") or None
+    router_fields = given(args, ROUTER_DEST)
+    no_http = router_fields.get("http_port") == -1
+    if no_http:
+        router_fields["http_port"] = 0
     router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
-                          host=args.host, http_port=args.http_port, zmq_port=args.zmq_port, routing=args.routing,
                           max_model_len=engine.scheduler.max_model_len, block_size=options.cache.block_size,
-                          enable_http=args.http_port >= 0, max_inflight=max_inflight,
-                          max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
-                          api_key=api_key, retries=args.retries, restart_workers=args.restart,
-                          stale_after_s=args.stale_after, client_timeout_s=args.client_timeout)
+                          enable_http=not no_http, max_inflight=max_inflight, api_key=api_key,
+                          restart_workers=args.restart, **router_fields)
     timeouts = given(args, WORKER_DEST)
     if args.colocated:
         dep = plan_deployment(router, options, threads_per_worker=threads, worker_timeouts=timeouts,
@@ -209,32 +215,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-devices", default=None)
     p.add_argument("--colocated-devices", default=None)
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES)
-    p.add_argument("--routing", default="prefix_load", choices=POLICIES)
-    p.add_argument("--host", default="127.0.0.1")
+    router_options = options_of(RouterConfig)
+    add_config_flags(p, [router_options[n] for n in SERVE_ROUTER_FIELDS[""]], ROUTER_DEST)
     p.add_argument("--secret-file", default="",
                    help="file (mode 0600) holding the deployment secret, hex; default: a fresh one per run. "
                         "Internal messages are authenticated with it; it is never passed in argv or env")
-    p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--zmq-port", type=int, default=5555, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--ready-file", default="", help="write connection info as JSON here once ready")
     g = p.add_argument_group("client-facing limits (docs/security.md)")
     g.add_argument("--max-inflight", type=int, default=0,
                    help="requests admitted at once; beyond: HTTP 429 / ZeroMQ 'overloaded' "
                         "(default 4 x max-num-seqs x decode or colocated workers)")
-    g.add_argument("--max-prompt-chars", type=int, default=0,
-                   help="prompt size in characters, checked before tokenizing (default max(65536, 16 x max-model-len))")
-    g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="HTTP request body limit")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["limits"]], ROUTER_DEST)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
-    g.add_argument("--retries", type=int, default=2, help="re-route a request whose worker failed this many times")
-    g.add_argument("--stale-after", type=float, default=5.0, help="a worker silent this long (s) is dead")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     worker = options_of(WorkerConfig)
     add_config_flags(g, [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
-    g.add_argument("--client-timeout", type=float, default=10.0,
-                   help="a heartbeating ZeroMQ client silent this long (s) is gone: its requests are aborted")
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

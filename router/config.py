@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import CacheConfig, ConfigError
+from common.config import CacheConfig, ConfigError, option
 from router.policy import POLICIES
 
 
@@ -14,28 +14,30 @@ class RouterConfig:
 
     model_dir: str
     model_name: str = "pdserve"
-    host: str = "127.0.0.1"
-    http_port: int = 8000  # 0 picks a free port
-    zmq_port: int = 5555  # client front end; 0 picks a free port
+    host: str = option("127.0.0.1", "the address the HTTP, ZeroMQ and control sockets bind")
+    http_port: int = option(8000, "OpenAI HTTP port; 0 picks a free port, -1 serves no HTTP")
+    zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")
     control_port: int = 0  # worker hello/heartbeats
-    routing: str = "prefix_load"
+    routing: str = option("prefix_load", f"how a request's workers are chosen: {', '.join(POLICIES)}")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
-    stale_after_s: float = 5.0
+    stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
     seed: int = 0
     enable_http: bool = True
     # admission: requests being prepared or in flight (queued on a worker included);
     # above it a new one is refused (HTTP 429 + Retry-After, ZeroMQ error "overloaded")
     max_inflight: int = 256
     retry_after_s: int = 1
-    max_prompt_chars: int = 0  # checked before tokenizing; 0: default_prompt_chars(max_model_len)
-    max_body_bytes: int = 16 * 1024 * 1024  # HTTP request body, however it is sent (chunked too)
+    max_prompt_chars: int = option(0, "prompt size in characters, checked before tokenizing "
+                                      "(0: max(65536, 16 x max-model-len))")
+    max_body_bytes: int = option(16 * 1024 * 1024, "HTTP request body limit, however it is sent (chunked too)")
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer <key>" on /v1/*
     tokenizer_threads: int = 2  # chat template + tokenization run here, off the event loop
     # fault tolerance (docs/reliability.md)
-    retries: int = 2  # a request whose worker failed is re-routed up to this many times
+    retries: int = option(2, "re-route a request whose worker failed this many times")
     restart_workers: bool = False  # the launcher starts a worker again when it exits
-    client_timeout_s: float = 10.0  # a ZeroMQ client that heartbeats and then falls silent this long is gone
+    client_timeout_s: float = option(10.0, "a heartbeating ZeroMQ client silent this long (s) is gone: "
+                                           "its requests are aborted")
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:

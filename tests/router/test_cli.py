@@ -73,3 +73,20 @@ def test_serves_worker_liveness_flags_come_from_worker_config():
     assert [config_flag(fields[n]) for n in SERVE_WORKER_FIELDS] == [
         "--heartbeat", "--peer-timeout", "--router-timeout", "--lease", "--drain", "--verify-transfers"]
     assert all(fields[n].help for n in SERVE_WORKER_FIELDS)
+
+
+def test_serve_router_flags_come_from_router_config():
+    from router.cli import ROUTER_DEST, SERVE_ROUTER_FIELDS
+    from router.config import RouterConfig
+    options = options_of(RouterConfig)
+    names = [n for group in SERVE_ROUTER_FIELDS.values() for n in group]
+    assert not given(build_parser().parse_args(["serve"]), ROUTER_DEST)  # RouterConfig's defaults apply
+    args = build_parser().parse_args(["serve", "--host", "10.0.0.1", "--http-port", "-1", "--zmq-port", "0",
+                                      "--routing", "round_robin", "--max-prompt-chars", "100", "--max-body-bytes",
+                                      "2048", "--retries", "0", "--stale-after", "2.5", "--client-timeout", "3"])
+    assert given(args, ROUTER_DEST) == {"host": "10.0.0.1", "http_port": -1, "zmq_port": 0, "routing": "round_robin",
+                                        "max_prompt_chars": 100, "max_body_bytes": 2048, "retries": 0,
+                                        "stale_after_s": 2.5, "client_timeout_s": 3.0}
+    assert sorted(given(args, ROUTER_DEST)) == sorted(names)
+    for name in names:
+        assert options[name].help, f"RouterConfig.{name} has no help text for its flag"
