@@ -11,7 +11,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from common.wire.messages import TokenOutput
 from common.text.tokenizer import Tokenizer
-from router.detokenizer import IncrementalDetokenizer, held_back_tail
+from common.text.detokenizer import IncrementalDetokenizer, held_back_tail
 from router.text import merge_outputs, usage
 
 
