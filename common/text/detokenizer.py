@@ -10,8 +10,8 @@ How (vLLM's prefix/read offsets): only the window `token_ids[prefix_offset:]` is
 per token. `read_offset` is where the settled text ends; `prefix_offset` is the previous
 read offset, kept as context so decoders that treat a window's first token specially
 (metaspace's leading space) decode the new tokens as they read inside the whole. A window
-whose text ends in U+FFFD is not settled: a character is still incomplete, so the offsets
-stay and the next token widens the window. Every offset is a token boundary where the
+whose text ends in U+FFFD has a character still incomplete: the text before that U+FFFD
+run settles, the offsets stay, and the next token widens the window. Every offset is a token boundary where the
 decoded bytes end on a whole character, which makes decode(all) the concatenation of the
 windows' new text for byte-level (and byte-fallback) decoders.
 
@@ -54,6 +54,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # token where the decoded window starts (a clean boundary)
         self.read_offset = 0  # token where the settled text ends (a clean boundary)
         self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset])
+        self._partial = 0  # characters after _prefix_text already settled from an unfinished window
         self._pieces: list[str] = []  # the settled text, in pieces (joined only by `text`)
         self._tail = ""  # the last `_window` characters of the settled text
         self._settled_len = 0  # characters of settled text
@@ -92,23 +93,32 @@ class IncrementalDetokenizer:
 
     # ---- internals ----------------------------------------------------------------------
     def _settle(self) -> str:
-        """The text the last token settled ("" while a character is incomplete)."""
+        """The text the last token settled. A window ending in U+FFFD (a character still
+        incomplete) settles what precedes the U+FFFD run and keeps its offsets: the next
+        token widens it."""
         text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
-            return ""
-        new = text[len(self._prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self._prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        self._append(new)
+        window_new = text[len(self._prefix_text):]
+        if text.endswith("\ufffd"):
+            stable = window_new.rstrip("\ufffd")
+            new = stable[self._partial:]
+            self._partial = max(self._partial, len(stable))
+        else:
+            new = window_new[self._partial:]
+            self._partial = 0
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self._prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        if new:
+            self._append(new)
         return new
 
     def _flush(self) -> str:
         """At the end: whatever is not settled (an incomplete character decodes to U+FFFD,
         as decode(all) has it)."""
         text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        new = text[len(self._prefix_text):]
+        new = text[len(self._prefix_text) + self._partial:]
+        self._partial = 0
+        self.read_offset = len(self.token_ids)
         if new:
-            self.read_offset = len(self.token_ids)
             self._append(new)
         return new
 
