@@ -418,8 +418,9 @@ class Router:
         ids, finished, reason = out.token_ids, out.finished, out.finish_reason
         if req.detok.stopped:
             ids, finished, reason = ids[:len(req.detok.token_ids) - before], True, "stop"
-        reply = TokenOutput(req.request_id, ids, text, finished, reason, out.num_prompt_tokens,
-                            req.num_cached_tokens, out.timeline)
+        # the counts go to the client on its last message only (docs/protocol.md)
+        reply = TokenOutput(req.request_id, ids, text, finished, reason, 0, req.num_cached_tokens if finished else 0,
+                            out.timeline)
         self._account(req, reply)
         req.output_ids += ids
         return reply

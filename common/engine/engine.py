@@ -89,7 +89,8 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, or RequestError naming what is wrong with it."""
-        return prompt_token_ids(prompt, self.tokenizer.encode, self.config.model.vocab_size,
+        # a lambda: token-id prompts (every worker's) must not load the tokenizer
+        return prompt_token_ids(prompt, lambda text: self.tokenizer.encode(text), self.config.model.vocab_size,
                                 self.config.scheduler.max_model_len)
 
     def new_sequence(self, prompt: str | list[int], params: SamplingParams,
