@@ -102,6 +102,8 @@ class IncrementalDetokenizer:
             stable = window_new.rstrip("\ufffd")
             new = stable[self._partial:]
             self._partial = max(self._partial, len(stable))
+        elif not window_new:  # a token with no text (a skipped special token): the context stays
+            return ""
         else:
             new = window_new[self._partial:]
             self._partial = 0
