@@ -18,7 +18,7 @@ from common.worker.spec import WorkerSpec
 from common.wire.auth import DeploymentKey
 from router.launch import Launcher, free_port
 from common.sampling_params import SamplingParams
-from common.wire.messages import ErrorReply, GenerateRequest, TokenOutput
+from common.wire.messages import ErrorReply, GenerateRequest, StepOutputs
 from common.wire.transport import Client
 from kv_transfer_bandwidth import CPU_BACKENDS, RECV_TIMEOUT_MS
 
@@ -66,8 +66,9 @@ def one_request(client: Client, request_id: str, prompt: list[int], prefill_addr
         msg = client.recv(timeout_ms=RECV_TIMEOUT_MS).msg
         if isinstance(msg, ErrorReply):
             raise RuntimeError(f"request {request_id} failed: {msg.message}")
-        if not isinstance(msg, TokenOutput):
+        if not isinstance(msg, StepOutputs):
             raise RuntimeError(f"request {request_id}: unexpected {msg.TYPE!r} reply")
+        (msg,) = msg.outputs  # one request in flight: its entry of the worker's step
         if first is None and msg.token_ids:
             first = time.time()
         if msg.finished:

@@ -25,7 +25,7 @@ import zmq
 from common.wire import messages as wire
 from common.wire.auth import DeploymentKey, new_secret
 from common.sampling_params import SamplingParams
-from common.wire.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
+from common.wire.messages import ErrorReply, GenerateRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus
 from common.wire.transport import Authenticator, Client
 from router.bench.metrics import RequestRecord
 from router.bench.workloads import BenchRequest
@@ -118,7 +118,8 @@ class Server:
 class WorkerClient(AsyncClient):
     """Talks to a decode or colocated worker directly with GenerateRequest, as the router
     does (signed with the deployment's key); reuses AsyncClient's socket and reply
-    demultiplexing (workers reply one frame)."""
+    demultiplexing (workers reply one frame: a StepOutputs per loop turn, split here into
+    its entries, or an ErrorReply)."""
 
     def __init__(self, address: str, key: DeploymentKey) -> None:
         super().__init__(address)
@@ -127,12 +128,13 @@ class WorkerClient(AsyncClient):
     async def _read(self) -> None:
         while True:
             msg = wire.decode(self.auth.open(await self.sock.recv()))
-            q = self._queues.get(getattr(msg, "request_id", ""))
-            if q is not None:
-                q.put_nowait(msg)
+            for out in msg.outputs if isinstance(msg, StepOutputs) else [msg]:
+                q = self._queues.get(getattr(out, "request_id", ""))
+                if q is not None:
+                    q.put_nowait(out)
 
     async def stream(self, ids: list[int], max_tokens: int,  # type: ignore[override]
-                     prefill_addr: str = "") -> AsyncIterator[TokenOutput]:
+                     prefill_addr: str = "") -> AsyncIterator[RequestOutput]:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         rid = uuid.uuid4().hex
@@ -152,7 +154,7 @@ class WorkerClient(AsyncClient):
             self._queues.pop(rid, None)
 
 
-Stream = Callable[[list[int], int], AsyncIterator[TokenOutput]]
+Stream = Callable[[list[int], int], AsyncIterator[RequestOutput]]
 
 
 def check(recs: list[RequestRecord], reqs: list[BenchRequest], desc: str) -> None:

@@ -1,6 +1,7 @@
 """The decode worker: reserves blocks for each request (the engine reuses its own
 prefix-cached blocks), asks a prefill worker to fill the rest, and once the KV lands
-decodes the sequence in its continuous batch, streaming tokens to the router. A request
+decodes the sequence in its continuous batch, streaming tokens to the router (one
+`StepOutputs` message per loop turn: decode_node/outbox.py). A request
 that cannot get blocks waits in FIFO order; it is never dropped. A request with no
 prefill worker named is computed here (that is all the colocated worker does).
 
@@ -18,11 +19,12 @@ from common.config import EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine, RequestError, StepOutput
 from common.worker.faults import Faults
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, KVHandshake, KVReady, PrefillFailed,
-                             PrefillRequest, StatusRequest, TokenOutput, WorkerStatus)
+                                  PrefillRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus)
 from common.engine.model_runner import decide_num_blocks, kv_cache_shape
 from common.timeline import Stamp, mark
 from common.wire.transport import Incoming
 from common.worker.base import IDLE_WAIT_MS, WorkerBase
+from decode_node.outbox import Outbox
 from decode_node.peers import HandshakeError, PeerLost, PeerMessage, PrefillPeers
 from decode_node.requests import DecodeRequest, RequestTable, State
 from kv_transfer import KVReceiver, TransferError, init_transfer_group, make_receiver, resolve_backend, shm_name_hint
@@ -30,7 +32,8 @@ from kv_transfer.integrity import kv_checksum
 
 
 class DecodeWorker(WorkerBase):
-    """Owns the decode engine, its KV receiver, the prefill peers and the request table."""
+    """Owns the decode engine, its KV receiver, the prefill peers, the request table and
+    the outbox of the current loop turn."""
 
     role = "decode"
 
@@ -39,6 +42,7 @@ class DecodeWorker(WorkerBase):
         self.receiver: KVReceiver | None = None
         self.backend = ""
         self.requests = RequestTable()
+        self.outbox = Outbox()
         self.counters.update(blocks_received=0, blocks_reused=0, requests=0, finished=0, failed=0, leases_expired=0,
                              transfers_rejected=0)
         faults = Faults.from_env(self.worker_id)  # a bad PDSERVE_FAULTS fails before the cache exists
@@ -264,8 +268,8 @@ class DecodeWorker(WorkerBase):
                 continue
             self.counters["leases_expired"] += 1
             self.log(f"request {req.request_id}: lease of {self.wconfig.lease_s:g} s expired before its KV landed")
-            self.server.send(req.identity, ErrorReply(req.request_id, f"KV did not land within "
-                                                      f"{self.wconfig.lease_s:g} s", "transfer_timeout"))
+            self.reply(req.identity, ErrorReply(req.request_id, f"KV did not land within "
+                                                f"{self.wconfig.lease_s:g} s", "transfer_timeout"))
             self.counters["failed"] += 1
             if (peer := self.peers.get(req.prefill_addr)) is not None:
                 peer.client.send(AbortRequest(req.request_id))
@@ -284,9 +288,13 @@ class DecodeWorker(WorkerBase):
 
     # ---- replies and exits -----------------------------------------------------------------
     def emit(self, req: DecodeRequest, out: StepOutput) -> None:
-        """Send a step's token; a finished sequence has released its blocks in the engine."""
+        """Queue a step's token for this turn's message; a finished sequence has released
+        its blocks in the engine."""
         if not out.finished:
-            self.server.send(req.identity, TokenOutput(req.request_id, [out.new_token]))
+            entry = RequestOutput(req.request_id, [out.new_token])
+            if out.seq.num_output_tokens == 1:  # the first: a request ended by a stop string gets no last entry
+                entry.num_prompt_tokens, entry.num_cached_tokens = out.seq.num_prompt_tokens, out.seq.num_cached_tokens
+            self.outbox.add(req.identity, entry)
             return
         self.finish_reply(req, out.seq.finish_reason or "stop", [out.new_token])
         self.requests.move(req, State.FINISHED)
@@ -295,17 +303,34 @@ class DecodeWorker(WorkerBase):
     def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int]) -> None:
         seq = req.seq
         mark(req.timeline, Stamp.FINISH)
-        self.server.send(req.identity, TokenOutput(
+        self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             timeline=req.timeline if req.return_timeline else None))
+
+    def flush(self) -> None:
+        """End of a loop turn: one StepOutputs per router connection with every entry of
+        the turn."""
+        for identity, entries in self.outbox.take_all():
+            self._send_outputs(identity, entries)
+
+    def _send_outputs(self, identity: bytes, entries: list[RequestOutput]) -> None:
+        if not entries:
+            return
+        self.server.send(identity, StepOutputs(entries))
+
+    def reply(self, identity: bytes, msg: ErrorReply) -> None:
+        """Send `msg` now, after what this turn already queued for the connection: a
+        request's error never overtakes its tokens."""
+        self._send_outputs(identity, self.outbox.take(identity))
+        self.server.send(identity, msg)
 
     def fail(self, req: DecodeRequest, message: str, code: str = "bad_request") -> None:
         """Answer with an error (once) and end the request. Callers fail a request when its
         prefill worker can write nothing more (it answered, failed or is lost); a receive
         still in flight keeps it DRAINING."""
         if req.state != State.DRAINING:
-            self.server.send(req.identity, ErrorReply(req.request_id, message, code))
+            self.reply(req.identity, ErrorReply(req.request_id, message, code))
             self.counters["failed"] += 1
         self.end(req, State.FAILED)
 

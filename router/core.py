@@ -1,5 +1,6 @@
 """The router: tokenizes, hashes the prompt's blocks, picks workers, forwards the request
-to the decode (or colocated) worker and relays its token stream back to the caller.
+to the decode (or colocated) worker and relays its token stream back to the caller,
+making the text once (common/text/detokenizer.py) and ending a request at its stop string.
 Runs on one asyncio loop shared with the ZeroMQ and HTTP front ends."""
 from __future__ import annotations
 
@@ -18,16 +19,16 @@ from common.wire import messages
 from common.wire.auth import AuthError, DeploymentKey, new_secret
 from common.hashing import block_hashes
 from common.engine.kv_layout import model_fingerprint
-from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, SubmitRequest,
-                             TokenOutput, WorkerHello, WorkerStatus)
+from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, RequestOutput,
+                                  StepOutputs, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus)
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
 from common.text.chat_template import ChatTemplateError
+from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
 from common.validation import RequestError, check_prompt_chars, check_sampling, check_text, check_token_ids
 from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
-from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
@@ -151,9 +152,17 @@ class Router:
             except MessageError as e:
                 print(f"[router] malformed message from worker {worker_id} dropped: {e}", file=sys.stderr, flush=True)
                 continue
-            req = self._by_wire.get(getattr(msg, "request_id", ""))
-            if req is not None:
-                req.queue.put_nowait(msg)
+            if isinstance(msg, StepOutputs):
+                for entry in msg.outputs:
+                    req = self._by_wire.get(entry.request_id)
+                    if req is not None:  # else: a request already ended here (a stop string, an abort)
+                        req.queue.put_nowait(entry)
+            elif isinstance(msg, ErrorReply):
+                req = self._by_wire.get(msg.request_id)
+                if req is not None:
+                    req.queue.put_nowait(msg)
+            else:
+                print(f"[router] a {msg.TYPE!r} message from worker {worker_id} dropped", file=sys.stderr, flush=True)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -325,23 +334,29 @@ class Router:
                         out.request_id = req.request_id
                         yield out
                         return
-                    finished = out.finished
-                    out.request_id = req.request_id
-                    self._account(req, out)
-                    req.output_ids += out.token_ids
-                    out.text = req.detok.add(out.token_ids, out.finished)
-                    if out.finished:
-                        out.num_prompt_tokens = len(prep.token_ids)
-                        if out.timeline is not None:
-                            mark(out.timeline, Stamp.ROUTER_DONE)
-                    yield out
+                    reply = self._relay(req, out)
+                    finished = reply.finished
+                    if finished and not out.finished:  # a stop string: the worker is still decoding it
+                        await self._abort_attempt(req)
+                    if finished:
+                        reply.num_prompt_tokens = len(prep.token_ids)
+                        if reply.timeline is not None:
+                            mark(reply.timeline, Stamp.ROUTER_DONE)
+                    yield reply
+                    if finished:
+                        break
         finally:
             self._release(req)
             if not finished:  # the caller went away: stop the work
                 self.metrics.request_done("aborted")
-                sock = self.worker_socks.get(req.decode.worker_id)
-                if sock is not None:
-                    await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.wire_id))])
+                await self._abort_attempt(req)
+
+    async def _abort_attempt(self, req: InFlight) -> None:
+        """Tell the current attempt's worker to stop and free the request (its replies
+        from now on find no request here and are dropped)."""
+        sock = self.worker_socks.get(req.decode.worker_id)
+        if sock is not None:
+            await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.wire_id))])
 
     async def _send_attempt(self, req: InFlight, prep: Prepared, ids: list[int], hashes: list[int],
                             params: SamplingParams) -> None:
@@ -387,6 +402,24 @@ class Router:
     def _give_load(self, req: InFlight) -> None:
         req.decode.inflight -= 1
         self._release_prefill(req)
+
+    def _relay(self, req: InFlight, out: RequestOutput) -> TokenOutput:
+        """The client's message for a worker's entry: its text delta, and the end of the
+        request where a stop string completed (its tokens up to and including the one that
+        completed it, finish_reason "stop"; later tokens are dropped)."""
+        if out.num_prompt_tokens:
+            req.num_cached_tokens = out.num_cached_tokens
+        before = len(req.detok.token_ids)
+        text = req.detok.add(out.token_ids, out.finished)
+        ids, finished, reason = out.token_ids, out.finished, out.finish_reason
+        if req.detok.stopped:
+            ids, finished, reason = ids[:len(req.detok.token_ids) - before], True, "stop"
+        # the counts go to the client on its last message only (docs/protocol.md)
+        reply = TokenOutput(req.request_id, ids, text, finished, reason, 0, req.num_cached_tokens if finished else 0,
+                            out.timeline)
+        self._account(req, reply)
+        req.output_ids += ids
+        return reply
 
     def _account(self, req: InFlight, out: TokenOutput) -> None:
         now = time.monotonic()

@@ -1,15 +1,15 @@
 """What the router knows of one request: the form it is prepared into at the edge
 (`Prepared`), its relay state while in flight (`InFlight`), why it cannot be routed
-(`RouteError`), and how queued outputs are merged for the relay (`drain_outputs`)."""
+(`RouteError`), and how queued worker outputs are merged for the relay (`drain_outputs`)."""
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
 
-from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
+from common.wire.messages import ErrorReply, RequestOutput, SubmitRequest
 from common.sampling_params import SamplingParams
-from router.detokenizer import IncrementalDetokenizer
+from common.text.detokenizer import IncrementalDetokenizer
 from router.registry import WorkerEntry
 
 
@@ -37,7 +37,9 @@ class Prepared:
 
 @dataclass
 class InFlight:
-    """One request the router is relaying."""
+    """One client request the router is relaying, across its attempts (router/recovery.py):
+its workers, its queue of worker outputs, and its detokenizer -- the text and the stop
+strings belong to the client request, not to an attempt."""
 
     request_id: str
     queue: asyncio.Queue
@@ -53,21 +55,24 @@ class InFlight:
     wire_id: str = ""  # the id the current attempt travels under (router/recovery.py)
     attempts: int = 0  # attempts after the first (re-routed after a worker failed)
     output_ids: list[int] = field(default_factory=list)  # every token the caller has been sent
+    num_cached_tokens: int = 0  # the current attempt's, from its first output
 
 
-def drain_outputs(queue: asyncio.Queue, first: TokenOutput | ErrorReply) -> list[TokenOutput | ErrorReply]:
-    """`first` and every output already queued behind it, consecutive token outputs merged
-    into one: under load the relay sends one message (one SSE chunk) per wake-up instead of
-    one per token, so it keeps up with the decode worker. Order and content are kept."""
+def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> list[RequestOutput | ErrorReply]:
+    """`first` and every output already queued behind it, consecutive entries of one
+    attempt merged into one: under load the relay sends one message (one SSE chunk) per
+    wake-up instead of one per worker step, so it keeps up with the decode worker. Order
+    and content are kept."""
     outs = [first]
     while not queue.empty():
         nxt = queue.get_nowait()
         last = outs[-1]
-        if isinstance(nxt, TokenOutput) and isinstance(last, TokenOutput) and not last.finished \
+        if isinstance(nxt, RequestOutput) and isinstance(last, RequestOutput) and not last.finished \
                 and nxt.request_id == last.request_id:  # never across attempts (router/recovery.py)
             last.token_ids = [*last.token_ids, *nxt.token_ids]
             last.finished, last.finish_reason = nxt.finished, nxt.finish_reason
-            last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens
+            if nxt.num_prompt_tokens:  # counts ride on an attempt's first and last entries only
+                last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens
             last.timeline = nxt.timeline
         else:
             outs.append(nxt)

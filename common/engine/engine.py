@@ -18,7 +18,7 @@ from common.engine.model_runner import ModelRunner
 from common.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledBatch, Scheduler
 from common.engine.sequence import SeqIdCounter, Sequence, SequenceStatus
-from common.text.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer, eos_token_id
 from common.validation import RequestError, check_sampling, prompt_token_ids
 
 __all__ = ["KVProgress", "KVWriter", "LLMEngine", "RequestError", "StepOutput"]
@@ -55,7 +55,8 @@ class KVWriter(Protocol):
 
 
 class LLMEngine:
-    """Owns the tokenizer, scheduler, block manager and model runner of one process.
+    """Owns the scheduler, block manager and model runner of one process (and, loaded
+    when a text prompt needs it, the tokenizer).
 
     Sequence life: `add_request` (WAITING) or `reserve` (RESERVED) -> RUNNING ->
     FINISHED; a prefill-only engine stops at PREFILLED after the first token. Every exit
@@ -65,21 +66,31 @@ class LLMEngine:
                  prefill_only: bool = False) -> None:
         self.config = config
         self.prefill_only = prefill_only
-        self.tokenizer = Tokenizer(config.model.model_dir)
         runner_cls = GraphRunner if config.decode_graphs else ModelRunner
         self.runner: ModelRunner = runner_cls(config, kv_cache)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = set(config.model.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        tokenizer_eos = eos_token_id(config.model.model_dir)
+        if tokenizer_eos is not None:
+            self.eos_token_ids.add(tokenizer_eos)
+        self._tokenizer: Tokenizer | None = None
         self._ids = SeqIdCounter()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Loaded on first use: only text prompts (the offline `LLM`) need it; workers get
+        token ids and the router makes the text."""
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.config.model.model_dir)
+        return self._tokenizer
 
     # ---- requests ----------------------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, or RequestError naming what is wrong with it."""
-        return prompt_token_ids(prompt, self.tokenizer.encode, self.config.model.vocab_size,
+        # a lambda: token-id prompts (every worker's) must not load the tokenizer
+        return prompt_token_ids(prompt, lambda text: self.tokenizer.encode(text), self.config.model.vocab_size,
                                 self.config.scheduler.max_model_len)
 
     def new_sequence(self, prompt: str | list[int], params: SamplingParams,
@@ -228,20 +239,12 @@ class LLMEngine:
         return StepOutput(seq, token, reason is not None)
 
     def check_stop(self, seq: Sequence) -> str | None:
-        """'stop' on EOS or a stop string, 'length' on max_tokens / max_model_len, else None."""
+        """'stop' on EOS, 'length' on max_tokens / max_model_len, else None. Stop strings
+        are text: whoever makes the text matches them (common/text/detokenizer.py) and
+        ends the sequence (`release`)."""
         p = seq.sampling_params
         if not p.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
             return "stop"
-        if p.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                seq.stop_text_len = min(hits)
-                return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.scheduler.max_model_len:
             return "length"
         return None
-
-    def output_text(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(seq.output_token_ids)
-        return text[:seq.stop_text_len] if seq.stop_text_len is not None else text

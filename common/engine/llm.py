@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine, RequestError
 from common.sampling_params import SamplingParams
+from common.text.detokenizer import IncrementalDetokenizer
 
 
 class LLM:
@@ -40,13 +41,28 @@ class LLM:
         seqs = [self.engine.new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
         for seq in seqs:
             self.engine.add(seq)
+        # stop strings are matched on the text, as the router does: one detokenizer per
+        # sequence that has them, fed after each step; the others are decoded once at the end
+        detoks = {s.seq_id: IncrementalDetokenizer(self.tokenizer, s.sampling_params.stop)
+                  for s in seqs if s.sampling_params.stop}
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         errors: dict[int, str] = {}  # seq_id -> why the engine failed it (finish_reason "error")
         try:
             while self.engine.has_work():
                 outputs = self.engine.step()
                 errors.update({o.seq.seq_id: o.error for o in outputs if o.error})
-                bar.update(sum(o.finished for o in outputs))
+                done = sum(o.finished for o in outputs)
+                for o in outputs:
+                    detok = detoks.get(o.seq.seq_id)
+                    if detok is None or o.error:
+                        continue
+                    detok.add([o.new_token], o.finished)
+                    if detok.stopped:
+                        if not o.finished:
+                            done += 1
+                            self.engine.release(o.seq, "stop")
+                        o.seq.finish_reason = "stop"  # also when the same token reached max_tokens
+                bar.update(done)
         except BaseException:
             for seq in seqs:
                 self.engine.abort(seq)
@@ -54,7 +70,7 @@ class LLM:
         finally:
             bar.close()
         return [{
-            "text": self.engine.output_text(s),
+            "text": detoks[s.seq_id].text if s.seq_id in detoks else self.tokenizer.decode(s.output_token_ids),
             "token_ids": s.output_token_ids,
             "prompt_token_ids": s.token_ids[:s.num_prompt_tokens],
             "finish_reason": s.finish_reason,

@@ -39,7 +39,6 @@ class Sequence:
     # the router or `LLMEngine.new_sequence`); others are computed as blocks fill
     prompt_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_text_len: int | None = None  # output text is cut here when a stop string matched
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

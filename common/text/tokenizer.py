@@ -77,6 +77,39 @@ def save_tokenizer(tok: HFTokenizer, out_dir: Path, model_max_length: int) -> No
     }, indent=2))
 
 
+def _tokenizer_config(model_dir: Path) -> dict:
+    path = model_dir / "tokenizer_config.json"
+    return read_json(path) if path.is_file() else {}
+
+
+def _eos_token(cfg: dict) -> str | None:
+    eos = cfg.get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def eos_token_id(model_dir: str | Path) -> int | None:
+    """The id of tokenizer_config.json's eos_token, what `Tokenizer(model_dir).eos_token_id`
+    is, read from tokenizer.json without building a tokenizer: the engine needs no more
+    of it (workers never decode text)."""
+    model_dir = Path(model_dir)
+    eos = _eos_token(_tokenizer_config(model_dir))
+    if not eos:
+        return None
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: the model directory needs a tokenizer.json")
+    data = read_json(path)
+    # token_to_id's order: added tokens first, then the model's vocabulary
+    for added in data.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == eos and isinstance(added.get("id"), int):
+            return added["id"]
+    vocab = data.get("model", {}).get("vocab") if isinstance(data.get("model"), dict) else None
+    if isinstance(vocab, dict):
+        found = vocab.get(eos)
+        return found if isinstance(found, int) else None
+    return Tokenizer(model_dir).eos_token_id  # another vocabulary form (unigram's list): ask the library
+
+
 class Tokenizer:
     """Owns a model directory's tokenizer.json and chat template.
 
@@ -91,11 +124,9 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise ConfigError(f"cannot load tokenizer {path}: {e}") from None
-        cfg_path = Path(model_dir) / "tokenizer_config.json"
-        cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+        cfg = _tokenizer_config(Path(model_dir))
         self.chat_template = load_chat_template(Path(model_dir), cfg)
-        eos = cfg.get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
+        eos = _eos_token(cfg)
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
 
     @property

@@ -17,7 +17,7 @@ import msgpack
 from common import schema
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: workers send one `step_outputs` per step instead of a `token_output` per token
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
 
@@ -119,6 +119,28 @@ class TokenOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     timeline: dict[str, float] | None = None
+
+
+@message("request_output")
+class RequestOutput:
+    """One request's share of a worker step: its new tokens (usually one; none on an
+    abort), and on the last entry finished=True with the counts and timeline. Text is
+    made once, by the router (common/text/detokenizer.py), never by the worker."""
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    timeline: dict[str, float] | None = None
+
+
+@message("step_outputs")
+class StepOutputs:
+    """Worker -> router, once per loop turn per router connection: every request's
+    entry of that turn (the step's tokens and the first tokens of prompts whose KV
+    landed), in the order they were produced. Errors travel apart, as `ErrorReply`."""
+    outputs: list[RequestOutput]
 
 
 @message("error")
@@ -244,5 +266,9 @@ def _to_wire(msg: Any) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(msg):
         v = getattr(msg, f.name)
-        out[f.name] = _to_wire(v) if dataclasses.is_dataclass(v) else v
+        if dataclasses.is_dataclass(v):
+            v = _to_wire(v)
+        elif type(v) is list and v and dataclasses.is_dataclass(v[0]):  # a list of nested structures
+            v = [_to_wire(x) for x in v]
+        out[f.name] = v
     return out

@@ -79,6 +79,10 @@ class WorkerBase:
     def idle(self) -> None:
         """Called every loop turn (timeouts, background completions)."""
 
+    def flush(self) -> None:
+        """Called at the end of every loop turn: send what the turn produced as one message
+        per connection (the decode worker's outputs)."""
+
     def on_socket(self, sock: zmq.Socket) -> None:
         """A registered socket other than the server socket is readable."""
 
@@ -162,6 +166,7 @@ class WorkerBase:
                 self.idle()
                 if self.has_work():
                     self.step()
+                self.flush()
                 self._heartbeat()
                 if self.draining_until is not None and (self.drained() or time.monotonic() > self.draining_until):
                     break

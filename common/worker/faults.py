@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from common.config import ConfigError
 from common.engine.scheduler import ScheduledBatch
-from common.wire.messages import KVReady, TokenOutput
+from common.wire.messages import KVReady, StepOutputs
 from common.wire.transport import Server
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class HandOffFaults(ServerWrapper):
 
 def output_tokens(msg: Any) -> int:
     """How many generated tokens an outgoing message carries (0 for anything but output)."""
-    return len(msg.token_ids) if isinstance(msg, TokenOutput) else 0
+    return sum(len(e.token_ids) for e in msg.outputs) if isinstance(msg, StepOutputs) else 0
 
 
 class KillAtToken(ServerWrapper):

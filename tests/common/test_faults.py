@@ -12,7 +12,7 @@ from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.sampling_params import SamplingParams
 from common.wire.auth import new_secret
-from common.wire.messages import ErrorReply, KVReady, TokenOutput
+from common.wire.messages import ErrorReply, KVReady, RequestOutput, StepOutputs
 from common.wire.transport import Server
 from common.worker import faults as faults_mod
 from common.worker.faults import (ENV_VAR, FAULT_TOKEN_ENV, DelayedStep, Faults, HandOffFaults, KillAtToken,
@@ -90,12 +90,13 @@ def test_hand_off_corrupts_and_delays_the_nth(monkeypatch):
 def test_kill_at_token_counts_the_tokens_of_outgoing_messages():
     inner = Recorder()
     server = KillAtToken(inner, Faults(kill_mid_decode=5))
-    server.send(b"r", TokenOutput("a", [1, 2]))
-    server.send(b"r", ErrorReply("b", "no tokens"))
-    server.send(b"r", TokenOutput("a", [3, 4]))
+    server.send(b"r", StepOutputs([RequestOutput("a", [1]), RequestOutput("b", [2])]))
+    server.send(b"r", ErrorReply("c", "no tokens"))
+    server.send(b"r", StepOutputs([RequestOutput("a", [3, 4])]))
     with pytest.raises(Killed):
-        server.send(b"r", TokenOutput("a", [5, 6]))  # holds the 5th token: never sent
-    assert [getattr(m, "token_ids", None) for m in inner.sent] == [[1, 2], None, [3, 4]]
+        server.send(b"r", StepOutputs([RequestOutput("a", [5]), RequestOutput("b", [6])]))  # the 5th: never sent
+    assert [[e.token_ids for e in m.outputs] if isinstance(m, StepOutputs) else None for m in inner.sent] == \
+        [[[1], [2]], None, [[3, 4]]]
 
 
 def test_server_wrapper_passes_the_rest_through():

@@ -13,7 +13,8 @@ import zmq
 
 from common.wire import messages
 from common.sampling_params import SamplingParams
-from common.wire.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, MessageError, StatusRequest, decode, encode)
+from common.wire.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, MessageError,
+                                  RequestOutput, StatusRequest, StepOutputs, decode, encode)
 from common.wire.transport import Client, Server
 
 
@@ -46,7 +47,8 @@ REGISTERED = sorted(messages._REGISTRY.items())
 
 def test_registry_holds_the_protocol():
     want = {"generate", "abort", "token_output", "error", "status_request", "worker_status", "kv_handshake",
-            "kv_handshake_reply", "prefill", "kv_ready", "prefill_failed", "sampling", "kv_layout"}
+            "kv_handshake_reply", "prefill", "kv_ready", "prefill_failed", "sampling", "kv_layout",
+            "step_outputs", "request_output"}
     assert want <= set(messages._REGISTRY)
     for tag, cls in REGISTERED:
         assert cls.TYPE == tag
@@ -110,8 +112,8 @@ def test_the_good_generate_decodes():
 @pytest.mark.parametrize("raw, words", [
     (b"\xc1garbage", ["msgpack"]),
     (msgpack.packb([1, 2]), ["map"]),
-    (msgpack.packb({"v": 1, "type": "generate"}), ["map", "keys"]),
-    (msgpack.packb({"v": 1, "type": "generate", "data": GOOD, "extra": 1}), ["keys"]),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "type": "generate"}), ["map", "keys"]),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "type": "generate", "data": GOOD, "extra": 1}), ["keys"]),
     (_raw("no_such_type", {}), ["unknown message type", "no_such_type"]),
     (_raw(5, {}), ["unknown message type"]),
     (_raw("generate", GOOD, v=PROTOCOL_VERSION + 1), ["version", str(PROTOCOL_VERSION + 1)]),
@@ -133,12 +135,31 @@ def test_the_good_generate_decodes():
     (_gen(timeline={"t": "soon"}), ["generate.timeline"]),
     (_raw("kv_handshake", {"decode_id": "d", "decode_addr": "a", "backend": "shm",
                            "layout": {"dtype": "float32"}}), ["kv_handshake.layout", "missing field"]),
+    # a worker's step message: every entry checked like a message of its own
+    (_raw("step_outputs", {}), ["step_outputs", "missing field", "outputs"]),
+    (_raw("step_outputs", {"outputs": {"request_id": "r"}}), ["step_outputs.outputs", "list"]),
+    (_raw("step_outputs", {"outputs": [{"request_id": "r", "token_ids": [1]}, 7]}), ["step_outputs.outputs[1]", "map"]),
+    (_raw("step_outputs", {"outputs": [{"request_id": "r"}]}), ["step_outputs.outputs[0]", "missing field", "token_ids"]),
+    (_raw("step_outputs", {"outputs": [{"request_id": "r", "token_ids": [1, "2"]}]}),
+     ["step_outputs.outputs[0].token_ids[1]", "integer"]),
+    (_raw("step_outputs", {"outputs": [{"request_id": "r", "token_ids": [], "text": "hi"}]}),
+     ["step_outputs.outputs[0]", "unknown field", "text"]),
+    (_raw("step_outputs", {"outputs": [{"request_id": "r", "token_ids": [], "finished": 1}]}),
+     ["step_outputs.outputs[0].finished", "bool"]),
 ])
 def test_decode_rejects(raw, words):
     with pytest.raises(MessageError) as e:
         decode(raw)
     for word in words:
         assert word in str(e.value), f"{word!r} not in {str(e.value)!r}"
+
+
+def test_step_outputs_round_trip_keeps_every_entry_in_order():
+    msg = StepOutputs([RequestOutput("a", [5]), RequestOutput("b", [], finished=True, finish_reason="abort"),
+                       RequestOutput("c", [7, 8], True, "length", 12, 4, {"arrival": 1.5})])
+    back = decode(encode(msg))
+    assert back == msg and all(type(e) is RequestOutput for e in back.outputs)
+    assert msgpack.unpackb(encode(msg))["data"]["outputs"][2]["timeline"] == {"arrival": 1.5}
 
 
 def test_decode_rejects_oversized_message():

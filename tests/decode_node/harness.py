@@ -12,7 +12,8 @@ import torch
 
 from common.wire.auth import new_secret
 from common.config import EngineConfig, WorkerConfig
-from common.wire.messages import ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, TokenOutput
+from common.wire.messages import (ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, RequestOutput,
+                                  StepOutputs)
 from common.sampling_params import SamplingParams
 from common.wire.transport import Incoming
 from decode_node.peers import PeerLost, PeerMessage, PrefillPeer
@@ -29,18 +30,27 @@ P_ADDR = "tcp://127.0.0.1:1"  # never connected: the peer's client is a fake
 # ---- fakes ----------------------------------------------------------------------------------
 
 class Recorder:
-    """Stands in for the worker's server socket: every reply, by request id."""
+    """Stands in for the worker's server socket: every message as sent (`messages`) and
+    every reply, a StepOutputs' entries one by one (`sent`), by request id. Reading the
+    replies first flushes the worker's outbox, as the end of its loop turn would."""
 
     address = "tcp://127.0.0.1:0"
 
     def __init__(self) -> None:
-        self.sent: list[tuple[bytes, object]] = []
+        self.messages: list[tuple[bytes, object]] = []
+        self.flush = lambda: None  # the worker's end-of-turn flush, set by make_harness
 
     def send(self, identity: bytes, msg: object, frames=()) -> None:
-        self.sent.append((identity, msg))
+        self.messages.append((identity, msg))
 
     def close(self) -> None:
         pass
+
+    @property
+    def sent(self) -> list[tuple[bytes, object]]:
+        self.flush()
+        return [(i, e) for i, m in self.messages
+                for e in (m.outputs if isinstance(m, StepOutputs) else [m])]
 
     def replies(self, request_id: str) -> list[object]:
         return [m for _, m in self.sent if getattr(m, "request_id", None) == request_id]
@@ -188,6 +198,7 @@ class Harness:
         self.worker.idle()
         if self.worker.has_work():
             self.worker.step()
+        self.worker.flush()
 
     def run_until_idle(self, max_turns: int = 200) -> None:
         for _ in range(max_turns):
@@ -205,18 +216,19 @@ class Harness:
         return len(self.req(rid).seq.block_table)
 
     def tokens(self, rid: str) -> list[int]:
-        return [t for m in self.server.replies(rid) if isinstance(m, TokenOutput) for t in m.token_ids]
+        return [t for m in self.server.replies(rid) if isinstance(m, RequestOutput) for t in m.token_ids]
 
     def terminal(self, rid: str) -> object:
         """The one terminal reply `rid` got, checked to be its last reply."""
         replies = self.server.replies(rid)
         ends = [i for i, m in enumerate(replies)
-                if isinstance(m, ErrorReply) or (isinstance(m, TokenOutput) and m.finished)]
+                if isinstance(m, ErrorReply) or (isinstance(m, RequestOutput) and m.finished)]
         assert len(ends) == 1, f"{rid}: {len(ends)} terminal replies in {replies}"
         assert ends[0] == len(replies) - 1, f"{rid}: replies after the terminal one: {replies}"
+        sent = self.server.sent
         for m in replies:
-            assert m is replies[-1] or isinstance(m, TokenOutput), m
-            assert self.server.sent[[x for _, x in self.server.sent].index(m)][0] == self.identities[rid]
+            assert m is replies[-1] or isinstance(m, RequestOutput), m
+            assert next(i for i, x in sent if x is m) == self.identities[rid]
         return replies[-1]
 
     def check_clean(self) -> None:
@@ -234,6 +246,7 @@ def make_harness(config: EngineConfig, worker_id: str = "d0") -> Harness:
     worker = DecodeWorker(config, WorkerConfig(role="decode", worker_id=worker_id, kv_transfer="tcp", secret=new_secret()))
     worker.server.close()  # the real socket is never used: replies are recorded
     server = Recorder()
+    server.flush = worker.flush
     worker.server = server
     real = worker.receiver
     receiver = FakeReceiver(real.kv_cache)

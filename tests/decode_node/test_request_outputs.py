@@ -8,6 +8,7 @@ import pytest
 from common.engine.engine import LLMEngine
 from common.sampling_params import SamplingParams
 from decode_node.requests import State
+from common.wire.messages import StepOutputs
 from tests.decode_node.harness import FakeTransfer, prompt
 
 
@@ -59,3 +60,31 @@ def test_seeded_request_goes_on_whatever_the_sampler_state(h, state):
     assert h.state("a") == State.RUNNING
     h.run_until_idle()
     assert len(h.tokens("a")) == 5 and h.terminal("a").finish_reason == "length"
+
+
+def test_one_message_per_step_holds_every_request(h):
+    """Three requests on one router connection (one of them's KV lands during the loop
+    turn) and one on another: the turn sends one StepOutputs per connection, one entry
+    per request, the landed request's first token in the same message as the step's."""
+    conns = {"a": b"router-0", "b": b"router-0", "d": b"router-0", "c": b"router-1"}
+    for rid in "abc":
+        h.generate(rid, prompt(20, ord(rid)), max_tokens=6, local=True)
+    h.generate("d", prompt(20, 4), max_tokens=6)
+    for rid, identity in conns.items():
+        h.identities[rid] = h.req(rid).identity = identity
+    h.worker.try_reserve()
+    h.turn()  # the three local prompts' prefill: a first token each
+    before = len(h.server.messages)
+    h.kv_ready("d", first_token=9)  # lands mid-turn: queued for the turn's message, not sent
+    assert len(h.server.messages) == before
+    h.turn()
+    turn = h.server.messages[before:]
+    assert [(i, type(m)) for i, m in turn] == [(b"router-0", StepOutputs), (b"router-1", StepOutputs)]
+    (_, zero), (_, one) = turn
+    # d: its first token (landed) and the step's next one, in one entry
+    assert [(e.request_id, len(e.token_ids)) for e in zero.outputs] == [("d", 2), ("a", 1), ("b", 1)]
+    assert zero.outputs[0].token_ids[0] == 9
+    assert [(e.request_id, len(e.token_ids)) for e in one.outputs] == [("c", 1)]
+    h.run_until_idle()
+    for rid in "abcd":
+        assert len(h.tokens(rid)) == 6 and h.terminal(rid).finish_reason == "length"

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, KVReady, TokenOutput
+from common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, KVReady, RequestOutput
 from common.sampling_params import SamplingParams
 from common.wire.transport import Incoming
 from decode_node.peers import PeerLost, PeerMessage, PrefillPeer
@@ -52,7 +52,7 @@ def test_pending_reserved_running_finished(h):
     h.run_until_idle()
     assert h.state("a") is None
     out = h.terminal("a")
-    assert isinstance(out, TokenOutput) and out.finish_reason == "length"
+    assert isinstance(out, RequestOutput) and out.finish_reason == "length"
     assert len(h.tokens("a")) == 3 and h.tokens("a")[0] == 11
     assert h.worker.counters["finished"] == 1 and h.worker.counters["blocks_received"] == nblocks(40)
 
@@ -302,7 +302,7 @@ def test_bad_requests_are_refused_without_state(h):
     errors = [(i, m) for i, m in h.server.sent if isinstance(m, ErrorReply)]
     assert [m.request_id for _, m in errors] == ["bad", "bad2", "a"] and errors[2][0] == b"y"
     assert len(h.worker.requests) == 1
-    h.server.sent = [(i, m) for i, m in h.server.sent if i != b"y" and i != b"x"]
+    h.server.messages = [(i, m) for i, m in h.server.messages if i != b"y" and i != b"x"]
     h.run_until_idle()
 
 

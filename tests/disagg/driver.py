@@ -18,7 +18,7 @@ import zmq
 
 from common.wire.auth import DeploymentKey
 from common.sampling_params import SamplingParams
-from common.wire.messages import ErrorReply, GenerateRequest, StatusRequest, TokenOutput, WorkerStatus
+from common.wire.messages import ErrorReply, GenerateRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus
 from common.wire.transport import Client
 from common.worker.spec import WorkerSpec
 from router.launch import LaunchError, Launcher, WorkerProcess, free_port
@@ -49,7 +49,7 @@ class RunResult:
 
     request_ids: list[str]
     tokens: dict[str, list[int]] = field(default_factory=dict)  # streamed output ids, in order
-    finals: dict[str, TokenOutput] = field(default_factory=dict)  # the finished=True message
+    finals: dict[str, RequestOutput] = field(default_factory=dict)  # the finished=True entry
     errors: dict[str, ErrorReply] = field(default_factory=dict)
     anonymous_errors: list[ErrorReply] = field(default_factory=list)  # request_id "" (undecodable input)
     decode_status: WorkerStatus | None = None
@@ -150,12 +150,13 @@ class Deployment:
                     open_ids.discard(msg.request_id)
                 else:
                     result.anonymous_errors.append(msg)
-            elif isinstance(msg, TokenOutput):
-                assert msg.request_id in open_ids, f"output for a closed or unknown request: {msg}"
-                result.tokens.setdefault(msg.request_id, []).extend(msg.token_ids)
-                if msg.finished:
-                    result.finals[msg.request_id] = msg
-                    open_ids.discard(msg.request_id)
+            elif isinstance(msg, StepOutputs):  # one per worker loop turn: every request's entry
+                for out in msg.outputs:
+                    assert out.request_id in open_ids, f"output for a closed or unknown request: {out}"
+                    result.tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                    if out.finished:
+                        result.finals[out.request_id] = out
+                        open_ids.discard(out.request_id)
             else:
                 raise AssertionError(f"unexpected reply {msg!r}")
         result.decode_status, result.prefill_status = self.statuses()

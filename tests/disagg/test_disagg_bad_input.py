@@ -10,7 +10,7 @@ import pytest
 
 from router.launch import free_port
 from common.sampling_params import SamplingParams
-from common.wire.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, encode
+from common.wire.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, StepOutputs, encode
 from tests.disagg.driver import Deployment, engine_options, start_pair, start_single
 
 MAX_MODEL_LEN = 128
@@ -170,7 +170,9 @@ def test_unreachable_prefill_address_does_not_stall_running_requests(fresh_shm_p
     dep = fresh_shm_pair
     running = dep.request(VALID_PROMPT, 80, ignore_eos=True)
     dep.send([running])
-    first = dep.client.recv(timeout_ms=30_000).msg
+    step = dep.client.recv(timeout_ms=30_000).msg
+    assert isinstance(step, StepOutputs), step
+    (first,) = step.outputs
     assert first.request_id == running.request_id and not first.finished, first
     nobody = f"tcp://127.0.0.1:{free_port()}"
     dep.send([GenerateRequest("nobody", [5, 6, 7], SamplingParams(temperature=0.0), prefill_addr=nobody)])
@@ -178,10 +180,11 @@ def test_unreachable_prefill_address_does_not_stall_running_requests(fresh_shm_p
     done = False
     while not done:
         msg = dep.client.recv(timeout_ms=30_000).msg
-        if getattr(msg, "request_id", None) == running.request_id:
-            arrivals.append(time.monotonic())
-            n_tokens += len(msg.token_ids)
-            done = msg.finished
+        for out in msg.outputs if isinstance(msg, StepOutputs) else []:
+            if out.request_id == running.request_id:
+                arrivals.append(time.monotonic())
+                n_tokens += len(out.token_ids)
+                done = out.finished
     assert n_tokens == 80
     worst_gap = max(b - a for a, b in zip(arrivals, arrivals[1:]))
     assert worst_gap < PEER_TIMEOUT_S / 2, (

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from common.hashing import block_hashes, cacheable_prefix_hashes
+from common.wire.messages import StepOutputs
 from tests.conftest import ARCHS
 from tests.disagg.driver import BLOCK_SIZE, Deployment, RunResult, engine_options, num_blocks, start_pair
 from tests.helpers import mixed_prompts
@@ -107,7 +108,9 @@ def test_prefix_shared_with_a_running_request(pair, first_wave, vocab_size, hf_g
     prompt_b = prompt_a[:64] + [rng.randrange(3, vocab_size) for _ in range(9)]
     a = pair.request(prompt_a, 48)
     pair.send([a])
-    first = pair.client.recv(timeout_ms=60_000).msg  # A's prompt KV is on D now
+    step = pair.client.recv(timeout_ms=60_000).msg  # A's prompt KV is on D now
+    assert isinstance(step, StepOutputs), step
+    (first,) = step.outputs
     assert first.request_id == a.request_id and not first.finished, first
     b = pair.request(prompt_b, MAX_NEW)
     pair.send([b])

@@ -11,6 +11,7 @@ import urllib.request
 import msgpack
 import zmq
 
+from common.wire.messages import PROTOCOL_VERSION
 from tests.reliability.harness import serve, stop, wait_blocks_baseline
 
 LONG = 2000  # tokens, at >= 5 ms each (an injected slow decode step): far longer than each client stays
@@ -51,7 +52,7 @@ def test_http_and_zmq_clients_going_away(tmp_path, prompts):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(served.zmq)
-        pack = lambda t, d: msgpack.packb({"v": 1, "type": t, "data": d})  # noqa: E731
+        pack = lambda t, d: msgpack.packb({"v": PROTOCOL_VERSION, "type": t, "data": d})  # noqa: E731
         sock.send(pack("client_heartbeat", {"interval_s": 1.0}))
         sock.send(pack("submit", {"request_id": "gone", "prompt_token_ids": prompts[1],
                                   "sampling": {"max_tokens": LONG, "temperature": 0, "ignore_eos": True}}))

@@ -19,6 +19,7 @@ import msgpack
 import pytest
 import zmq
 
+from common.wire.messages import PROTOCOL_VERSION
 from common.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,7 +181,7 @@ class RawClient:
         self.stash: dict[str, list[dict]] = {}  # messages read while waiting for another request's
 
     def send(self, type_: str, data: dict) -> None:
-        self.sock.send(msgpack.packb({"v": 1, "type": type_, "data": data}))
+        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": type_, "data": data}))
 
     def submit(self, sampling: dict, **fields) -> str:
         rid = fields.pop("request_id", None) or uuid.uuid4().hex
@@ -190,7 +191,7 @@ class RawClient:
     def recv(self, timeout_s: float = 60.0) -> dict:
         assert self.sock.poll(int(timeout_s * 1000)), "no reply from the router"
         msg = msgpack.unpackb(self.sock.recv())
-        assert set(msg) == {"v", "type", "data"} and msg["v"] == 1, msg
+        assert set(msg) == {"v", "type", "data"} and msg["v"] == PROTOCOL_VERSION, msg
         return msg
 
     def until_done(self, rid: str) -> list[dict]:

@@ -11,7 +11,8 @@ import zmq.asyncio
 
 from common.wire import messages
 from common.sampling_params import SamplingParams
-from common.wire.messages import ErrorReply, GenerateRequest, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus
+from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, RequestOutput, StepOutputs, SubmitRequest,
+                                  TokenOutput, WorkerHello, WorkerStatus)
 from common.wire.transport import Authenticator, bind_address
 from router.config import RouterConfig
 from router.core import Router
@@ -84,6 +85,11 @@ def submit(rid: str, ids: list[int] = (5, 6, 7)) -> SubmitRequest:
     return SubmitRequest(rid, SamplingParams(temperature=0, max_tokens=2), prompt_token_ids=list(ids), return_timeline=True)
 
 
+def step(*entries: RequestOutput) -> StepOutputs:
+    """A worker's message for one loop turn."""
+    return StepOutputs(list(entries))
+
+
 def run(coro) -> None:
     asyncio.run(asyncio.wait_for(coro, 30))
 
@@ -101,9 +107,9 @@ def test_request_goes_to_the_worker_and_tokens_come_back(model_dirs):
             assert (req.request_id, req.prompt_token_ids, req.prefill_addr) == ("r1", [5, 6, 7], "")
             assert req.return_timeline and list(req.timeline) == ["arrival", "routed"]
             text_ids = h.router.tokenizer.encode("hello world")
-            await w.reply(identity, TokenOutput("r1", text_ids[:1]))
-            await w.reply(identity, TokenOutput("r1", text_ids[1:], finished=True, finish_reason="length",
-                                                timeline=dict(req.timeline, finish=req.timeline["routed"])))
+            await w.reply(identity, step(RequestOutput("r1", text_ids[:1])))
+            await w.reply(identity, step(RequestOutput("r1", text_ids[1:], finished=True, finish_reason="length",
+                                                       timeline=dict(req.timeline, finish=req.timeline["routed"]))))
             outs = await job
             # outputs already queued together are relayed as one message: compare the stream's content
             assert [t for o in outs for t in o.token_ids] == text_ids
@@ -160,7 +166,7 @@ def test_restarted_worker_gets_requests_at_its_new_address(model_dirs):
                 job.cancel()
             assert got is not None, "the request did not reach the restarted worker's new address"
             identity, req = got
-            await new.reply(identity, TokenOutput("r1", [9], finished=True, finish_reason="length"))
+            await new.reply(identity, step(RequestOutput("r1", [9], finished=True, finish_reason="length")))
             assert (await job)[-1].finished
         finally:
             await h.close()
@@ -197,3 +203,65 @@ def test_worker_of_another_model_or_block_size_is_refused(model_dirs, capfd):
     assert "refused colocated worker c-model" in err and "model fingerprint '0123456789abcdef'" in err
     assert "refused colocated worker c-block" in err and "block_size 32 (router: 16)" in err
     assert "router: dropped a malformed control message" in err
+
+
+def test_one_step_message_feeds_every_request_in_it(model_dirs):
+    """A worker's StepOutputs holds entries of several requests: each reaches its own
+    caller, as client TokenOutputs with their text."""
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        try:
+            w = h.worker("c0")
+            await h.send(w.hello())
+            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            jobs = {rid: asyncio.create_task(collect(h.router, submit(rid))) for rid in ("r1", "r2")}
+            identity, _ = await w.next_request()
+            await w.next_request()
+            ids = {rid: h.router.tokenizer.encode(text) for rid, text in (("r1", "hello world"), ("r2", "the model"))}
+            await w.reply(identity, step(RequestOutput("r1", ids["r1"][:1]), RequestOutput("r2", ids["r2"][:1])))
+            await w.reply(identity, step(*(RequestOutput(rid, ids[rid][1:], finished=True, finish_reason="length")
+                                           for rid in ("r2", "r1"))))
+            for rid, text in (("r1", "hello world"), ("r2", "the model")):
+                outs = await jobs[rid]
+                assert all(isinstance(o, TokenOutput) for o in outs)
+                assert [t for o in outs for t in o.token_ids] == ids[rid] and "".join(o.text for o in outs) == text
+                assert outs[-1].finished and outs[-1].finish_reason == "length"
+        finally:
+            await h.close()
+
+    run(scenario())
+
+
+def test_stop_string_ends_the_request_and_aborts_the_worker(model_dirs):
+    """The router's detokenizer sees the stop string complete: the caller's stream ends
+    with "stop", the text cut before it, the tokens up to the one that completed it; the
+    worker is told to abort, and what it still sends is dropped."""
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        try:
+            w = h.worker("c0")
+            await h.send(w.hello())
+            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            tok = h.router.tokenizer
+            ids = [t for word in ("the", " model", " serving", " request", " token") for t in tok.encode(word)]
+            stop_at = len(tok.encode("the")) + len(tok.encode(" model")) + len(tok.encode(" serving"))
+            sub = SubmitRequest("r1", SamplingParams(temperature=0, max_tokens=20, stop=["ving req", "zzz"]),
+                                prompt_token_ids=[5, 6, 7])
+            job = asyncio.create_task(collect(h.router, sub))
+            identity, _ = await w.next_request()
+            # the stop string completes in the first token of " request", mid-message
+            await w.reply(identity, step(RequestOutput("r1", ids[:2])))
+            await w.reply(identity, step(RequestOutput("r1", ids[2:])))
+            outs = await job
+            assert outs[-1].finished and outs[-1].finish_reason == "stop"
+            assert "".join(o.text for o in outs) == "the model ser"
+            assert [t for o in outs for t in o.token_ids] == ids[:stop_at + 1]
+            got = await w.next_request()
+            assert got is not None and isinstance(got[1], AbortRequest) and got[1].request_id == "r1"
+            await w.reply(identity, step(RequestOutput("r1", [5], finished=True, finish_reason="abort")))
+            assert h.router.inflight == {} and h.router.registry.workers["c0"].inflight == 0
+            assert h.router.metrics.requests.labels("stop")._value.get() >= 1
+        finally:
+            await h.close()
+
+    run(scenario())

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.wire.messages import PROTOCOL_VERSION
 from tests.router.serving import RawClient, _alive
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
@@ -46,7 +47,7 @@ _SAMPLING = {  # each field: sensible values mostly, hostile ones often
 
 def _body(prompt_key: str, prompt: st.SearchStrategy) -> st.SearchStrategy:
     http_only = {
-        "n": st.just(1) | _EDGE_INTS, "stream": st.booleans(),
+        "n": st.just(PROTOCOL_VERSION) | _EDGE_INTS, "stream": st.booleans(),
         "model": st.none() | st.just("qwen3") | _TEXT, "logprobs": st.none() | st.booleans() | _EDGE_INTS,
         "echo": st.none() | st.booleans(), "best_of": st.none() | _EDGE_INTS, "stream_options": _ANY_JSON,
         "max_completion_tokens": st.none() | _SMALL_MAX | _EDGE_INTS, "presence_penalty": _EDGE_FLOATS,
@@ -104,8 +105,8 @@ _SUBMIT = st.fixed_dictionaries(
     optional={"prompt": _TEXT | _ANY_JSON, "prompt_token_ids": st.lists(st.integers(-5, 300), max_size=20) | _ANY_JSON,
               "messages": _MESSAGES, "stream": st.booleans() | _ANY_JSON, "return_timeline": st.booleans(),
               "x": _ANY_JSON})
-_FRAME = (st.fixed_dictionaries({"v": st.just(1), "type": st.just("submit"), "data": _SUBMIT})
-          | st.fixed_dictionaries({"v": st.just(1) | _EDGE_INTS, "type": st.sampled_from(
+_FRAME = (st.fixed_dictionaries({"v": st.just(PROTOCOL_VERSION), "type": st.just("submit"), "data": _SUBMIT})
+          | st.fixed_dictionaries({"v": st.just(PROTOCOL_VERSION) | _EDGE_INTS, "type": st.sampled_from(
               ["submit", "abort", "token_output", "error", "hello", "kv_ready", "x"]) | _TEXT, "data": _ANY_JSON})
           | _ANY_JSON)
 

@@ -10,6 +10,7 @@ import msgpack
 import openai
 import pytest
 
+from common.wire.messages import PROTOCOL_VERSION
 from tests.router.serving import MAX_MODEL_LEN, RawClient, serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
@@ -79,24 +80,24 @@ def _malformed_zmq(raw: RawClient) -> list[tuple[str, object]]:
     frames = [
         ("not_msgpack", [b"\xc1\xc1 definitely not msgpack"]),
         ("not_a_map", [msgpack.packb([1, "submit", {}])]),
-        ("extra_envelope_key", [msgpack.packb({"v": 1, "type": "abort", "data": {"request_id": "a"}, "x": 1})]),
-        ("bad_version", [msgpack.packb({"v": 2, "type": "abort", "data": {"request_id": "a"}})]),
-        ("unknown_type", [msgpack.packb({"v": 1, "type": "summon", "data": {}})]),
-        ("unknown_field", [msgpack.packb({"v": 1, "type": "submit", "data": {
+        ("extra_envelope_key", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "abort", "data": {"request_id": "a"}, "x": 1})]),
+        ("bad_version", [msgpack.packb({"v": PROTOCOL_VERSION - 1, "type": "abort", "data": {"request_id": "a"}})]),
+        ("unknown_type", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "summon", "data": {}})]),
+        ("unknown_field", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {}, "prompt": "hi", "priority": 3}})]),
-        ("unknown_sampling_field", [msgpack.packb({"v": 1, "type": "submit", "data": {
+        ("unknown_sampling_field", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {"temp": 0}, "prompt": "hi"}})]),
-        ("missing_field", [msgpack.packb({"v": 1, "type": "submit", "data": {"request_id": "u", "prompt": "hi"}})]),
-        ("max_tokens_str", [msgpack.packb({"v": 1, "type": "submit", "data": {
+        ("missing_field", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {"request_id": "u", "prompt": "hi"}})]),
+        ("max_tokens_str", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {"max_tokens": "x"}, "prompt": "hi"}})]),
-        ("prompt_ids_str", [msgpack.packb({"v": 1, "type": "submit", "data": {
+        ("prompt_ids_str", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {}, "prompt_token_ids": ["a", "b"]}})]),
-        ("stream_int", [msgpack.packb({"v": 1, "type": "submit", "data": {
+        ("stream_int", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {}, "prompt": "hi", "stream": 1}})]),
-        ("top_k_float", [msgpack.packb({"v": 1, "type": "submit", "data": {
+        ("top_k_float", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {"top_k": 1.5}, "prompt": "hi"}})]),
-        ("two_frames", [msgpack.packb({"v": 1, "type": "abort", "data": {"request_id": "a"}}), b"extra"]),
-        ("over_16_mib", [msgpack.packb({"v": 1, "type": "submit", "data": {
+        ("two_frames", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "abort", "data": {"request_id": "a"}}), b"extra"]),
+        ("over_16_mib", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {}, "prompt": "a" * (16 * 1024 * 1024)}})]),
     ]
     replies = []
