@@ -18,6 +18,7 @@ from common import schema
 from common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 2  # 2: workers send one `step_outputs` per step instead of a `token_output` per token
+OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
 
@@ -28,11 +29,14 @@ class MessageError(ValueError):
 _REGISTRY: dict[str, type] = {}
 
 
-def message(tag: str):
-    """Register a dataclass as a wire message under `tag`."""
+def message(tag: str, since: int = OLDEST_VERSION):
+    """Register a dataclass as a wire message under `tag`, new in protocol version
+    `since`. A message type keeps its form across versions (a change is a new type), so
+    a peer that speaks an older version is understood for every type it knows."""
     def wrap(cls):
         cls = dataclass(cls)
         cls.TYPE = tag
+        cls.SINCE = since
         _REGISTRY[tag] = cls
         return cls
     return wrap
@@ -43,6 +47,7 @@ def message(tag: str):
 def register(tag: str, cls: type) -> type:
     """Register an existing dataclass (one that lives outside this module) as a wire structure."""
     cls.TYPE = tag  # type: ignore[attr-defined]
+    cls.SINCE = OLDEST_VERSION  # type: ignore[attr-defined]
     _REGISTRY[tag] = cls
     return cls
 
@@ -121,7 +126,7 @@ class TokenOutput:
     timeline: dict[str, float] | None = None
 
 
-@message("request_output")
+@message("request_output", since=2)
 class RequestOutput:
     """One request's share of a worker step: its new tokens (usually one; none on an
     abort), and on the last entry finished=True with the counts and timeline. Text is
@@ -135,7 +140,7 @@ class RequestOutput:
     timeline: dict[str, float] | None = None
 
 
-@message("step_outputs")
+@message("step_outputs", since=2)
 class StepOutputs:
     """Worker -> router, once per loop turn per router connection: every request's
     entry of that turn (the step's tokens and the first tokens of prompts whose KV
@@ -254,11 +259,16 @@ def decode(raw: bytes) -> Any:
         raise MessageError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict) or set(obj) != {"v", "type", "data"}:
         raise MessageError("a message must be a map with exactly the keys v, type, data")
-    if obj["v"] != PROTOCOL_VERSION:
-        raise MessageError(f"protocol version {obj['v']!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    v = obj["v"]
+    if type(v) is not int or not OLDEST_VERSION <= v <= PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {v!r} is not supported (this side speaks "
+                           f"{OLDEST_VERSION}..{PROTOCOL_VERSION})")
     cls = _REGISTRY.get(obj["type"]) if isinstance(obj["type"], str) else None
     if cls is None:
         raise MessageError(f"unknown message type {obj['type']!r}")
+    if v < cls.SINCE:
+        raise MessageError(f"message type {obj['type']!r} is new in protocol version {cls.SINCE}, "
+                           f"this one says version {v}")
     return schema.build(cls, obj["data"], obj["type"], MessageError)
 
 

@@ -104,6 +104,14 @@ def _gen(**over: Any) -> bytes:
     return _raw("generate", {k: v for k, v in data.items() if v is not ...})
 
 
+def test_a_peer_of_an_older_version_is_understood_for_the_types_it_knows():
+    """Types keep their form across versions (a change is a new type): a version-1 client's
+    submit decodes as it did; types newer than the message's version are refused above."""
+    from common.wire.messages import OLDEST_VERSION, SubmitRequest
+    raw = _raw("submit", {"request_id": "s", "sampling": {"max_tokens": 3}, "prompt": "hi"}, v=OLDEST_VERSION)
+    assert decode(raw) == SubmitRequest("s", SamplingParams.unchecked(max_tokens=3), prompt="hi")
+
+
 def test_the_good_generate_decodes():
     msg = decode(_gen())
     assert msg == GenerateRequest("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
@@ -118,6 +126,9 @@ def test_the_good_generate_decodes():
     (_raw(5, {}), ["unknown message type"]),
     (_raw("generate", GOOD, v=PROTOCOL_VERSION + 1), ["version", str(PROTOCOL_VERSION + 1)]),
     (_raw("generate", GOOD, v="1"), ["version"]),
+    (_raw("generate", GOOD, v=0), ["version", "0"]),
+    (_raw("generate", GOOD, v=True), ["version"]),
+    (_raw("step_outputs", {"outputs": []}, v=1), ["step_outputs", "new in protocol version 2"]),
     (_raw("generate", [1, 2]), ["generate", "map"]),
     (_gen(bogus=1), ["unknown field", "bogus"]),
     (_gen(request_id=...), ["missing field", "request_id"]),

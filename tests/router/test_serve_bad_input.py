@@ -81,7 +81,7 @@ def _malformed_zmq(raw: RawClient) -> list[tuple[str, object]]:
         ("not_msgpack", [b"\xc1\xc1 definitely not msgpack"]),
         ("not_a_map", [msgpack.packb([1, "submit", {}])]),
         ("extra_envelope_key", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "abort", "data": {"request_id": "a"}, "x": 1})]),
-        ("bad_version", [msgpack.packb({"v": PROTOCOL_VERSION - 1, "type": "abort", "data": {"request_id": "a"}})]),
+        ("bad_version", [msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "abort", "data": {"request_id": "a"}})]),
         ("unknown_type", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "summon", "data": {}})]),
         ("unknown_field", [msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
             "request_id": "u", "sampling": {}, "prompt": "hi", "priority": 3}})]),
