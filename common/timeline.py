@@ -1,11 +1,10 @@
 """The stamps of a request's timeline, in the order a disaggregated request passes them.
-A timeline is a plain `dict[str, float]` of wall-clock seconds (time.time(): stamps from
-several processes on one host compare) so it travels on the wire as is; its keys are
-only ever written through `mark`, with a `Stamp`."""
+A timeline is a plain `dict[str, float]` of wall-clock seconds (`Clock.time()`, common/clock.py:
+stamps from several processes on one host compare) so it travels on the wire as is; its
+keys are only ever written through `mark`, with a `Stamp` and the caller's clock reading."""
 from __future__ import annotations
 
 import enum
-import time
 
 
 class Stamp(str, enum.Enum):
@@ -27,8 +26,9 @@ class Stamp(str, enum.Enum):
 Timeline = dict[str, float]
 
 
-def mark(timeline: Timeline, stamp: Stamp, at: float | None = None, *, first: bool = False) -> None:
-    """Set `stamp` to `at` (default now); with `first`, keep an earlier value if there is one."""
+def mark(timeline: Timeline, stamp: Stamp, at: float, *, first: bool = False) -> None:
+    """Set `stamp` to `at` (the caller's `clock.time()`); with `first`, keep an earlier value
+    if there is one."""
     if first and stamp.value in timeline:
         return
-    timeline[stamp.value] = time.time() if at is None else at
+    timeline[stamp.value] = at

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import socket
 import sys
-import time
 from dataclasses import dataclass, field
 
 import zmq
 
+from common.clock import SYSTEM_CLOCK, Clock
 from common.wire.auth import DeploymentKey
 from common.config import ConfigError
 from common.worker.liveness import process_alive
@@ -62,8 +62,9 @@ class PrefillPeers:
     """Owns the sockets to prefill workers, keyed by address."""
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller, decode_id: str, timeout_s: float,
-                 backend: str, key: DeploymentKey) -> None:
+                 backend: str, key: DeploymentKey, clock: Clock = SYSTEM_CLOCK) -> None:
         self.ctx = ctx
+        self.clock = clock
         self.key = key
         self.poller = poller
         self.decode_id = decode_id
@@ -87,7 +88,7 @@ class PrefillPeers:
         except zmq.ZMQError as e:
             raise HandshakeError(f"cannot connect to prefill worker at {address}: {e}") from None
         client.send(hello)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         peer = self.peers[address] = PrefillPeer(address, client, now, deadline=now + self.timeout_s)
         self.poller.register(client.sock, zmq.POLLIN)
         return peer
@@ -108,7 +109,7 @@ class PrefillPeers:
         peer = next((p for p in self.peers.values() if p.client.sock is sock), None)
         events: list[PeerEvent] = []
         while peer is not None and (inc := peer.client.recv_nowait()) is not None:
-            peer.last_seen = time.monotonic()
+            peer.last_seen = self.clock.monotonic()
             if isinstance(inc.msg, KVHandshakeReply):
                 if not inc.msg.ok:
                     events.append(self._drop(peer, f"prefill worker at {peer.address} refused this decode "
@@ -122,7 +123,7 @@ class PrefillPeers:
     def check(self) -> list[PeerLost]:
         """Handshake deadlines and liveness; pings ready peers. Called between steps, and
         does its work at most every CHECK_EVERY_S (it reads /proc for same-host peers)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._checked < CHECK_EVERY_S:
             return []
         self._checked = now

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import zmq
 
+from common.clock import SYSTEM_CLOCK, Clock
 from common.config import EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine, RequestError, StepOutput
 from common.worker.faults import Faults
@@ -37,8 +37,8 @@ class DecodeWorker(WorkerBase):
 
     role = "decode"
 
-    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
-        super().__init__(engine_config, worker_config)
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, clock: Clock = SYSTEM_CLOCK) -> None:
+        super().__init__(engine_config, worker_config, clock)
         self.receiver: KVReceiver | None = None
         self.backend = ""
         self.requests = RequestTable()
@@ -48,7 +48,7 @@ class DecodeWorker(WorkerBase):
         faults = Faults.from_env(self.worker_id)  # a bad PDSERVE_FAULTS fails before the cache exists
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
-                                  self.backend, self.key)
+                                  self.backend, self.key, clock)
         init_transfer_group(worker_config, engine_config.device.device)
         try:
             for address in worker_config.prefill_peers:
@@ -90,7 +90,7 @@ class DecodeWorker(WorkerBase):
             self.server.send(inc.identity, ErrorReply("", f"a {self.role} worker does not take {msg.TYPE!r} messages"))
 
     def on_generate(self, identity: bytes, msg: GenerateRequest) -> None:
-        now = time.time()
+        now = self.clock.time()
         try:
             if self.draining_until is not None:
                 self.server.send(identity, ErrorReply(msg.request_id, "decode worker is draining (SIGTERM)",
@@ -132,10 +132,10 @@ class DecodeWorker(WorkerBase):
                 return  # wait for blocks or a batch slot; FIFO, so nothing behind it jumps the queue
             self.requests.move(req, State.RESERVED)
             req.dst_blocks = dst
-            req.lease_until = time.monotonic() + self.wconfig.lease_s
+            req.lease_until = self.clock.monotonic() + self.wconfig.lease_s
             skip = len(req.seq.block_table) - len(dst)
             self.counters["blocks_reused"] += skip
-            mark(req.timeline, Stamp.DECODE_RESERVED)
+            mark(req.timeline, Stamp.DECODE_RESERVED, self.clock.time())
             seq = req.seq
             peer.client.send(PrefillRequest(req.request_id, self.worker_id, seq.token_ids, seq.sampling_params,
                                             skip, dst, req.timeline, seq.prompt_hashes))
@@ -213,7 +213,7 @@ class DecodeWorker(WorkerBase):
             self.fail(req, "KV transfer corrupt: checksum mismatch", code="transfer_error")  # never decoded
             return
         self.counters["blocks_received"] += len(req.dst_blocks)
-        now = time.time()
+        now = self.clock.time()
         mark(req.timeline, Stamp.KV_READY, now)
         mark(req.timeline, Stamp.FIRST_TOKEN, now)
         self.requests.move(req, State.RUNNING)
@@ -229,9 +229,9 @@ class DecodeWorker(WorkerBase):
         return self.engine.has_work()
 
     def step(self) -> None:
-        start = time.time()
+        start = self.clock.time()
         outputs = self.engine.step()
-        now = time.time()
+        now = self.clock.time()
         for seq in self.engine.scheduler.running:  # local prompts: when their prefill began
             req = self.requests.by_seq(seq.seq_id)
             if req is not None and req.local:
@@ -262,7 +262,7 @@ class DecodeWorker(WorkerBase):
         transfer) is answered with transfer_timeout -- the router re-prefills it -- and
         waits in DRAINING, holding its blocks, until P is fenced: P answers the abort
         (PrefillFailed, or a KVReady that crossed it) or is lost."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for req in self.requests.in_state(State.RESERVED):
             if now < req.lease_until:
                 continue
@@ -302,7 +302,7 @@ class DecodeWorker(WorkerBase):
 
     def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int]) -> None:
         seq = req.seq
-        mark(req.timeline, Stamp.FINISH)
+        mark(req.timeline, Stamp.FINISH, self.clock.time())
         self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,

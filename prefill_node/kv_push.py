@@ -13,8 +13,9 @@ class LayerPush:
     """Owns one step's list of block copies; `commit` records them as pushed once the
     step has run (a failed step pushes nothing)."""
 
-    def __init__(self, jobs: JobTable, senders: dict[str, KVSender]) -> None:
+    def __init__(self, jobs: JobTable, senders: dict[str, KVSender], now: float) -> None:
         self.jobs = jobs
+        self.now = now  # when the step began (the worker's clock): a job's PREFILL_START
         self.senders = senders
         self.copies: list[tuple[KVSender, list[int], list[int]]] = []  # (sender, src blocks, dst blocks)
         self.advanced: list[tuple[PrefillJob, int]] = []  # (job, blocks pushed after the step)
@@ -25,7 +26,7 @@ class LayerPush:
             job = self.jobs.by_seq(p.seq.seq_id)
             assert job is not None, "the engine ran a sequence with no prefill job"
             self.scheduled.append(job)
-            mark(job.timeline, Stamp.PREFILL_START, first=True)
+            mark(job.timeline, Stamp.PREFILL_START, self.now, first=True)
             sender = self.senders[job.decode_id]
             lo, hi = job.pushed, p.complete_blocks
             if hi <= lo or not sender.layerwise:

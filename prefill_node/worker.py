@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
+from common.clock import SYSTEM_CLOCK, Clock
 from common.config import EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine, RequestError, StepOutput
 from common.worker.faults import Faults
@@ -31,8 +31,8 @@ class PrefillWorker(WorkerBase):
 
     role = "prefill"
 
-    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
-        super().__init__(engine_config, worker_config)
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, clock: Clock = SYSTEM_CLOCK) -> None:
+        super().__init__(engine_config, worker_config, clock)
         self.backend = resolve_backend(worker_config.kv_transfer, engine_config.device.device)
         self.engine = LLMEngine(engine_config, prefill_only=True)
         self.senders: dict[str, KVSender] = {}  # decode_id -> sender
@@ -48,7 +48,7 @@ class PrefillWorker(WorkerBase):
     # ---- messages ----------------------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
         msg = inc.msg
-        self.decode_seen[inc.identity.decode(errors="replace")] = time.monotonic()  # D's identity is its id
+        self.decode_seen[inc.identity.decode(errors="replace")] = self.clock.monotonic()  # D's identity is its id
         if isinstance(msg, KVHandshake):
             self.on_handshake(inc.identity, msg)
         elif isinstance(msg, PrefillRequest):
@@ -102,7 +102,7 @@ class PrefillWorker(WorkerBase):
         self.server.send(identity, KVHandshakeReply(self.worker_id, True, "", self.layout, info))
 
     def on_prefill(self, identity: bytes, req: PrefillRequest) -> None:
-        now = time.time()
+        now = self.clock.time()
         try:
             # only the decode worker that handshook on this connection writes into its own blocks
             if req.decode_id not in self.senders or identity != req.decode_id.encode():
@@ -132,10 +132,10 @@ class PrefillWorker(WorkerBase):
         return self.engine.has_work()
 
     def step(self) -> None:
-        push = LayerPush(self.jobs, self.senders)
+        push = LayerPush(self.jobs, self.senders, self.clock.time())
         outputs = self.engine.step(push)
         push.commit()
-        end = time.time()
+        end = self.clock.time()
         for out in outputs:
             job = self.jobs.by_seq(out.seq.seq_id)
             assert job is not None, "the engine ran a sequence with no prefill job"
@@ -150,7 +150,7 @@ class PrefillWorker(WorkerBase):
         n_blocks = len(job.dst_block_ids)
         sender = self.senders[job.decode_id]
         mark(job.timeline, Stamp.PREFILL_END, prefill_end)
-        mark(job.timeline, Stamp.TRANSFER_START)
+        mark(job.timeline, Stamp.TRANSFER_START, self.clock.time())
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
                         sampler_state=self.engine.sampler_state(seq))
         src = seq.block_table[job.skip_blocks:]
@@ -162,7 +162,7 @@ class PrefillWorker(WorkerBase):
             self.log(f"request {job.request_id}: KV send failed: {e}")
             self.end(job, JobState.FAILED, f"KV send failed: {e}")
             return
-        mark(job.timeline, Stamp.TRANSFER_END)
+        mark(job.timeline, Stamp.TRANSFER_END, self.clock.time())
         self.server.send(job.identity, ready, frames)
         self.counters["blocks_sent"] += n_blocks
         self.counters["bytes_sent"] = sum(s.bytes_sent for s in self.senders.values())
@@ -180,7 +180,7 @@ class PrefillWorker(WorkerBase):
     def idle(self) -> None:
         for s in self.senders.values():
             s.poll()
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now >= self._next_peer_check:
             self._next_peer_check = now + min(1.0, self.wconfig.peer_timeout_s / 4)
             self.check_decode_peers(now)

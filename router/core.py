@@ -9,12 +9,12 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 import random
 import sys
-import time
 from typing import AsyncIterator
 
 import zmq
 import zmq.asyncio
 
+from common.clock import SYSTEM_CLOCK, Clock
 from common.wire import messages
 from common.wire.auth import AuthError, DeploymentKey, new_secret
 from common.hashing import block_hashes
@@ -42,8 +42,9 @@ class Router:
     deployment's secret: the control socket and the worker sockets accept only messages
     signed with it (common.wire.auth); `secret` "" makes a fresh one (single host)."""
 
-    def __init__(self, config: RouterConfig, secret: str = "") -> None:
+    def __init__(self, config: RouterConfig, secret: str = "", clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock  # every timer and latency reading (a simulator hands its own)
         self.secret = secret or new_secret()
         self.key = DeploymentKey(self.secret)
         self._control_auth = Authenticator(self.key, "router control socket")
@@ -105,7 +106,7 @@ class Router:
         except MessageError as e:
             print(f"router: dropped a malformed control message: {e}", file=sys.stderr, flush=True)
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if isinstance(msg, WorkerHello):
             why = refusal(msg, self.config.block_size, self.model_fingerprint)
             if why is None and not is_endpoint(msg.address):  # connected to (D) or handed to D (P)
@@ -166,8 +167,8 @@ class Router:
 
     async def _expire_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.stale_after_s / 4)
-            for dead in self.registry.expire(time.monotonic()):
+            await self.clock.sleep_async(self.config.stale_after_s / 4)
+            for dead in self.registry.expire(self.clock.monotonic()):
                 self._worker_dead(dead, "stopped responding", "silent")
 
     def worker_exited(self, worker_id: str, why: str) -> None:
@@ -189,14 +190,14 @@ class Router:
                                                 "worker_failed"))
 
     async def wait_for_workers(self, prefill: int, decode: int, colocated: int, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         while True:
             have = {r: len(self.registry.live((r,))) for r in ("prefill", "decode", "colocated")}
             if have["prefill"] >= prefill and have["decode"] >= decode and have["colocated"] >= colocated:
                 return
-            if time.monotonic() > deadline:
+            if self.clock.monotonic() > deadline:
                 raise TimeoutError(f"workers not registered after {timeout:.0f} s: have {have}")
-            await asyncio.sleep(0.05)
+            await self.clock.sleep_async(0.05)
 
     # ---- requests -----------------------------------------------------------------------
     def admit(self) -> None:
@@ -249,7 +250,7 @@ class Router:
             raise RouteError(str(e)) from None
         except Exception as e:  # a template that fails to render on this input, a tokenizer error
             raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
-        return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size))
+        return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size), self.clock.time())
 
     async def prepare_async(self, sub: SubmitRequest) -> Prepared:
         """Admission, the cheap checks on the loop, then template + tokens + hashes in the
@@ -310,7 +311,7 @@ class Router:
             yield ErrorReply(sub.request_id, f"request id {sub.request_id!r} is already in flight")
             return
         req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
-                       IncrementalDetokenizer(self.tokenizer, prep.params.stop), len(prep.token_ids), time.monotonic(),
+                       IncrementalDetokenizer(self.tokenizer, prep.params.stop), len(prep.token_ids), self.clock.monotonic(),
                        wire_id=sub.request_id)
         self.inflight[req.request_id] = req
         self._by_wire[req.wire_id] = req
@@ -341,7 +342,7 @@ class Router:
                     if finished:
                         reply.num_prompt_tokens = len(prep.token_ids)
                         if reply.timeline is not None:
-                            mark(reply.timeline, Stamp.ROUTER_DONE)
+                            mark(reply.timeline, Stamp.ROUTER_DONE, self.clock.time())
                     yield reply
                     if finished:
                         break
@@ -362,7 +363,7 @@ class Router:
                             params: SamplingParams) -> None:
         timeline: dict[str, float] = {}
         mark(timeline, Stamp.ARRIVAL, prep.arrival)
-        mark(timeline, Stamp.ROUTED)
+        mark(timeline, Stamp.ROUTED, self.clock.time())
         prefill = req.prefill
         msg = GenerateRequest(req.wire_id, ids, params, prefill.hello.address if prefill else "",
                               prep.sub.return_timeline, timeline, hashes)
@@ -422,7 +423,7 @@ class Router:
         return reply
 
     def _account(self, req: InFlight, out: TokenOutput) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if out.token_ids and req.first_token_at is None:
             req.first_token_at = now
             self._release_prefill(req)  # its prefill phase is over

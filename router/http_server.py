@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -64,10 +63,10 @@ class Envelope:
     also owns whether its first chunk went out (a chat stream's first delta names the
     role)."""
 
-    def __init__(self, shape: Shape, request_id: str, model: str) -> None:
+    def __init__(self, shape: Shape, request_id: str, model: str, created: float) -> None:
         self.shape = shape
         self.id = f"{shape.prefix}-{request_id}"
-        self.created = int(time.time())
+        self.created = int(created)
         self.model = model
         self.first = True
 
@@ -170,7 +169,7 @@ class OpenAIServer:
 
     async def respond(self, body: Body, sub: Prepared, shape: Shape) -> Response | dict:
         """One OpenAI response, streamed (SSE) or whole."""
-        envelope = Envelope(shape, sub.sub.request_id, self.model_name)
+        envelope = Envelope(shape, sub.sub.request_id, self.model_name, self.router.clock.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.sse(sub, envelope, include_usage), media_type="text/event-stream")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from common.wire.messages import ErrorReply, RequestOutput, SubmitRequest
@@ -32,7 +31,7 @@ class Prepared:
     token_ids: list[int]
     params: SamplingParams
     block_hashes: list[int]
-    arrival: float = field(default_factory=time.time)
+    arrival: float  # wall-clock seconds (the router's clock) it was received
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import zmq
 import zmq.asyncio
@@ -43,8 +42,8 @@ class ZmqFrontend:
         cancelled, which aborts their requests on the workers (Router.generate)."""
         limit = self.router.config.client_timeout_s
         while True:
-            await asyncio.sleep(min(1.0, limit / 4))
-            now = time.monotonic()
+            await self.router.clock.sleep_async(min(1.0, limit / 4))
+            now = self.router.clock.monotonic()
             for identity, seen in list(self._heartbeating.items()):
                 if now - seen <= limit:
                     continue
@@ -69,7 +68,7 @@ class ZmqFrontend:
                 await self._send(identity, ErrorReply("", str(e), "malformed"))
                 continue
             if identity in self._heartbeating or isinstance(msg, ClientHeartbeat):
-                self._heartbeating[identity] = time.monotonic()
+                self._heartbeating[identity] = self.router.clock.monotonic()
             if isinstance(msg, ClientHeartbeat):
                 continue
             if isinstance(msg, SubmitRequest):

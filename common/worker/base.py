@@ -8,11 +8,11 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import zmq
 
+from common.clock import SYSTEM_CLOCK, Clock
 from common.wire.auth import DeploymentKey
 from common.config import ConfigError, EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine
@@ -33,8 +33,9 @@ class WorkerBase:
     role = "worker"
     engine: LLMEngine  # set by the subclass's constructor, before `run`
 
-    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = engine_config
+        self.clock = clock  # heartbeats, drains, leases, peer checks and timeline stamps read it
         self.wconfig = worker_config
         self.worker_id = worker_config.worker_id
         if not worker_config.secret:
@@ -132,7 +133,7 @@ class WorkerBase:
         """First SIGTERM: drain (refuse new work, finish what runs, up to `drain_s`);
         a second one, or SIGINT: stop now."""
         if self.draining_until is None and self.wconfig.drain_s > 0:
-            self.draining_until = time.monotonic() + self.wconfig.drain_s
+            self.draining_until = self.clock.monotonic() + self.wconfig.drain_s
             self.log(f"draining (up to {self.wconfig.drain_s:.0f} s)")
         else:
             self._stop = True
@@ -168,7 +169,7 @@ class WorkerBase:
                     self.step()
                 self.flush()
                 self._heartbeat()
-                if self.draining_until is not None and (self.drained() or time.monotonic() > self.draining_until):
+                if self.draining_until is not None and (self.drained() or self.clock.monotonic() > self.draining_until):
                     break
         finally:
             self.close()
@@ -186,7 +187,7 @@ class WorkerBase:
     def _heartbeat(self) -> None:
         if self.reporter is None:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._last_heartbeat >= self.wconfig.heartbeat_s:
             self._last_heartbeat = now
             status = self.status(with_events=True)
@@ -205,9 +206,9 @@ class WorkerBase:
         tick = min(cfg.heartbeat_s, cfg.router_timeout_s / 2)
         try:
             while not self._stop:
-                time.sleep(tick)
+                self.clock.sleep(tick)
                 if sock is not None and self._last_status is not None and \
-                        time.monotonic() - self._last_heartbeat > 2 * cfg.heartbeat_s:
+                        self.clock.monotonic() - self._last_heartbeat > 2 * cfg.heartbeat_s:
                     sock.send(self._last_status)
                 if self.router_gone():
                     self.log(f"router (pid {cfg.router_pid}) is gone: stopping")

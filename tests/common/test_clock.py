@@ -28,19 +28,26 @@ def test_manual_clock_moves_only_when_driven():
     assert clock.monotonic() == 8.0
 
 
-def test_manual_clock_async_sleep_advances_and_yields():
+def test_manual_clock_wakes_async_sleepers_when_driven_past_their_deadlines():
     clock = ManualClock()
-    order: list[str] = []
+    woke: list[tuple[str, float]] = []
 
-    async def sleeper() -> None:
-        await clock.sleep_async(3.0)
-        order.append(f"slept to {clock.monotonic()}")
-
-    async def other() -> None:
-        order.append("other ran")
+    async def sleeper(name: str, seconds: float) -> None:
+        await clock.sleep_async(seconds)
+        woke.append((name, clock.monotonic()))
 
     async def main() -> None:
-        await asyncio.gather(sleeper(), other())
+        tasks = [asyncio.create_task(sleeper(n, s)) for n, s in (("b", 2.0), ("a", 1.0), ("c", 5.0))]
+        await asyncio.sleep(0)  # every sleeper registered
+        assert clock.next_deadline() == 1.0
+        clock.advance(0.5)
+        await asyncio.sleep(0)
+        assert woke == []  # nobody's deadline passed
+        clock.advance(1.6)  # to 2.1: a and b, in deadline order
+        await asyncio.sleep(0)
+        assert woke == [("a", 2.1), ("b", 2.1)] and clock.next_deadline() == 5.0
+        tasks[2].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert clock.next_deadline() is None  # a cancelled sleeper is dropped
 
     asyncio.run(main())
-    assert order == ["other ran", "slept to 3.0"]

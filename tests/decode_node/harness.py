@@ -5,11 +5,11 @@ delivers."""
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from common.clock import SYSTEM_CLOCK, Clock
 from common.wire.auth import new_secret
 from common.config import EngineConfig, WorkerConfig
 from common.wire.messages import (ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, RequestOutput,
@@ -146,9 +146,11 @@ class Harness:
     def generate(self, rid: str, prompt: list[int], max_tokens: int = 4, local: bool = False, **sp) -> None:
         identity = f"router-{rid}".encode()
         self.identities[rid] = identity
+        timeline = sp.pop("return_timeline", False)
         params = SamplingParams(temperature=sp.pop("temperature", 0.0), max_tokens=max_tokens,
                                 ignore_eos=sp.pop("ignore_eos", True), **sp)
-        self.worker.on_generate(identity, GenerateRequest(rid, prompt, params, "" if local else P_ADDR))
+        self.worker.on_generate(identity, GenerateRequest(rid, prompt, params, "" if local else P_ADDR,
+                                                          return_timeline=timeline))
 
     def state(self, rid: str) -> State | None:
         req = self.worker.requests.get(rid)
@@ -242,8 +244,9 @@ class Harness:
             self.terminal(rid)
 
 
-def make_harness(config: EngineConfig, worker_id: str = "d0") -> Harness:
-    worker = DecodeWorker(config, WorkerConfig(role="decode", worker_id=worker_id, kv_transfer="tcp", secret=new_secret()))
+def make_harness(config: EngineConfig, worker_id: str = "d0", clock: Clock = SYSTEM_CLOCK, lease_s: float = 30.0) -> Harness:
+    worker = DecodeWorker(config, WorkerConfig(role="decode", worker_id=worker_id, kv_transfer="tcp", secret=new_secret(),
+                                               lease_s=lease_s), clock)
     worker.server.close()  # the real socket is never used: replies are recorded
     server = Recorder()
     server.flush = worker.flush
@@ -253,7 +256,7 @@ def make_harness(config: EngineConfig, worker_id: str = "d0") -> Harness:
     worker.receiver = receiver
     real.close()
     client = FakeClient()
-    now = time.monotonic()
+    now = clock.monotonic()
     peer = PrefillPeer(P_ADDR, client, now, now + 30.0, prefill_id="p0", info={}, ready=True)
     worker.peers.peers[P_ADDR] = peer
     return Harness(worker, server, receiver, peer, client, worker.engine.block_manager.num_free_blocks)

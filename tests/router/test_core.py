@@ -9,6 +9,7 @@ import dataclasses
 import zmq
 import zmq.asyncio
 
+from common.clock import SYSTEM_CLOCK, Clock, ManualClock
 from common.wire import messages
 from common.sampling_params import SamplingParams
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, RequestOutput, StepOutputs, SubmitRequest,
@@ -46,9 +47,9 @@ class FakeWorker:
 class Harness:
     """A Router on this loop, a socket to report as workers, and fake workers."""
 
-    def __init__(self, model_dir: str, stale_after_s: float = 30.0) -> None:
+    def __init__(self, model_dir: str, stale_after_s: float = 30.0, clock: Clock = SYSTEM_CLOCK) -> None:
         self.router = Router(RouterConfig(model_dir=model_dir, http_port=0, zmq_port=0, max_model_len=512,
-                                          stale_after_s=stale_after_s))
+                                          stale_after_s=stale_after_s), clock=clock)
         self.router.start()
         self.ctx = zmq.asyncio.Context()
         self.report = self.ctx.socket(zmq.DEALER)
@@ -264,4 +265,33 @@ def test_stop_string_ends_the_request_and_aborts_the_worker(model_dirs):
         finally:
             await h.close()
 
+    run(scenario())
+
+
+def test_a_silent_worker_is_dead_when_the_routers_clock_says_so(model_dirs):
+    """The router's timers read its clock: driven by a ManualClock, a worker that stops
+    heart-beating is taken out of rotation once that clock passes stale_after_s, and not
+    a moment of it before, however long the test really takes."""
+    async def scenario():
+        clock = ManualClock()
+        h = Harness(model_dirs["qwen3"], stale_after_s=2.0, clock=clock)
+        try:
+            w = h.worker("c0")
+            await h.send(w.hello())
+            for _ in range(500):  # the hello crosses a real socket
+                if "c0" in h.router.registry.workers:
+                    break
+                await asyncio.sleep(0.01)
+            entry = h.router.registry.workers["c0"]
+            clock.advance(1.9)
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert entry.alive, "expired before the router's clock passed stale_after_s"
+            clock.advance(0.7)  # 2.6 s after its hello, and past the expiry loop's next wake-up
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not entry.alive
+            assert h.router.registry.live(("colocated",)) == []
+        finally:
+            await h.close()
     run(scenario())
