@@ -66,6 +66,13 @@ class Harness:
     async def send(self, msg) -> None:
         await self.report.send(self.auth.seal(msg))
 
+    async def registered(self, worker_id: str) -> FakeWorker:
+        """A fake colocated worker that said hello and that the router has taken in."""
+        w = self.worker(worker_id)
+        await self.send(w.hello())
+        await self.router.wait_for_workers(0, 0, 1, timeout=5)
+        return w
+
     async def send_raw(self, payload: bytes) -> None:
         """Signed, whatever the payload: a malformed message from inside the deployment."""
         await self.report.send(self.auth.signer.sign(payload))
@@ -99,9 +106,7 @@ def test_request_goes_to_the_worker_and_tokens_come_back(model_dirs):
     async def scenario():
         h = Harness(model_dirs["qwen3"])
         try:
-            w = h.worker("c0")
-            await h.send(w.hello())
-            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            w = await h.registered("c0")
             job = asyncio.create_task(collect(h.router, submit("r1")))
             identity, req = await w.next_request()
             assert isinstance(req, GenerateRequest)
@@ -128,9 +133,7 @@ def test_inflight_request_fails_when_its_worker_goes_silent(model_dirs):
     async def scenario():
         h = Harness(model_dirs["qwen3"], stale_after_s=0.4)
         try:
-            w = h.worker("c0")
-            await h.send(w.hello())
-            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            w = await h.registered("c0")
             job = asyncio.create_task(collect(h.router, submit("r1")))
             assert await w.next_request() is not None  # received, never answered, no heartbeats
             outs = await asyncio.wait_for(job, 10)
@@ -212,9 +215,7 @@ def test_one_step_message_feeds_every_request_in_it(model_dirs):
     async def scenario():
         h = Harness(model_dirs["qwen3"])
         try:
-            w = h.worker("c0")
-            await h.send(w.hello())
-            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            w = await h.registered("c0")
             jobs = {rid: asyncio.create_task(collect(h.router, submit(rid))) for rid in ("r1", "r2")}
             identity, _ = await w.next_request()
             await w.next_request()
@@ -240,9 +241,7 @@ def test_stop_string_ends_the_request_and_aborts_the_worker(model_dirs):
     async def scenario():
         h = Harness(model_dirs["qwen3"])
         try:
-            w = h.worker("c0")
-            await h.send(w.hello())
-            await h.router.wait_for_workers(0, 0, 1, timeout=5)
+            w = await h.registered("c0")
             tok = h.router.tokenizer
             ids = [t for word in ("the", " model", " serving", " request", " token") for t in tok.encode(word)]
             stop_at = len(tok.encode("the")) + len(tok.encode(" model")) + len(tok.encode(" serving"))
