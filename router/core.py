@@ -36,6 +36,8 @@ from router.registry import WorkerEntry, WorkerRegistry, refusal
 from router.requests import InFlight, Prepared, RouteError, drain_outputs
 
 
+ABORT_REPLY_WAIT_S = 2.0  # how long a stop-string finish waits for its worker's timeline (asked for only)
+
 class Router:
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
     (how many may be prepared or in flight at once, `config.max_inflight`) and the
@@ -339,6 +341,8 @@ class Router:
                     finished = reply.finished
                     if finished and not out.finished:  # a stop string: the worker is still decoding it
                         await self._abort_attempt(req)
+                        if sub.return_timeline:  # the worker's stamps come with its answer to the abort
+                            reply.timeline = await self._last_timeline(req)
                     if finished:
                         reply.num_prompt_tokens = len(prep.token_ids)
                         if reply.timeline is not None:
@@ -351,6 +355,24 @@ class Router:
             if not finished:  # the caller went away: stop the work
                 self.metrics.request_done("aborted")
                 await self._abort_attempt(req)
+
+    async def _last_timeline(self, req: InFlight) -> dict[str, float] | None:
+        """The timeline of the current attempt's last entry (its worker answers an abort
+        with one), waited for at most ABORT_REPLY_WAIT_S of the router's clock; None if
+        none comes. Only a request that asked for its timeline waits."""
+        deadline = self.clock.monotonic() + ABORT_REPLY_WAIT_S
+        while (left := deadline - self.clock.monotonic()) > 0:
+            get = asyncio.ensure_future(req.queue.get())
+            timer = asyncio.ensure_future(self.clock.sleep_async(left))
+            done, _ = await asyncio.wait({get, timer}, return_when=asyncio.FIRST_COMPLETED)
+            timer.cancel()
+            if get not in done:
+                get.cancel()
+                return None
+            out = get.result()
+            if out.request_id == req.wire_id and (isinstance(out, ErrorReply) or out.finished):
+                return None if isinstance(out, ErrorReply) else out.timeline
+        return None
 
     async def _abort_attempt(self, req: InFlight) -> None:
         """Tell the current attempt's worker to stop and free the request (its replies

@@ -267,6 +267,34 @@ def test_stop_string_ends_the_request_and_aborts_the_worker(model_dirs):
     run(scenario())
 
 
+def test_a_stop_string_finish_still_returns_the_workers_timeline(model_dirs):
+    """Only the router sees a stop string; the worker's stamps travel with its answer to
+    the abort, and a request that asked for its timeline gets them."""
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        try:
+            w = await h.registered("c0")
+            ids = h.router.tokenizer.encode("say STOP now")
+            sub = SubmitRequest("r1", SamplingParams(temperature=0, max_tokens=20, stop=["STOP"]),
+                                prompt_token_ids=[5, 6, 7], return_timeline=True)
+            job = asyncio.create_task(collect(h.router, sub))
+            identity, req = await w.next_request()
+            await w.reply(identity, step(RequestOutput("r1", ids)))
+            got = await w.next_request()
+            assert got is not None and isinstance(got[1], AbortRequest)
+            stamps = dict(req.timeline, decode_arrival=1.0, first_token=2.0, finish=3.0)
+            await w.reply(identity, step(RequestOutput("r1", [], finished=True, finish_reason="abort", timeline=stamps)))
+            outs = await job
+            assert outs[-1].finish_reason == "stop" and "".join(o.text for o in outs) == "say "
+            assert outs[-1].timeline is not None
+            assert list(outs[-1].timeline) == ["arrival", "routed", "decode_arrival", "first_token", "finish",
+                                               "router_done"]
+        finally:
+            await h.close()
+
+    run(scenario())
+
+
 def test_a_silent_worker_is_dead_when_the_routers_clock_says_so(model_dirs):
     """The router's timers read its clock: driven by a ManualClock, a worker that stops
     heart-beating is taken out of rotation once that clock passes stale_after_s, and not
