@@ -231,3 +231,19 @@ def test_continue_final_message(bos):
     refused = httpx.post(f"{served.http}/chat/completions", json={"messages": msgs, "continue_final_message": True,
                                                                   "add_generation_prompt": True})
     assert refused.status_code == 400 and "cannot both be true" in refused.json()["error"]["message"]
+
+
+def test_prompt_options_over_zeromq(bos):
+    from router.client import Client
+    served, _, hf = bos
+    with_bos = hf.encode(PROMPTS[1], add_special_tokens=True)
+    msgs = [*CHAT, {"role": "assistant", "content": "The decode worker, which"}]
+    with Client(served.zmq, timeout_s=60) as c:
+        assert c.generate(PROMPTS[1], max_tokens=1).num_prompt_tokens == len(with_bos)  # vLLM's default
+        assert c.generate(PROMPTS[1], max_tokens=1, add_special_tokens=False).num_prompt_tokens == len(with_bos) - 1
+        got = c.generate(messages=CHAT, max_tokens=1, chat_template_kwargs={"enable_thinking": False})
+        assert got.num_prompt_tokens == len(hf_chat_ids(hf, CHAT, add_generation_prompt=True, enable_thinking=False))
+        got = c.generate(messages=msgs, max_tokens=1, continue_final_message=True)
+        assert got.num_prompt_tokens == len(hf_chat_ids(hf, msgs, continue_final_message=True))
+        got = c.generate(messages=CHAT, max_tokens=1, add_generation_prompt=False)
+        assert got.num_prompt_tokens == len(hf_chat_ids(hf, CHAT, add_generation_prompt=False))
