@@ -22,6 +22,7 @@ from router.http_api import ChatBody, CompletionBody, DetokenizeBody, TokenizeBo
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.text import merge_outputs, openai_usage
 
+MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names logged; a client inventing names cannot grow the set further
 COMPLETION_MAX_TOKENS = 16  # the legacy completions default (OpenAI's, vLLM's); a chat gets the rest of the context
 
 Body = CompletionBody | ChatBody
@@ -208,10 +209,15 @@ class OpenAIServer:
         """Unknown fields are ignored, as OpenAI and vLLM do; each name is logged once, so
         a client's typo can be found without a log line per request."""
         for name in unknown_fields(body):
-            if name not in self.logged_unknown:
-                self.logged_unknown.add(name)
-                print(f"router: ignoring the unknown request field {name!r} (logged once)", file=sys.stderr,
-                      flush=True)
+            if name in self.logged_unknown or len(self.logged_unknown) > MAX_LOGGED_UNKNOWN:
+                continue
+            self.logged_unknown.add(name)
+            if len(self.logged_unknown) > MAX_LOGGED_UNKNOWN:
+                print(f"router: {MAX_LOGGED_UNKNOWN} unknown request field names logged; no more will be",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"router: ignoring the unknown request field {name[:100]!r} (logged once)",
+                      file=sys.stderr, flush=True)
 
     def wrong_model(self, model: str | None) -> JSONResponse | None:
         if model is not None and model != self.model_name:

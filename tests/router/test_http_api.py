@@ -59,3 +59,18 @@ def test_tokenize_takes_one_form():
     with pytest.raises(ValidationError, match="exactly one"):
         TokenizeBody.model_validate({"prompt": "a", "messages": [{"role": "user", "content": "x"}]})
     assert TokenizeBody.model_validate({"prompt": "a", "messages": None}).add_special_tokens is None
+
+
+def test_unknown_names_are_logged_once_each_and_boundedly(capsys):
+    from types import SimpleNamespace
+
+    from router.http_server import MAX_LOGGED_UNKNOWN, OpenAIServer
+    server = SimpleNamespace(logged_unknown=set())
+    body = lambda *names: CompletionBody.model_validate({"prompt": "x", **{n: 1 for n in names}})  # noqa: E731
+    OpenAIServer.log_unknown(server, body("frob", "nicate"))
+    OpenAIServer.log_unknown(server, body("frob"))
+    assert capsys.readouterr().err.count("'frob'") == 1
+    for i in range(MAX_LOGGED_UNKNOWN + 50):
+        OpenAIServer.log_unknown(server, body(f"f{i}"))
+    assert len(server.logged_unknown) == MAX_LOGGED_UNKNOWN + 1
+    assert capsys.readouterr().err.count("logged once") == MAX_LOGGED_UNKNOWN - 2
