@@ -92,7 +92,7 @@ class CompletionBody(_Common):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if all(isinstance(x, int) for x in p):  # [] too: one empty prompt, which the router refuses
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 

@@ -36,6 +36,7 @@ def test_prompt_forms():
     assert CompletionBody(prompt=[1, 2]).prompts() == [[1, 2]]
     assert CompletionBody(prompt=["a", "b"]).prompts() == ["a", "b"]
     assert CompletionBody(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    assert CompletionBody(prompt=[]).prompts() == [[]]  # one prompt, refused as empty by the router
     with pytest.raises(ValidationError):
         CompletionBody(prompt=[1, "a"])
 
