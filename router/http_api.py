@@ -118,9 +118,11 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"content part of type {part.type!r} is not supported by this server "
                                  f"(text only): send text parts or a string")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its 'text'")
         return "\n".join(part.text or "" for part in self.content)
 
 
