@@ -5,6 +5,11 @@
         print(c.generate("Hello", max_tokens=16, temperature=0).text)
         for out in c.stream("Hello", max_tokens=16):
             print(out.text, end="", flush=True)
+        c.generate(messages=[...], chat_template_kwargs={"enable_thinking": False})
+
+Keyword arguments are sampling parameters (common/sampling_params.py), except the prompt
+options of `SubmitRequest` (`PROMPT_OPTIONS`: add_special_tokens, add_generation_prompt,
+continue_final_message, chat_template_kwargs; docs/protocol.md).
 """
 from __future__ import annotations
 
@@ -45,12 +50,19 @@ class Completion:
     token_times: list[float] = field(default_factory=list)  # client clock, one per token
 
 
+PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
 def _submit(prompt: str | list[int] | None, messages_: list[dict[str, str]] | None, stream: bool,
-            return_timeline: bool, sampling: dict[str, Any]) -> SubmitRequest:
+            return_timeline: bool, kwargs: dict[str, Any]) -> SubmitRequest:
+    """The request; `kwargs` are the prompt options (PROMPT_OPTIONS) and sampling parameters."""
     text = prompt if isinstance(prompt, str) else None
     ids = prompt if isinstance(prompt, list) else None
+    options = {k: v for k, v in kwargs.items() if k in PROMPT_OPTIONS}
+    sampling = {k: v for k, v in kwargs.items() if k not in PROMPT_OPTIONS}
     return SubmitRequest(request_id=uuid.uuid4().hex, sampling=SamplingParams.unchecked(**sampling), prompt=text,
-                         prompt_token_ids=ids, messages=messages_, stream=stream, return_timeline=return_timeline)
+                         prompt_token_ids=ids, messages=messages_, stream=stream, return_timeline=return_timeline,
+                         **options)
 
 
 def _merge(request_id: str, outs: list[TokenOutput], times: list[float]) -> Completion:
@@ -74,9 +86,10 @@ class Client:
         self.timeout_ms = int(timeout_s * 1000)
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
-               return_timeline: bool = False, **sampling: Any) -> Iterator[TokenOutput]:
-        """Yield TokenOutput messages as tokens arrive; raises ServerError on an error reply."""
-        sub = _submit(prompt, messages, True, return_timeline, sampling)
+               return_timeline: bool = False, **kwargs: Any) -> Iterator[TokenOutput]:
+        """Yield TokenOutput messages as tokens arrive; raises ServerError on an error reply.
+        `kwargs`: sampling parameters and prompt options (the module's docstring)."""
+        sub = _submit(prompt, messages, True, return_timeline, kwargs)
         self.sock.send(wire.encode(ClientHeartbeat(HEARTBEAT_S)))
         self.sock.send(wire.encode(sub))
         finished = False
@@ -153,11 +166,12 @@ class AsyncClient:
                 q.put_nowait(msg)
 
     async def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
-                     return_timeline: bool = False, **sampling: Any) -> AsyncIterator[TokenOutput]:
+                     return_timeline: bool = False, **kwargs: Any) -> AsyncIterator[TokenOutput]:
+        """As Client.stream, many at once over one socket."""
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
             self._heartbeat = asyncio.create_task(self._beat())
-        sub = _submit(prompt, messages, True, return_timeline, sampling)
+        sub = _submit(prompt, messages, True, return_timeline, kwargs)
         q = self._queues[sub.request_id] = asyncio.Queue()
         finished = False
         try:

@@ -5,6 +5,7 @@ Runs on one asyncio loop shared with the ZeroMQ and HTTP front ends."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 import random
@@ -54,7 +55,7 @@ class Router:
         self.tokenizer = Tokenizer(config.model_dir)
         self.model_fingerprint = model_fingerprint(config.model_dir)  # a worker must match it to register
         self.registry = WorkerRegistry(config.stale_after_s)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.model_name)
         self.rng = random.Random(config.seed)
         self._rr_prefill = itertools.count()  # one counter per choice, or with two workers
         self._rr_decode = itertools.count()   # per role each would only ever see even indices
@@ -236,22 +237,37 @@ class Router:
             raise RouteError(str(e)) from None
         return params
 
+    def prompt_ids(self, sub: SubmitRequest) -> list[int]:
+        """The prompt's token ids as its form and options say: messages rendered by the
+        chat template, special tokens added by the form's default (vLLM's: a text prompt
+        gets them, a chat does not) unless the request says. Raises what the tokenizer
+        and template raise; blocks for as long as tokenizing takes."""
+        tok = self.tokenizer
+        if sub.messages is not None:
+            text = tok.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt,
+                                           continue_final_message=sub.continue_final_message,
+                                           template_kwargs=sub.chat_template_kwargs)
+            return tok.encode(text, add_special_tokens=sub.add_special_tokens is True)
+        if sub.prompt is not None:
+            return tok.encode(sub.prompt, add_special_tokens=sub.add_special_tokens is not False)
+        return list(sub.prompt_token_ids or [])
+
     def prepare(self, sub: SubmitRequest) -> Prepared:
         """Validate and tokenize once, at the edge; RouteError names what is wrong.
         Blocks for as long as tokenizing takes: the serving path calls `prepare_async`."""
         params = self.check_request(sub)
         try:
-            if sub.messages is not None:
-                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(sub.messages))
-            elif sub.prompt is not None:
-                ids = self.tokenizer.encode(sub.prompt)
-            else:
-                ids = list(sub.prompt_token_ids or [])
+            ids = self.prompt_ids(sub)
             check_token_ids(ids, self.tokenizer.vocab_size, self.config.max_model_len)
         except (RequestError, ChatTemplateError) as e:
             raise RouteError(str(e)) from None
         except Exception as e:  # a template that fails to render on this input, a tokenizer error
             raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
+        # the engine stops at max_model_len anyway; saying so here makes max_tokens what a
+        # request can get (vLLM's min(max_tokens, max_model_len - prompt tokens))
+        room = self.config.max_model_len - len(ids)
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
         return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size), self.clock.time())
 
     async def prepare_async(self, sub: SubmitRequest) -> Prepared:
@@ -264,6 +280,17 @@ class Router:
             return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, sub)
         finally:
             self.preparing -= 1
+
+    async def tokenize_async(self, sub: SubmitRequest) -> list[int]:
+        """The prompt ids `prepare` would make for `sub` (in the tokenizer pool), without
+        admitting or routing anything; RouteError names what is wrong. For /tokenize."""
+        self.check_request(sub)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt_ids, sub)
+        except ChatTemplateError as e:
+            raise RouteError(str(e)) from None
+        except Exception as e:
+            raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
 
     def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()) -> tuple[WorkerEntry, WorkerEntry | None]:
         """(decode-or-colocated worker, prefill worker or None); workers in `avoid` (that

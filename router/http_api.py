@@ -1,17 +1,33 @@
-"""OpenAI-compatible request bodies, validated with pydantic at the HTTP edge."""
+"""OpenAI-compatible request bodies, validated with pydantic at the HTTP edge.
+
+As OpenAI and vLLM: an explicit `null` means the field's default, and a field this
+server does not know is ignored (the server logs its name once; `unknown_fields`). A
+field it knows but cannot honour is refused by name (`unsupported`)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """A body whose `null` fields take their defaults (OpenAI SDKs send explicit nulls)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: StrictBool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # like OpenAI: unknown fields are ignored
+class _Common(_NullIsDefault):
+    # unknown fields are kept aside (model_extra) so the server can log them, then ignored
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None)
     max_completion_tokens: StrictInt | None = None
@@ -61,15 +77,93 @@ def unsupported(body: _Common) -> str | None:
     return None
 
 
+def unknown_fields(body: BaseModel) -> list[str]:
+    """The names of the fields the body carried that no model here declares."""
+    return sorted(body.model_extra or ())
+
+
 class CompletionBody(_Common):
-    prompt: str | list[StrictInt] | list[str]
+    # one prompt (text or token ids) or several (a choice each, `index` in this order)
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    add_special_tokens: StrictBool = True  # vLLM: the tokenizer's BOS / post-processor applies
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):  # [] too: one empty prompt, which the router refuses
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    """One part of a message's `content` list; only `text` parts can be served."""
+
+    model_config = ConfigDict(extra="allow")  # image_url, input_audio, ...: refused by type, not by shape
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: StrictStr | list[ContentPart] | None = None
     name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string: text parts joined with newlines (as vLLM renders
+        them for a string-content template). ValueError names a part that is not text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content part of type {part.type!r} is not supported by this server "
+                                 f"(text only): send text parts or a string")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its 'text'")
+        return "\n".join(part.text or "" for part in self.content)
 
 
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: StrictBool = False  # vLLM: the chat template carries the BOS
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_ending(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("continue_final_message") is True \
+                and data.get("add_generation_prompt") is True:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return data
+
+
+class TokenizeBody(_NullIsDefault):
+    """`POST /tokenize` (vLLM's shape): a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # None: true for a prompt, false for messages
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "TokenizeBody":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeBody(_NullIsDefault):
+    """`POST /detokenize`: token ids to text."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -82,8 +82,14 @@ async def _send_error(send: Send, status: int, message: str, code: str | None = 
     await send({"type": "http.response.body", "body": body})
 
 
+def _keyed(path: str) -> bool:
+    """Whether a route needs the API key: the ones that cost a tokenizer or a worker
+    (/health, /metrics and /version stay open for load balancers and scrapers)."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
 class EdgeMiddleware:
-    """Pure ASGI: checks the API key on /v1/*, then reads the whole request body, counting
+    """Pure ASGI: checks the API key on /v1/* and the tokenizer routes, then reads the whole request body, counting
     bytes of every `http.request` message (a chunked body has no Content-Length to trust),
     and answers 413 as soon as it passes `max_body_bytes`. The app sees the buffered body."""
 
@@ -96,7 +102,7 @@ class EdgeMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(headers):
+        if self.api_key is not None and _keyed(scope["path"]) and not self._authorized(headers):
             return await _send_error(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                      "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length", b"")

@@ -2,6 +2,9 @@
 same Router core as the ZeroMQ front end."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import importlib.metadata
 import json
 import sys
 import uuid
@@ -15,9 +18,12 @@ from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError
-from router.http_api import ChatBody, CompletionBody, unsupported
+from router.http_api import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, unknown_fields, unsupported
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
-from router.text import merge_outputs, usage
+from router.text import merge_outputs, openai_usage
+
+MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names logged; a client inventing names cannot grow the set further
+COMPLETION_MAX_TOKENS = 16  # the legacy completions default (OpenAI's, vLLM's); a chat gets the rest of the context
 
 Body = CompletionBody | ChatBody
 
@@ -60,74 +66,128 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_conte
 
 class Envelope:
     """One response's id, creation time and model, around its choices; for a stream it
-    also owns whether its first chunk went out (a chat stream's first delta names the
-    role)."""
+    also owns which choices have sent their first chunk (a chat stream's first delta of
+    each choice names the role)."""
 
     def __init__(self, shape: Shape, request_id: str, model: str, created: float) -> None:
         self.shape = shape
         self.id = f"{shape.prefix}-{request_id}"
         self.created = int(created)
         self.model = model
-        self.first = True
+        self.started: set[int] = set()
 
     def wrap(self, kind: str, choices: list, usage: dict | None, timeline: dict | None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **({"usage": usage} if usage else {}), **({"timeline": timeline} if timeline else {})}
 
-    def chunk(self, out: TokenOutput | None, usage: dict | None = None) -> dict:
-        """A stream's next chunk: `out`'s tokens, or (None) the usage-only last chunk."""
+    def chunk(self, out: TokenOutput | None, usage: dict | None = None, index: int = 0) -> dict:
+        """A stream's next chunk: `out`'s tokens for choice `index`, or (None) the
+        usage-only last chunk."""
         if out is None:
             return self.wrap(self.shape.chunk_obj, [], usage, None)
-        choice = {"index": 0, **self.shape.content(out.text, self.first), "token_ids": out.token_ids,
-                  "logprobs": None, "finish_reason": out.finish_reason}
-        self.first = False
+        choice = {"index": index, **self.shape.content(out.text, index not in self.started),
+                  "token_ids": out.token_ids, "logprobs": None, "finish_reason": out.finish_reason}
+        self.started.add(index)
         return self.wrap(self.shape.chunk_obj, [choice], usage, out.timeline)
 
-    def whole(self, res: TokenOutput) -> dict:
-        """The response of a request that was not streamed (`res`: its merged outputs)."""
-        choice = {"index": 0, **self.shape.content(res.text, None), "token_ids": res.token_ids, "logprobs": None,
-                  "finish_reason": res.finish_reason}
-        return self.wrap(self.shape.obj, [choice], usage(res), res.timeline)
+    def whole(self, results: list[TokenOutput]) -> dict:
+        """The response of a request that was not streamed (`results`: each choice's merged
+        outputs, in `index` order)."""
+        choices = [{"index": i, **self.shape.content(res.text, None), "token_ids": res.token_ids, "logprobs": None,
+                    "finish_reason": res.finish_reason} for i, res in enumerate(results)]
+        timeline = results[0].timeline if len(results) == 1 else None
+        return self.wrap(self.shape.obj, choices, openai_usage(results), timeline)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 class OpenAIServer:
-    """Owns the FastAPI app of the OpenAI API and the Router it submits to. The edge
-    limits (body size, API key) are the app's middleware, from the router's config; the
-    methods below are the app's handlers."""
+    """Owns the FastAPI app of the OpenAI API, the Router it submits to, and the names of
+    the unknown body fields it has already logged (each once). The edge limits (body
+    size, API key) are the app's middleware, from the router's config; the methods below
+    are the app's handlers."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
         self.model_name = router.config.model_name
+        self.version = _version()
+        self.logged_unknown: set[str] = set()
         self.app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
         self.app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.max_body_bytes,
                                 api_key=router.config.api_key)
         install_error_handlers(self.app)
         # response_model=None: the handlers' return types are not response schemas
-        self.app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=None)
-        self.app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], response_model=None)
-        self.app.add_api_route("/v1/models", self.models, methods=["GET"], response_model=None)
-        self.app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
-        self.app.add_api_route("/metrics", self.metrics, methods=["GET"], response_model=None)
+        for path, handler, method in (("/v1/completions", self.completions, "POST"),
+                                      ("/v1/chat/completions", self.chat, "POST"),
+                                      ("/v1/models", self.models, "GET"), ("/health", self.health, "GET"),
+                                      ("/metrics", self.metrics, "GET"), ("/tokenize", self.tokenize, "POST"),
+                                      ("/detokenize", self.detokenize, "POST"), ("/version", self.get_version, "GET")):
+            self.app.add_api_route(path, handler, methods=[method], response_model=None)
 
     # ---- handlers --------------------------------------------------------------------------
     async def completions(self, body: CompletionBody) -> Response | dict:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                return error(400, "a list of several prompts is not supported; send one", param="prompt")
-            prompt = prompt[0]
-        sub = await self.submission(body, **({"prompt": prompt} if isinstance(prompt, str)
-                                             else {"prompt_token_ids": prompt}))
-        if isinstance(sub, JSONResponse):
-            return sub
-        return await self.respond(body, sub, COMPLETION)
+        """One choice per prompt; several prompts are routed as requests of their own, at once."""
+        if (refused := self.refusal(body)) is not None:
+            return refused
+        subs = [self.submit_request(body, COMPLETION_MAX_TOKENS, add_special_tokens=body.add_special_tokens,
+                                    **({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}))
+                for p in body.prompts()]
+        return await self.respond(body, subs, COMPLETION)
 
     async def chat(self, body: ChatBody) -> Response | dict:
-        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-        sub = await self.submission(body, messages=msgs)
-        if isinstance(sub, JSONResponse):
-            return sub
-        return await self.respond(body, sub, CHAT)
+        if (refused := self.refusal(body)) is not None:
+            return refused
+        try:
+            msgs = _messages(body.messages)
+        except ValueError as e:
+            return error(400, str(e), param="messages")
+        sub = self.submit_request(body, self.router.config.max_model_len, messages=msgs,
+                                  add_special_tokens=body.add_special_tokens,
+                                  add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message,
+                                  chat_template_kwargs=body.chat_template_kwargs)
+        return await self.respond(body, [sub], CHAT)
+
+    async def tokenize(self, body: TokenizeBody) -> Response | dict:
+        """vLLM's /tokenize: the ids a completion (prompt) or chat (messages) would be served."""
+        self.log_unknown(body)
+        if (refused := self.wrong_model(body.model)) is not None:
+            return refused
+        if body.messages is not None:
+            try:
+                form: dict[str, Any] = {"messages": _messages(body.messages),
+                                        "add_generation_prompt": body.add_generation_prompt,
+                                        "continue_final_message": body.continue_final_message,
+                                        "chat_template_kwargs": body.chat_template_kwargs}
+            except ValueError as e:
+                return error(400, str(e), param="messages")
+        else:
+            form = {"prompt": body.prompt}
+        sub = SubmitRequest(request_id=uuid.uuid4().hex, sampling=SamplingParams(),
+                            add_special_tokens=body.add_special_tokens, **form)
+        try:
+            ids = await self.router.tokenize_async(sub)
+        except RouteError as e:
+            return _route_error(e)
+        return {"count": len(ids), "max_model_len": self.router.config.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeBody) -> Response | dict:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        self.log_unknown(body)
+        if (refused := self.wrong_model(body.model)) is not None:
+            return refused
+        vocab = self.router.tokenizer.vocab_size
+        if (bad := next((t for t in body.tokens if not 0 <= t < vocab), None)) is not None:
+            return error(400, f"token id {bad} is out of range: ids are in [0, {vocab})", param="tokens")
+        return {"prompt": self.router.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    async def get_version(self) -> dict:
+        return {"version": self.version}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -145,55 +205,137 @@ class OpenAIServer:
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- one request -----------------------------------------------------------------------
-    async def submission(self, body: Body, **prompt: Any) -> Prepared | JSONResponse:
-        """The request checked and admitted by the router, or the error response that says why not."""
-        if body.model is not None and body.model != self.model_name:
-            return error(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+    def log_unknown(self, body: Any) -> None:
+        """Unknown fields are ignored, as OpenAI and vLLM do; each name is logged once, so
+        a client's typo can be found without a log line per request."""
+        for name in unknown_fields(body):
+            if name in self.logged_unknown or len(self.logged_unknown) > MAX_LOGGED_UNKNOWN:
+                continue
+            self.logged_unknown.add(name)
+            if len(self.logged_unknown) > MAX_LOGGED_UNKNOWN:
+                print(f"router: {MAX_LOGGED_UNKNOWN} unknown request field names logged; no more will be",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"router: ignoring the unknown request field {name[:100]!r} (logged once)",
+                      file=sys.stderr, flush=True)
+
+    def wrong_model(self, model: str | None) -> JSONResponse | None:
+        if model is not None and model != self.model_name:
+            return error(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                          param="model", code="model_not_found")
+        return None
+
+    def refusal(self, body: Body) -> JSONResponse | None:
+        """The error response for a body this server cannot serve as asked, or None."""
+        self.log_unknown(body)
+        if (wrong := self.wrong_model(body.model)) is not None:
+            return wrong
         if body.n != 1:
             return error(400, f"n={body.n} is not supported; only n=1", param="n")
         if (name := unsupported(body)) is not None:
             return error(400, f"{name} is not supported by this server; leave it out", param=name,
                          code="unsupported_parameter")
+        return None
+
+    def submit_request(self, body: Body, default_max_tokens: int, **prompt: Any) -> SubmitRequest:
+        """The wire request for one prompt of `body` (`max_tokens` left out: `default_max_tokens`,
+        which the router lowers to what fits the context)."""
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                            max_tokens=16 if max_tokens is None else max_tokens, stop=stop,
-                                            seed=body.seed, ignore_eos=body.ignore_eos)
-        sub = SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
-                            return_timeline=body.return_timeline, **prompt)
-        try:  # now, so even a streamed request gets a 4xx (or a 429), not an SSE error
-            return await self.router.prepare_async(sub)
-        except RouteError as e:
-            return _route_error(e)
+                                            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                                            stop=stop, seed=body.seed, ignore_eos=body.ignore_eos)
+        return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
+                             return_timeline=body.return_timeline, **prompt)
 
-    async def respond(self, body: Body, sub: Prepared, shape: Shape) -> Response | dict:
-        """One OpenAI response, streamed (SSE) or whole."""
-        envelope = Envelope(shape, sub.sub.request_id, self.model_name, self.router.clock.time())
+    async def admitted(self, subs: list[SubmitRequest]) -> list[Prepared] | JSONResponse:
+        """Every request checked and admitted by the router, or the error response that
+        says why not (the first refusal). Done before answering, so even a streamed
+        request gets a 4xx (or a 429), not an SSE error."""
+        results = await asyncio.gather(*(self.router.prepare_async(s) for s in subs), return_exceptions=True)
+        for r in results:
+            if isinstance(r, RouteError):
+                return _route_error(r)
+            if isinstance(r, BaseException):
+                raise r
+        return results  # type: ignore[return-value]
+
+    async def respond(self, body: Body, subs: list[SubmitRequest], shape: Shape) -> Response | dict:
+        """One OpenAI response, streamed (SSE) or whole, with a choice per request."""
+        preps = await self.admitted(subs)
+        if isinstance(preps, JSONResponse):
+            return preps
+        envelope = Envelope(shape, preps[0].sub.request_id, self.model_name, self.router.clock.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.sse(sub, envelope, include_usage), media_type="text/event-stream")
-        outs: list[TokenOutput] = []
-        async for out in self.router.generate(sub):
-            if isinstance(out, ErrorReply):
-                return error(_status_for(out.code), out.message, code=out.code)
-            outs.append(out)
-        return envelope.whole(merge_outputs(outs))
+            return StreamingResponse(self.sse(preps, envelope, include_usage), media_type="text/event-stream")
+        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        async with contextlib.aclosing(self.outputs(preps)) as stream:
+            async for i, out in stream:
+                if isinstance(out, ErrorReply):
+                    return error(_status_for(out.code), out.message, code=out.code)
+                outs[i].append(out)
+        return envelope.whole([merge_outputs(o) for o in outs])
 
-    async def sse(self, sub: Prepared, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+    async def outputs(self, preps: list[Prepared]) -> AsyncIterator[tuple[int, TokenOutput | ErrorReply]]:
+        """(choice index, output) of every request as they come; closing this generator
+        cancels (aborts) those still running."""
+        if len(preps) == 1:
+            async for out in self.router.generate(preps[0]):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, prep: Prepared) -> None:
+            try:
+                async for out in self.router.generate(prep):
+                    queue.put_nowait((i, out))
+            except Exception as e:  # handed to the consumer, which raises it
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(preps)]
+        try:
+            running = len(tasks)
+            while running:
+                i, out = await queue.get()
+                if out is None:
+                    running -= 1
+                elif isinstance(out, Exception):
+                    raise out
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def sse(self, preps: list[Prepared], envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
         """The event stream; an error after the 200 is one `data: {"error": ...}` event, and
         `data: [DONE]` always ends the stream."""
-        outs: list[TokenOutput] = []
+        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        finished = 0
         try:
-            async for out in self.router.generate(sub):
-                if isinstance(out, ErrorReply):
-                    yield sse_error(_status_for(out.code), out.message, out.code)
-                    break
-                outs.append(out)
-                yield f"data: {json.dumps(envelope.chunk(out))}\n\n"
-                if out.finished and include_usage:
-                    yield f"data: {json.dumps(envelope.chunk(None, usage=usage(merge_outputs(outs))))}\n\n"
+            async with contextlib.aclosing(self.outputs(preps)) as stream:
+                async for i, out in stream:
+                    if isinstance(out, ErrorReply):
+                        yield sse_error(_status_for(out.code), out.message, out.code)
+                        break
+                    outs[i].append(out)
+                    yield f"data: {json.dumps(envelope.chunk(out, index=i))}\n\n"
+                    finished += out.finished
+                    if finished == len(preps) and include_usage:
+                        use = openai_usage(merge_outputs(o) for o in outs)
+                        yield f"data: {json.dumps(envelope.chunk(None, usage=use))}\n\n"
         except Exception as e:  # the headers are out: say it in the stream
-            print(f"router: stream {sub.sub.request_id} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"router: stream {preps[0].sub.request_id} failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
             yield sse_error(500, f"internal error: {type(e).__name__}", "internal_error")
         yield "data: [DONE]\n\n"
+
+
+def _messages(messages: list) -> list[dict[str, str]]:
+    """Chat messages in the wire form: content as one string (text parts joined);
+    ValueError names a part that is not text."""
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+            for m in messages]

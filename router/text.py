@@ -27,3 +27,15 @@ def usage(out: TokenOutput) -> dict[str, int]:
     n_out = len(out.token_ids)
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n_out,
             "total_tokens": out.num_prompt_tokens + n_out}
+
+
+def openai_usage(outs: Iterable[TokenOutput]) -> dict:
+    """OpenAI `usage` of one or more merged (final) outputs (a completion with several
+    prompts sums them), with `prompt_tokens_details.cached_tokens`: the prompt tokens the
+    serving worker found in its prefix cache."""
+    outs = list(outs)
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for out in outs:
+        for key, n in usage(out).items():
+            total[key] += n
+    return {**total, "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}

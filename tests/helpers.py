@@ -51,3 +51,36 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(old)
+
+
+THINKING_TEMPLATE = (  # the make-model template plus Qwen3's `enable_thinking` switch
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+def bos_thinking_model(src: str, dst) -> str:
+    """A copy of model folder `src` whose tokenizer adds a BOS (`<|endoftext|>`) as a
+    Llama-3 tokenizer does (tokenizer.json's post-processor) and whose chat template
+    reads `enable_thinking`: what makes add_special_tokens and chat_template_kwargs show."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, processors
+
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(dst / "tokenizer.json"))
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg.update(bos_token=bos, chat_template=THINKING_TEMPLATE)
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    return str(dst)

@@ -99,8 +99,15 @@ class ChatTemplate:
         raise ChatTemplateError(f"{self.where} has several chat templates {self.names} and none named 'default'")
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, **extra: Any) -> str:
+               tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
+        """The rendered prompt; `variables` are extra template variables (a request's
+        chat_template_kwargs), which may not replace the ones the request's fields set."""
         template = self._pick(tools)
+        extra = variables or {}
+        taken = sorted({"messages", "add_generation_prompt", "tools", "documents"} & extra.keys())
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own "
+                                    f"fields say that")
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                    documents=None, **{**self._special, **extra})

@@ -133,17 +133,37 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies tokenizer.json's post-processor
+        (a Llama-3 BOS, for one), as transformers' and vLLM's default for a plain prompt
+        does. Off by default: a chat template already carries its special tokens."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text; ChatTemplateError when the model has no template or it refuses
-        these messages."""
+        these messages. `continue_final_message` leaves the last message open (no
+        generation prompt, the text cut right after its content, as transformers does);
+        `template_kwargs` are extra template variables (Qwen3's `enable_thinking`)."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template (chat_template.jinja, or chat_template "
                                     "in tokenizer_config.json); send a plain prompt instead")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt and
+                                         not continue_final_message, tools=tools, variables=template_kwargs)
+        return continue_final(text, messages[-1].get("content") or "") if continue_final_message else text
+
+
+def continue_final(rendered: str, final: str) -> str:
+    """`rendered` cut right after the last occurrence of the final message's content, so
+    the model continues it (transformers' continue_final_message: the template's
+    end-of-turn after it is dropped)."""
+    for needle in (final, final.strip()):
+        at = rendered.rfind(needle) if needle else -1
+        if at >= 0:
+            return rendered[:at + len(needle)]
+    raise ChatTemplateError("continue_final_message: the final message's content does not appear in the "
+                            "rendered chat template (an empty final message cannot be continued)")

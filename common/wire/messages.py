@@ -85,7 +85,11 @@ class GenerateRequest:
 @message("submit")
 class SubmitRequest:
     """Client -> router: exactly one of prompt (text), prompt_token_ids or messages (chat,
-    rendered with the model's chat template)."""
+    rendered with the model's chat template). `add_special_tokens` None means the form's
+    default, as vLLM: true for a text prompt (the tokenizer's BOS / post-processor),
+    false for messages (the template carries them). The last three fields apply to
+    messages only: `continue_final_message` leaves the last message open instead of
+    adding a generation prompt; `chat_template_kwargs` are extra template variables."""
     request_id: str
     sampling: SamplingParams
     prompt: str | None = None
@@ -93,6 +97,10 @@ class SubmitRequest:
     messages: list[dict[str, str]] | None = None
     stream: bool = True
     return_timeline: bool = False
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @message("worker_hello")

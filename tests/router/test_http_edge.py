@@ -26,6 +26,10 @@ def _app(api_key: str | None = None, limit: int = 1024) -> TestClient:
     async def health():
         return {"status": "ok"}
 
+    @app.post("/tokenize")
+    async def tokenize(body: dict):
+        return {"tokens": []}
+
     @app.get("/v1/boom")
     async def boom():
         raise RuntimeError("bug")
@@ -40,7 +44,7 @@ def _error(resp, status: int) -> dict:
     return err
 
 
-def test_api_key_guards_v1_only():
+def test_api_key_guards_v1_and_the_tokenizer_routes():
     client = _app(api_key="s3cret")
     assert _error(client.post("/v1/echo", json={}), 401)["code"] == "invalid_api_key"
     assert client.post("/v1/echo", json={}).headers["www-authenticate"] == "Bearer"
@@ -48,6 +52,8 @@ def test_api_key_guards_v1_only():
     _error(client.post("/v1/echo", json={}, headers={"Authorization": "Basic s3cret"}), 401)
     assert client.post("/v1/echo", json={"a": 1}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/health").status_code == 200  # health checks need no key
+    _error(client.post("/tokenize", json={}), 401)  # costs a tokenizer thread, as a request does
+    assert client.post("/tokenize", json={}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content_length", "chunked"])

@@ -97,3 +97,19 @@ def test_stop_string_spanning_tokens(client, served, rtok, hf_greedy):
     assert (res.choices[0].text, res.choices[0].finish_reason) == (expected, "stop")
     _, text, reason = _stream_completion(client, PROMPT, max_tokens=MAX_NEW, stop=[stop])
     assert (text, reason) == (expected, "stop")
+
+
+def test_what_agent_sdks_send(client, rtok):
+    """Content as a list of text parts, explicit nulls and no max_tokens (LangChain's
+    shape): the same answer as the plain string, and a chat runs to its end, past 16 tokens."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    res = client.chat.completions.create(model=_model(client), messages=parts, temperature=0, max_tokens=None,
+                                         top_p=None, stop=None, seed=None)
+    assert res.choices[0].message.content == "The capital of France is Paris."
+    assert res.choices[0].finish_reason == "stop"
+    story = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
+    res = client.chat.completions.create(model=_model(client), messages=story, temperature=0)
+    n_prompt = len(rtok.encode(rtok.apply_chat_template(story)))
+    assert res.usage.completion_tokens > 16, res.choices[0].message.content
+    assert res.choices[0].finish_reason == "stop" or res.usage.completion_tokens == 256 - n_prompt
+    assert res.choices[0].message.content == rtok.decode(res.choices[0].token_ids)

@@ -1,0 +1,77 @@
+"""The OpenAI request bodies at the HTTP edge, without a server: explicit nulls take
+defaults, content parts become text, several prompts, unknown fields kept aside."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from router.http_api import ChatBody, ChatMessage, CompletionBody, TokenizeBody, unknown_fields, unsupported
+
+
+def test_explicit_nulls_take_the_defaults():
+    nulls = {k: None for k in ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream",
+                               "stream_options", "ignore_eos", "logprobs", "echo", "user", "add_special_tokens")}
+    body = CompletionBody.model_validate({"prompt": "hi", **nulls})
+    assert body.model_dump() == CompletionBody.model_validate({"prompt": "hi"}).model_dump()
+    assert body.temperature == 1.0 and body.n == 1 and body.add_special_tokens is True and unsupported(body) is None
+    chat = ChatBody.model_validate({"messages": [{"role": "assistant", "content": None, "name": None}],
+                                    "chat_template_kwargs": None, "add_generation_prompt": None,
+                                    "stream_options": {"include_usage": None}})
+    assert chat.add_generation_prompt is True and chat.add_special_tokens is False
+    assert chat.messages[0].text() == ""
+
+
+def test_text_parts_join_with_newlines_and_other_parts_are_named():
+    msg = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": "b"}]})
+    assert msg.text() == "a\nb"
+    image = ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]})
+    with pytest.raises(ValueError, match="'image_url'"):
+        image.text()
+
+
+def test_prompt_forms():
+    assert CompletionBody(prompt="a").prompts() == ["a"]
+    assert CompletionBody(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionBody(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionBody(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    assert CompletionBody(prompt=[]).prompts() == [[]]  # one prompt, refused as empty by the router
+    with pytest.raises(ValidationError):
+        CompletionBody(prompt=[1, "a"])
+
+
+def test_unknown_fields_are_kept_aside_known_unsupported_ones_named():
+    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1,
+                                    "parallel_tool_calls": False})
+    assert unknown_fields(body) == ["frobnicate", "parallel_tool_calls"]
+    assert unsupported(ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                "logprobs": True})) == "logprobs"
+
+
+def test_continue_final_message_excludes_an_explicit_generation_prompt():
+    msgs = [{"role": "user", "content": "x"}]
+    with pytest.raises(ValidationError, match="cannot both be true"):
+        ChatBody.model_validate({"messages": msgs, "continue_final_message": True, "add_generation_prompt": True})
+    assert ChatBody.model_validate({"messages": msgs, "continue_final_message": True}).continue_final_message
+
+
+def test_tokenize_takes_one_form():
+    with pytest.raises(ValidationError, match="exactly one"):
+        TokenizeBody.model_validate({"prompt": "a", "messages": [{"role": "user", "content": "x"}]})
+    assert TokenizeBody.model_validate({"prompt": "a", "messages": None}).add_special_tokens is None
+
+
+def test_unknown_names_are_logged_once_each_and_boundedly(capsys):
+    from types import SimpleNamespace
+
+    from router.http_server import MAX_LOGGED_UNKNOWN, OpenAIServer
+    server = SimpleNamespace(logged_unknown=set())
+    body = lambda *names: CompletionBody.model_validate({"prompt": "x", **{n: 1 for n in names}})  # noqa: E731
+    OpenAIServer.log_unknown(server, body("frob", "nicate"))
+    OpenAIServer.log_unknown(server, body("frob"))
+    assert capsys.readouterr().err.count("'frob'") == 1
+    for i in range(MAX_LOGGED_UNKNOWN + 50):
+        OpenAIServer.log_unknown(server, body(f"f{i}"))
+    assert len(server.logged_unknown) == MAX_LOGGED_UNKNOWN + 1
+    assert capsys.readouterr().err.count("logged once") == MAX_LOGGED_UNKNOWN - 2
