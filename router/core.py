@@ -219,7 +219,7 @@ class Router:
         if sum(given) != 1:
             raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
         try:
-            params = check_sampling(sub.sampling)
+            params = check_sampling(sub.sampling, self.tokenizer.vocab_size)
             limit = self.config.prompt_chars_limit
             if sub.messages is not None:
                 for m in sub.messages:
