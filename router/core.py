@@ -313,7 +313,7 @@ class Router:
             yield ErrorReply(sub.request_id, f"request id {sub.request_id!r} is already in flight")
             return
         req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
-                       IncrementalDetokenizer(self.tokenizer, prep.params.stop), len(prep.token_ids), self.clock.monotonic(),
+                       IncrementalDetokenizer.for_request(self.tokenizer, prep.params), len(prep.token_ids), self.clock.monotonic(),
                        wire_id=sub.request_id)
         self.inflight[req.request_id] = req
         self._by_wire[req.wire_id] = req

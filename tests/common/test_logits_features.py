@@ -151,3 +151,29 @@ def test_out_of_vocabulary_ids_are_refused_by_the_engine(llm):
     for params in (SamplingParams(stop_token_ids=[vocab]), SamplingParams(logit_bias={vocab + 5: 1.0})):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([1, 2, 3], params, use_tqdm=False)
+
+
+def test_text_options_through_the_offline_llm(llm, prompts):
+    """include_stop_str_in_output keeps the stop string; min_tokens puts off stop-string
+    matching; skip_special_tokens=False keeps a special token's text."""
+    base = dict(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    plain = llm.generate(prompts[1], SamplingParams(**base), use_tqdm=False)[0]
+    ids = plain["token_ids"]
+    stop = llm.tokenizer.decode(ids[2:4])
+    assert stop and plain["text"].count(stop) >= 1
+    cut = llm.generate(prompts[1], SamplingParams(**base, stop=[stop]), use_tqdm=False)[0]
+    kept = llm.generate(prompts[1], SamplingParams(**base, stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0]
+    start = plain["text"].find(stop)
+    assert cut["text"] == plain["text"][:start] and kept["text"] == plain["text"][:start + len(stop)]
+    late = llm.generate(prompts[1], SamplingParams(**base, stop=[stop], min_tokens=MAX_NEW), use_tqdm=False)[0]
+    if plain["text"].count(stop) == 1:  # completed at token 4 only: never matched
+        assert late["token_ids"] == ids and late["text"] == plain["text"] and late["finish_reason"] == "length"
+    eos = _eos(llm)[0]
+    forced = SamplingParams(temperature=0, max_tokens=4, min_tokens=1, logit_bias={eos: 50.0})
+    raw = llm.generate(prompts[1], SamplingParams(**{**forced.__dict__, "skip_special_tokens": False}),
+                       use_tqdm=False)[0]
+    skipped = llm.generate(prompts[1], forced, use_tqdm=False)[0]
+    assert raw["token_ids"] == skipped["token_ids"] and raw["token_ids"][-1] == eos
+    special = llm.tokenizer.decode([eos], skip_special_tokens=False)
+    assert raw["text"].endswith(special) and not skipped["text"].endswith(special)
