@@ -15,7 +15,7 @@ from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError
-from router.http_api import ChatBody, CompletionBody, unsupported
+from router.http_api import ChatBody, CompletionBody, sampling_fields, unsupported
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.text import merge_outputs, usage
 
@@ -159,7 +159,7 @@ class OpenAIServer:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                             max_tokens=16 if max_tokens is None else max_tokens, stop=stop,
-                                            seed=body.seed, ignore_eos=body.ignore_eos)
+                                            seed=body.seed, ignore_eos=body.ignore_eos, **sampling_fields(body))
         sub = SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                             return_timeline=body.return_timeline, **prompt)
         try:  # now, so even a streamed request gets a 4xx (or a 429), not an SSE error
