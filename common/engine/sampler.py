@@ -72,7 +72,9 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], token_ids
         rows, cols = zip(*banned)
         logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
     pen = [i for i, p in enumerate(params) if p.uses_penalties]
-    if pen:
+    if len(pen) == len(params):  # every row: in place, no [R, V] copy out and back
+        _apply_penalties(logits, params, token_ids, num_prompt_tokens)
+    elif pen:
         logits[pen] = _apply_penalties(logits[pen], [params[i] for i in pen], [token_ids[i] for i in pen],
                                        [num_prompt_tokens[i] for i in pen])
     return logits
@@ -86,33 +88,39 @@ def _stop_ids(p: SamplingParams, eos_token_ids: frozenset[int]) -> set[int]:
 
 def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
                      num_prompt: list[int]) -> torch.Tensor:
-    """logits [R, V] of the rows with a penalty -> penalised logits.
+    """logits [R, V] of the rows with a penalty -> the same tensor, penalised in place.
 
-    Counts are rebuilt each step by one scatter_add over a padded [R, L] tensor of the
-    rows' token ids, not kept per sequence: nothing to hand from P to D, to release, or to
-    put back when a failed step is re-run, and it costs O(tokens of penalised rows) per
-    step (vLLM v1 likewise re-counts from its token-id tensor)."""
+    The rows' token ids are laid out anew each step in a padded [R, L] tensor, not kept as
+    per-sequence counts: nothing to hand from P to D, to release, or to put back when a
+    failed step is re-run. Work is O(R * L) gathers and scatters on those ids plus one
+    [R, V] count (only with presence/frequency), not passes over [R, V]: a step's cost
+    grows with the penalised rows' lengths, not with the vocabulary."""
     rows, vocab = logits.shape
     dev = logits.device
     longest = max(len(t) for t in token_ids)
-    ids = np.full((rows, longest), vocab, dtype=np.int64)  # pad with an extra column, dropped below
+    ids = np.empty((rows, longest), dtype=np.int64)
     is_out = np.zeros((rows, longest), dtype=np.float32)
     for r, (toks, n_prompt) in enumerate(zip(token_ids, num_prompt)):
         ids[r, :len(toks)] = toks
+        ids[r, len(toks):] = toks[0]  # padding: a token the row has; a repeat changes nothing below
         is_out[r, n_prompt:len(toks)] = 1.0
     ids_t = torch.from_numpy(ids).to(dev)  # [R, L]
-    out_w = torch.from_numpy(is_out).to(dev)  # [R, L]
-    counts = torch.zeros(rows, vocab + 1, device=dev)
-    seen = counts.clone().scatter_add_(1, ids_t, torch.ones_like(out_w))[:, :vocab] > 0  # prompt or output
-    out_counts = counts.scatter_add_(1, ids_t, out_w)[:, :vocab]  # [R, V] output occurrences
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
-    # transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit moves toward -inf
-    penalised = torch.where(logits < 0, logits * rep, logits / rep)
-    logits = torch.where(seen & (rep != 1.0), penalised, logits)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
-    # OpenAI: logit -= count * frequency_penalty + (count > 0) * presence_penalty, output tokens only
-    return logits - out_counts * freq - (out_counts > 0).to(logits.dtype) * pres
+    out_w = torch.from_numpy(is_out).to(dev)  # [R, L]: 1 at output positions
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
+        # transformers' RepetitionPenaltyLogitsProcessor (gather, where, scatter): every token of
+        # the prompt and output moves toward -inf; a repeated id writes the same value again
+        seen = logits.gather(1, ids_t)  # [R, L]
+        logits.scatter_(1, ids_t, torch.where(seen < 0, seen * rep, seen / rep))
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
+        counts = torch.zeros(rows, vocab, device=dev, dtype=logits.dtype).scatter_add_(1, ids_t, out_w)  # [R, V]
+        per = counts.gather(1, ids_t).clamp_min(1.0)  # [R, L]: the output count of each position's token
+        # OpenAI: logit -= count * frequency + (count > 0) * presence, over output tokens; each of
+        # a token's `count` output positions subtracts frequency and 1/count of presence
+        logits.scatter_add_(1, ids_t, -out_w * (freq + pres / per))
+    return logits
 
 
 def _filter_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:

@@ -105,13 +105,17 @@ def test_penalties_match_a_float64_reference(llm, hf, prompts):
 
 
 def test_process_logits_matches_hand_arithmetic():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0]])  # [B, V]
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0],
+                           [-1.0, 2.0, -3.0, 0.5, 1.0]])  # [B, V]
     params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-              SamplingParams()]
-    tokens = [[0, 1, 3, 3, 4], [0, 1, 2]]  # row 0: prompt [0, 1], output [3, 3, 4]
-    out = process_logits(logits.clone(), params, tokens, [2, 1], frozenset())
+              SamplingParams(), SamplingParams(repetition_penalty=4.0, presence_penalty=-1.0)]
+    # row 0: prompt [0, 1], output [3, 3, 4]; row 2 (shorter: padded): prompt [2], output [2, 3]
+    tokens = [[0, 1, 3, 3, 4], [0, 1, 2], [2, 2, 3]]
+    out = process_logits(logits.clone(), params, tokens, [2, 1, 1], frozenset())
     want0 = [2.0 / 2, -1.0 * 2, 0.5, 3.0 / 2 - 2 * 0.5 - 0.25, -2.0 * 2 - 0.5 - 0.25]
+    want2 = [-1.0, 2.0, -3.0 * 4 + 1.0, 0.5 / 4 + 1.0, 1.0]
     assert torch.allclose(out[0], torch.tensor(want0)) and torch.equal(out[1], logits[1])
+    assert torch.allclose(out[2], torch.tensor(want2))
 
 
 def test_min_p_matches_transformers_warper():
