@@ -121,7 +121,7 @@ class SamplingParams:
                                           f"got {len(self.stop_token_ids)}")
             bad = next((t for t in self.stop_token_ids if not 0 <= t < 2**31), None)
             if bad is not None:
-                raise SamplingParamsError(f"stop_token_ids must be token ids >= 0, got {bad}")
+                raise SamplingParamsError(f"stop_token_ids must be token ids in [0, 2**31), got {bad}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamsError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
@@ -139,7 +139,7 @@ class SamplingParams:
                                           f"got {len(self.logit_bias)}")
             for token, bias in self.logit_bias:
                 if not 0 <= token < 2**31:
-                    raise SamplingParamsError(f"logit_bias keys must be token ids >= 0, got {token}")
+                    raise SamplingParamsError(f"logit_bias keys must be token ids in [0, 2**31), got {token}")
                 if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
                     raise SamplingParamsError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
                                               f"{MAX_LOGIT_BIAS_VALUE:g}], got {bias} for token {token}")
