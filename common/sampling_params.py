@@ -15,6 +15,12 @@ MAX_TOP_K = 2**31 - 1  # the sampler clamps it to the vocabulary
 MAX_TOKENS_LIMIT = 2**31 - 1  # the engine also stops at max_model_len
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64  # each is checked per sampled token (a set lookup) and masked while min_tokens holds
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300. Each is one scattered value per step
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range [-100, 100]: -100 bans a token, 100 forces it
+MAX_PENALTY = 2.0  # presence/frequency: OpenAI's range [-2, 2]
+MAX_REPETITION_PENALTY = 100.0  # > 0; 1 is off. Bounded so logit/penalty stays finite in float32
+SEED_RANGE = (-2**63, 2**63)  # any int64, as vLLM; the generator is seeded with seed mod 2**64
 
 
 class SamplingParamsError(ValueError):
@@ -26,7 +32,17 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     `temperature=0` (or anything below `GREEDY_EPSILON`) is greedy (exact argmax).
-    `top_k=-1` and `top_p=1.0` disable those filters. The same `seed` gives the same output for the same prompt.
+    `top_k=-1` (or 0, as vLLM), `top_p=1.0` and `min_p=0` disable those filters. The same
+    `seed` gives the same output for the same prompt.
+
+    The logits of a step pass, in this order (vLLM's): `logit_bias` (token id -> bias),
+    the `min_tokens` mask (EOS and `stop_token_ids` cannot be sampled before that many
+    output tokens), `repetition_penalty` (prompt and output tokens; transformers'
+    semantics), `frequency_penalty` / `presence_penalty` (output tokens; OpenAI's), then
+    temperature, `min_p`, top-k and top-p. A sampled `stop_token_ids` token ends the
+    request with "stop" (kept in the output, like EOS). `logit_bias` is held as sorted
+    (token id, bias) pairs: msgpack map keys on the wire are strings only, and a tuple
+    keeps the params frozen; a dict given here is turned into them.
 
     Built by a user, it is checked at once. Decoded off the wire (`unchecked`) it is
     checked by whoever serves it (`validate()`), so the refusal can name the request.
@@ -39,10 +55,21 @@ class SamplingParams:
     stop: list[str] | None = field(default=None)
     seed: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         self.validate()
 
     @classmethod
@@ -65,8 +92,10 @@ class SamplingParams:
                                       f"got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:  # NaN fails this too
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or not -1 <= self.top_k <= MAX_TOP_K:
-            raise SamplingParamsError(f"top_k must be -1 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise SamplingParamsError(f"top_k must be -1 or 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_tokens > MAX_TOKENS_LIMIT:
@@ -80,12 +109,73 @@ class SamplingParams:
                                               f"{MAX_STOP_CHARS} characters, got {str(s)[:40]!r}")
                 if not _is_unicode(s):
                     raise SamplingParamsError(f"stop string {s[:40]!r} is not valid Unicode (lone surrogate)")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise SamplingParamsError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
+        self._validate_stops()
+        self._validate_penalties()
+
+    def _validate_stops(self) -> None:
+        if self.stop_token_ids is not None:
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise SamplingParamsError(f"stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} ids, "
+                                          f"got {len(self.stop_token_ids)}")
+            bad = next((t for t in self.stop_token_ids if not 0 <= t < 2**31), None)
+            if bad is not None:
+                raise SamplingParamsError(f"stop_token_ids must be token ids in [0, 2**31), got {bad}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+    def _validate_penalties(self) -> None:
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:  # NaN fails this too
+            raise SamplingParamsError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
+                                      f"(1 is off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise SamplingParamsError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise SamplingParamsError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, "
+                                          f"got {len(self.logit_bias)}")
+            for token, bias in self.logit_bias:
+                if not 0 <= token < 2**31:
+                    raise SamplingParamsError(f"logit_bias keys must be token ids in [0, 2**31), got {token}")
+                if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+                    raise SamplingParamsError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                                              f"{MAX_LOGIT_BIAS_VALUE:g}], got {bias} for token {token}")
+            if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+                raise SamplingParamsError("logit_bias lists a token id twice")
+
+    def token_ids_out_of(self, vocab_size: int) -> int | None:
+        """The first of `stop_token_ids` and `logit_bias`'s ids outside [0, vocab_size), or None."""
+        ids = list(self.stop_token_ids or []) + [t for t, _ in self.logit_bias or ()]
+        return next((t for t in ids if t >= vocab_size), None)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the logits need this request's token history (the sampler's costly part)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+
+def logit_bias_pairs(bias: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` map (JSON keys are strings of token ids) as sorted (id, bias)
+    pairs; SamplingParamsError for a key that is not a token id."""
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        except ValueError:
+            token = key
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise SamplingParamsError(f"logit_bias keys must be token ids, got {str(key)[:40]!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SamplingParamsError(f"logit_bias values must be numbers, got {str(value)[:40]!r} for token {token}")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
 
 
 def _is_unicode(text: str) -> bool:

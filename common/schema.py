@@ -8,7 +8,7 @@ to raise (MessageError for messages, ConfigError for configs), so each edge keep
 exception while both reject the same bad values with the same words.
 
 Types understood: bool, int, float, str, bytes, None, Any, X | Y, list[X],
-tuple[X, ...], dict[K, V] and nested dataclasses. A bool is not an int (True is not a
+tuple[X, ...], tuple[X, Y] (fixed length), dict[K, V] and nested dataclasses. A bool is not an int (True is not a
 token id); an int is accepted for a float and becomes one. Torch-free: the router uses it.
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _sequence(tp: Any) -> Check:
     args = typing.get_args(tp)
     as_tuple = typing.get_origin(tp) is tuple
     if as_tuple and (len(args) != 2 or args[1] is not Ellipsis):
-        raise TypeError(f"unsupported field type {tp}: only tuple[X, ...]")  # a bug in a schema, not input
+        return _record(tp)
     item, ints = _checker(args[0]), args[0] is int
 
     def check(v: Any, where: str, error: Error) -> Any:
@@ -148,6 +148,18 @@ def _sequence(tp: Any) -> Check:
         if as_tuple:
             return tuple(out)
         return out if type(out) is list else list(out)
+    return check
+
+
+def _record(tp: Any) -> Check:
+    """tuple[X, Y, ...] of fixed length: a list of exactly those items (a pair such as a
+    logit bias's (token id, bias), where a map would need keys msgpack refuses)."""
+    items = [_checker(a) for a in typing.get_args(tp)]
+
+    def check(v: Any, where: str, error: Error) -> Any:
+        if not isinstance(v, (list, tuple)) or len(v) != len(items):
+            raise error(f"{where}: expected a list of {len(items)} items, got {_describe(v)}")
+        return tuple(c(x, f"{where}[{i}]", error) for i, (c, x) in enumerate(zip(items, v)))
     return check
 
 

@@ -54,12 +54,16 @@ def prompt_token_ids(prompt: object, encode: Callable[[str], list[int]], vocab_s
     return check_token_ids(token_ids, vocab_size, max_model_len)
 
 
-def check_sampling(params: object) -> SamplingParams:
-    """`params` if it is a valid SamplingParams; RequestError (a ValueError) otherwise."""
+def check_sampling(params: object, vocab_size: int) -> SamplingParams:
+    """`params` if it is a valid SamplingParams whose token ids (stop_token_ids,
+    logit_bias) are in the vocabulary; RequestError (a ValueError) otherwise."""
     if not isinstance(params, SamplingParams):
         raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     try:
         params.validate()
     except SamplingParamsError as e:
         raise RequestError(str(e)) from None
+    bad = params.token_ids_out_of(vocab_size)
+    if bad is not None:
+        raise RequestError(f"token id {bad} in stop_token_ids or logit_bias is outside the vocabulary [0, {vocab_size})")
     return params

@@ -220,7 +220,7 @@ class Router:
         if sum(given) != 1:
             raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
         try:
-            params = check_sampling(sub.sampling)
+            params = check_sampling(sub.sampling, self.tokenizer.vocab_size)
             limit = self.config.prompt_chars_limit
             if sub.messages is not None:
                 for m in sub.messages:
@@ -340,7 +340,7 @@ class Router:
             yield ErrorReply(sub.request_id, f"request id {sub.request_id!r} is already in flight")
             return
         req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
-                       IncrementalDetokenizer(self.tokenizer, prep.params.stop), len(prep.token_ids), self.clock.monotonic(),
+                       IncrementalDetokenizer.for_request(self.tokenizer, prep.params), len(prep.token_ids), self.clock.monotonic(),
                        wire_id=sub.request_id)
         self.inflight[req.request_id] = req
         self._by_wire[req.wire_id] = req

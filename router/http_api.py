@@ -42,6 +42,17 @@ class _Common(_NullIsDefault):
     ignore_eos: StrictBool = False
     return_timeline: StrictBool = False
     user: str | None = None
+    # sampling and stop controls as vLLM's OpenAI server takes them; null means the default
+    # (`sampling_fields` maps them; SamplingParams.validate checks their ranges)
+    min_p: StrictFloat | StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    repetition_penalty: StrictFloat | StrictInt | None = None
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    logit_bias: dict[int, StrictFloat | StrictInt] | None = None  # JSON keys are token ids as strings
     # OpenAI parameters pdserve does not implement: declared so that a request asking for
     # them is refused (unsupported()) instead of silently served without them
     logprobs: Any = None
@@ -49,9 +60,6 @@ class _Common(_NullIsDefault):
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -62,9 +70,22 @@ class _Common(_NullIsDefault):
 # value(s) of an unsupported parameter that ask for nothing beyond what pdserve does
 _HARMLESS: dict[str, tuple] = {
     "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
-    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "response_format": ({"type": "text"},),
+    "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
 }
+
+
+SAMPLING_FIELDS = ("min_p", "stop_token_ids", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+
+
+def sampling_fields(body: _Common) -> dict[str, Any]:
+    """The body's SamplingParams fields beyond the basic ones, those it set (null or
+    left out: the default); logit_bias as the (id, bias) pairs SamplingParams holds."""
+    out = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    if "logit_bias" in out:
+        out["logit_bias"] = tuple(sorted((t, float(b)) for t, b in out["logit_bias"].items()))
+    return out
 
 
 def unsupported(body: _Common) -> str | None:

@@ -18,7 +18,8 @@ from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError
-from router.http_api import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, unknown_fields, unsupported
+from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, sampling_fields, unknown_fields,
+                             unsupported)
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.text import merge_outputs, openai_usage
 
@@ -244,7 +245,7 @@ class OpenAIServer:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                                            stop=stop, seed=body.seed, ignore_eos=body.ignore_eos)
+                                            stop=stop, seed=body.seed, ignore_eos=body.ignore_eos, **sampling_fields(body))
         return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                              return_timeline=body.return_timeline, **prompt)
 

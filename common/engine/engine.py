@@ -75,6 +75,7 @@ class LLMEngine:
         tokenizer_eos = eos_token_id(config.model.model_dir)
         if tokenizer_eos is not None:
             self.eos_token_ids.add(tokenizer_eos)
+        self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # what min_tokens hides
         self._tokenizer: Tokenizer | None = None
         self._ids = SeqIdCounter()
 
@@ -97,7 +98,7 @@ class LLMEngine:
                      prompt_hashes: list[int] | None = None) -> Sequence:
         """A validated Sequence, not yet scheduled. `prompt_hashes` are the chained hashes
         of the prompt's full blocks when the caller computed them already (the router)."""
-        check_sampling(params)
+        check_sampling(params, self.config.model.vocab_size)
         token_ids = self.validate_prompt(prompt)
         n_full = len(token_ids) // self.config.cache.block_size
         if prompt_hashes is None or not prompt_hashes:
@@ -239,12 +240,18 @@ class LLMEngine:
         return StepOutput(seq, token, reason is not None)
 
     def check_stop(self, seq: Sequence) -> str | None:
-        """'stop' on EOS, 'length' on max_tokens / max_model_len, else None. Stop strings
-        are text: whoever makes the text matches them (common/text/detokenizer.py) and
-        ends the sequence (`release`)."""
+        """'stop' on EOS or a `stop_token_ids` token, 'length' on max_tokens /
+        max_model_len, else None. Neither stop counts before `min_tokens` output tokens
+        (the sampler masks them until then; this holds also for a token it did not
+        choose, as vLLM's stop checker). Stop strings are text: whoever makes the text
+        matches them (common/text/detokenizer.py) and ends the sequence (`release`)."""
         p = seq.sampling_params
-        if not p.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
-            return "stop"
+        last = seq.token_ids[-1]
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and last in self.eos_token_ids:
+                return "stop"
+            if p.stop_token_ids and last in p.stop_token_ids:
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.scheduler.max_model_len:
             return "length"
         return None

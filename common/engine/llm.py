@@ -43,7 +43,7 @@ class LLM:
             self.engine.add(seq)
         # stop strings are matched on the text, as the router does: one detokenizer per
         # sequence that has them, fed after each step; the others are decoded once at the end
-        detoks = {s.seq_id: IncrementalDetokenizer(self.tokenizer, s.sampling_params.stop)
+        detoks = {s.seq_id: IncrementalDetokenizer.for_request(self.tokenizer, s.sampling_params)
                   for s in seqs if s.sampling_params.stop}
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         errors: dict[int, str] = {}  # seq_id -> why the engine failed it (finish_reason "error")
@@ -70,7 +70,8 @@ class LLM:
         finally:
             bar.close()
         return [{
-            "text": detoks[s.seq_id].text if s.seq_id in detoks else self.tokenizer.decode(s.output_token_ids),
+            "text": detoks[s.seq_id].text if s.seq_id in detoks
+            else self.tokenizer.decode(s.output_token_ids, s.sampling_params.skip_special_tokens),
             "token_ids": s.output_token_ids,
             "prompt_token_ids": s.token_ids[:s.num_prompt_tokens],
             "finish_reason": s.finish_reason,

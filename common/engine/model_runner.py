@@ -126,7 +126,8 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
         """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
         logits = self.model.compute_logits(hidden)  # [S, V]
-        tokens = self.sampler(logits, [s.sampling_params for s in seqs], [self._generator(s) for s in seqs])
+        tokens = self.sampler(logits, [s.sampling_params for s in seqs], [self._generator(s) for s in seqs],
+                              [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs])
         return {s.seq_id: t for s, t in zip(seqs, tokens)}
 
     def prepare(self, seqs: list[Sequence], counts: list[int]

@@ -1,8 +1,10 @@
 """Incremental detokenization and stop strings, done once per request, in O(new tokens).
 
 The invariant every front end relies on: the deltas of one request, concatenated, equal
-the final text, which is `tokenizer.decode(all output tokens, skip_special_tokens=True)`
-cut before the first stop string. While a request runs, a delta never ends inside a UTF-8
+the final text, which is `tokenizer.decode(all output tokens, skip_special_tokens)` cut
+before the first stop string (after it with `include_stop_str_in_output`). A stop string
+counts only once it ends in the text of output token `min_tokens` or later (vLLM's rule:
+it is searched in each token's new text and the characters a match can reach back). While a request runs, a delta never ends inside a UTF-8
 character (a trailing U+FFFD means the character's bytes have not all arrived) nor in a
 tail that could still grow into a stop string.
 
@@ -24,6 +26,7 @@ cheap (benchmarks/output_path.py).
 """
 from __future__ import annotations
 
+from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
 
 
@@ -46,9 +49,13 @@ class IncrementalDetokenizer:
     `stopped` is True, `token_ids` ends with the token that completed it and later tokens
     are ignored."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None, *, min_tokens: int = 0,
+                 include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.min_tokens = min_tokens  # no stop string counts before this many output tokens
+        self.include_stop_str = include_stop_str  # the text keeps the stop string that ended it
+        self.skip_special_tokens = skip_special_tokens
         self._window = max((len(s) for s in self.stop), default=1) - 1  # chars a match can reach back
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # token where the decoded window starts (a clean boundary)
@@ -60,8 +67,15 @@ class IncrementalDetokenizer:
         self._settled_len = 0  # characters of settled text
         self._unsent = ""  # the settled text after `emitted`: a held-back tail and the newest text
         self.emitted = 0  # characters of text already sent
-        self.stopped_at: int | None = None  # where the first stop string begins, once seen
+        self.stopped_at: int | None = None  # where the text is cut at the first stop string, once seen
         self.finished = False
+
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer, params: SamplingParams) -> "IncrementalDetokenizer":
+        """The detokenizer of a request: its stop strings and text options."""
+        return cls(tokenizer, params.stop, min_tokens=params.min_tokens,
+                   include_stop_str=params.include_stop_str_in_output,
+                   skip_special_tokens=params.skip_special_tokens)
 
     @property
     def stopped(self) -> bool:
@@ -96,7 +110,7 @@ class IncrementalDetokenizer:
         """The text the last token settled. A window ending in U+FFFD (a character still
         incomplete) settles what precedes the U+FFFD run and keeps its offsets: the next
         token widens it."""
-        text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        text = self._decode(self.token_ids[self.prefix_offset:])
         window_new = text[len(self._prefix_text):]
         if text.endswith("\ufffd"):
             stable = window_new.rstrip("\ufffd")
@@ -108,7 +122,7 @@ class IncrementalDetokenizer:
             new = window_new[self._partial:]
             self._partial = 0
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            self._prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+            self._prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         if new:
             self._append(new)
         return new
@@ -116,13 +130,16 @@ class IncrementalDetokenizer:
     def _flush(self) -> str:
         """At the end: whatever is not settled (an incomplete character decodes to U+FFFD,
         as decode(all) has it)."""
-        text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        text = self._decode(self.token_ids[self.prefix_offset:])
         new = text[len(self._prefix_text) + self._partial:]
         self._partial = 0
         self.read_offset = len(self.token_ids)
         if new:
             self._append(new)
         return new
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _append(self, new: str) -> None:
         self._pieces.append(new)
@@ -132,15 +149,23 @@ class IncrementalDetokenizer:
     def _match(self, new: str) -> bool:
         """Search the stop strings in the held tail plus `new` only: a match ending in
         `new` can start at most `_window` characters before it. Sets `stopped_at` to the
-        earliest start; the tail moves on either way."""
+        earliest start (the end of that stop string, the first listed of those starting
+        there, with `include_stop_str`); the tail moves on either way. Before `min_tokens`
+        output tokens nothing matches, and a stop string lying wholly in that text never
+        will (only the held tail is searched again)."""
         if not self.stop:
             return False
+        held = len(self._tail)
         window = self._tail + new
         start = self._settled_len - len(window)  # where `window` begins in the settled text
-        hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
         self._tail = window[-self._window:] if self._window else ""
+        if len(self.token_ids) < self.min_tokens:
+            return False
+        # a match must end in `new`: one wholly in the held tail lay in text before min_tokens
+        hits = [(i, k) for k, i in enumerate(window.find(s, max(0, held - len(s) + 1)) for s in self.stop) if i >= 0]
         if hits:
-            self.stopped_at = start + min(hits)
+            i, k = min(hits)
+            self.stopped_at = start + i + (len(self.stop[k]) if self.include_stop_str else 0)
             return True
         return False
 

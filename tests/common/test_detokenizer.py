@@ -1,7 +1,8 @@
 """Property: whatever the tokens and however they arrive, the streamed deltas concatenate
-to decode(all tokens, skip_special_tokens=True) cut before the first stop string; while
-the request runs no delta ends inside a character split across byte-level tokens, and no
-special token's text leaks. Checked on the tiny test tokenizer and the real one."""
+to decode(all tokens, skip_special_tokens) cut before the first stop string (after it
+with include_stop_str_in_output) that ends at output token min_tokens or later; while the
+request runs no delta ends inside a character split across byte-level tokens, and no
+skipped special token's text leaks. Checked on the tiny test tokenizer and the real one."""
 from __future__ import annotations
 
 import pytest
@@ -26,13 +27,14 @@ def _pools(tok: Tokenizer) -> tuple[list[int], list[int]]:
     """(single-byte tokens, which split multi-byte characters; special tokens)."""
     vocab = tok._tok.get_vocab()
     byte_ids = sorted(vocab[c] for c in ByteLevel.alphabet() if c in vocab)
-    special = [i for t, i in vocab.items() if t.startswith("<|") and t.endswith("|>")]
+    special = sorted(i for t, i in vocab.items() if t.startswith("<|") and t.endswith("|>"))  # get_vocab() order varies
     return byte_ids, special
 
 
-def _run(tok: Tokenizer, ids: list[int], cuts: list[int], stop: list[str]) -> tuple[IncrementalDetokenizer, list[str]]:
+def _run(tok: Tokenizer, ids: list[int], cuts: list[int], stop: list[str], **options: object
+         ) -> tuple[IncrementalDetokenizer, list[str]]:
     """Feed `ids` in batches cut at `cuts`: (the detokenizer, the deltas it returned)."""
-    detok = IncrementalDetokenizer(tok, stop)
+    detok = IncrementalDetokenizer(tok, stop, **options)  # type: ignore[arg-type]
     bounds = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
     deltas = []
     for a, b in zip(bounds, bounds[1:]):
@@ -40,22 +42,26 @@ def _run(tok: Tokenizer, ids: list[int], cuts: list[int], stop: list[str]) -> tu
     return detok, deltas
 
 
-def _settled(tok: Tokenizer, ids: list[int], j: int) -> str:
+def _settled(tok: Tokenizer, ids: list[int], j: int, skip: bool = True) -> str:
     """The text of the first j tokens that no later token can change: a trailing U+FFFD
     may still become another character, unless no token follows."""
-    text = tok.decode(ids[:j], skip_special_tokens=True)
+    text = tok.decode(ids[:j], skip_special_tokens=skip)
     return text if j == len(ids) else text.rstrip("\ufffd")
 
 
-def _reference(tok: Tokenizer, ids: list[int], stop: list[str]) -> tuple[str, int]:
-    """(final text, tokens reported): the first token count whose settled text holds a
-    stop string ends the request there, cut before the earliest match."""
-    for j in range(1, len(ids) + 1):
-        text = _settled(tok, ids, j)
-        hits = [text.find(s) for s in stop if s in text]
+def _reference(tok: Tokenizer, ids: list[int], stop: list[str], min_tokens: int = 0, include: bool = False,
+               skip: bool = True) -> tuple[str, int]:
+    """(final text, tokens reported): the first token count j >= min_tokens whose settled
+    text holds a stop string ending after token j-1's settled text ends the request there,
+    cut before the earliest such match (after it if included; the first listed of those
+    starting there)."""
+    for j in range(max(1, min_tokens), len(ids) + 1):
+        text, before = _settled(tok, ids, j, skip), len(_settled(tok, ids, j - 1, skip)) if j > 1 else 0
+        hits = [(i, k) for k, s in enumerate(stop) if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
         if hits:
-            return text[:min(hits)], j
-    return tok.decode(ids, skip_special_tokens=True), len(ids)
+            i, k = min(hits)
+            return text[:i + (len(stop[k]) if include else 0)], j
+    return tok.decode(ids, skip_special_tokens=skip), len(ids)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -68,25 +74,33 @@ def test_deltas_concatenate_to_the_decoded_text(tok, data):
     pieces = data.draw(st.lists(st.one_of(token.map(lambda t: [t]), chars), min_size=1, max_size=12))
     ids = [t for p in pieces for t in p]
     cuts = data.draw(st.lists(st.integers(0, 100), max_size=8))
-    full = tok.decode(ids, skip_special_tokens=True)
+    skip = data.draw(st.booleans())
+    min_tokens = data.draw(st.sampled_from([0, 0, 1, 2, len(ids) // 2, len(ids)]))
+    include = data.draw(st.booleans())
+    full = tok.decode(ids, skip_special_tokens=skip)
     stop: list[str] = []
     for _ in range(data.draw(st.integers(0, 2)) if full else 0):  # stop strings that occur, at any boundary
         i = data.draw(st.integers(0, len(full) - 1))
         stop.append(full[i:i + data.draw(st.integers(1, 4))])
     if data.draw(st.booleans()):
         stop.append("never 🎉 here")  # one that never matches: no effect but the held-back tail
-    detok, deltas = _run(tok, ids, cuts, stop)
-    expected, n_tokens = _reference(tok, ids, stop)
+    detok, deltas = _run(tok, ids, cuts, stop, min_tokens=min_tokens, include_stop_str=include,
+                         skip_special_tokens=skip)
+    expected, n_tokens = _reference(tok, ids, stop, min_tokens, include, skip)
     assert "".join(deltas) == expected == detok.text
     assert detok.token_ids == ids[:n_tokens], "tokens reported up to the one that completed the stop string"
-    assert detok.stopped == (n_tokens < len(ids) or any(s in _settled(tok, ids, len(ids)) for s in stop))
-    for t in special:
+    if min_tokens == 0:
+        assert detok.stopped == (n_tokens < len(ids) or any(s in _settled(tok, ids, len(ids), skip) for s in stop))
+    for t in special if skip else ():
         assert tok.decode([t], skip_special_tokens=False) not in "".join(deltas)
     sent = ""
     for d in deltas[:-1]:  # while running: a trailing U+FFFD is only sent if the final text has it there
         sent += d
         assert not sent.endswith("\ufffd") or expected[:len(sent)].endswith("\ufffd")
-        assert held_back_tail(sent, stop) == 0 or detok.stopped, "sent a tail that could grow into a stop string"
+        # (with min_tokens a sent tail may begin a stop string that already ended before min_tokens:
+        # that one can never match, and the text being a prefix of the final one is checked above)
+        assert held_back_tail(sent, stop) == 0 or detok.stopped or min_tokens, \
+            "sent a tail that could grow into a stop string"
 
 
 def test_a_split_character_is_held_back_until_complete(model_dirs):

@@ -28,6 +28,11 @@ def _sample(tp: Any, n: int) -> Any:
     if origin is list:
         (arg,) = typing.get_args(tp)
         return [_sample(arg, n), _sample(arg, n + 1)]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return (_sample(args[0], n), _sample(args[0], n + 1))
+        return tuple(_sample(a, n + i) for i, a in enumerate(args))
     if origin is dict:
         k, v = typing.get_args(tp)
         return {_sample(k, n): _sample(v, n), _sample(k, n + 1): _sample(v, n + 1)}

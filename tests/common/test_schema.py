@@ -198,3 +198,14 @@ def test_a_field_type_the_checker_does_not_know_is_a_bug_not_bad_input():
         when: set[int]
     with pytest.raises(TypeError, match="unsupported field type"):
         schema.build(Odd, {"when": [1]}, "odd", ValueError)
+
+
+def test_a_fixed_length_tuple_is_a_list_of_exactly_those_items():
+    """logit_bias travels as [token id, bias] pairs: each pair is checked item by item."""
+    req = {"request_id": "r", "prompt_token_ids": [1], "sampling": {"logit_bias": [[5, -100], [7, 2.5]]}}
+    assert decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "generate", "data": req})).sampling.logit_bias == (
+        (5, -100.0), (7, 2.5))
+    for bad, says in (([[5]], "expected a list of 2 items"), ([[5, "x"]], "logit_bias[0][1]: expected a number"),
+                      ([[5.5, 1]], "logit_bias[0][0]: expected an integer"), ([5], "expected a list of 2 items")):
+        msg = _message_error("generate", {**req, "sampling": {"logit_bias": bad}})
+        assert says in msg, msg

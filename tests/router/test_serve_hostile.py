@@ -41,7 +41,7 @@ HOSTILE_HTTP = [  # (name, path, JSON body or raw bytes, status, text the error 
     ("echo", "completions", {**HI, "echo": True}, 400, "echo"),
     ("best_of", "completions", {**HI, "best_of": 3}, 400, "best_of"),
     ("suffix", "completions", {**HI, "suffix": "end"}, 400, "suffix"),
-    ("presence_penalty", "completions", {**HI, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("presence_penalty", "completions", {**HI, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("tools", "chat/completions", {**CHAT_HI, "tools": [{"type": "function"}]}, 400, "tools"),
     ("prompt_15_mb", "completions", {"prompt": "a" * (15 * 1024 * 1024), "max_tokens": 2}, 400, "characters"),
 ]
