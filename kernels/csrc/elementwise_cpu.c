@@ -96,8 +96,11 @@ int pd_qk_norm_rope(float *qkv, int64_t rows, int64_t ld, int64_t hq, int64_t hk
 /* o[i] = silu(g[i]) * u[i] for i < n: one row of pd_silu_mul, and the epilogue of the
  * fused gate/up product (pd_gemm_silu, kernels/csrc/gemm_cpu.c), so both give the same bits */
 void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
+    /* exp's argument capped at 88 (exp(88) < FLT_MAX): past ~88.7 it is inf, and the
+       division -ffast-math makes (a reciprocal refined by Newton's step, inf * 0) turns
+       silu(g <= -89) into NaN instead of -0; the cap leaves it ~g * 6e-39, torch's ~0 */
 #pragma omp simd simdlen(8)
-    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
 }
 
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads) {
