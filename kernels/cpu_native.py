@@ -130,6 +130,8 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
                    + [ctypes.c_int64] * 2 + [ctypes.c_int])
+    fn = lib.pd_gemm_bf16  # pd_gemm's arguments, on bf16 panels
+    fn.restype, fn.argtypes = lib.pd_gemm.restype, lib.pd_gemm.argtypes
     fn = lib.pd_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int]
@@ -148,6 +150,8 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
                    + [ctypes.c_int64] * 2 + [ctypes.c_int])
+    fn = lib.pd_gemm_silu_bf16
+    fn.restype, fn.argtypes = lib.pd_gemm_silu.restype, lib.pd_gemm_silu.argtypes
     fn = lib.pd_store_kv
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -238,27 +242,36 @@ def prefill_attention(
 
 # Output columns per panel of a packed weight (NR in kernels/csrc/gemm_cpu.c).
 PANEL = 16
+# What a packed weight may hold: float32, or bf16 widened to float32 in registers (the
+# products are float32 either way; bf16 streams half the bytes).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] -> [ceil(n / PANEL), k, PANEL], the layout `gemm` reads: panel j holds
-    output columns PANEL j .. PANEL j + PANEL - 1, k-major, zero past n. A second copy of
-    the weight in memory, on huge pages where the kernel grants them (`huge_pages`)."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """weight [n, k] -> [ceil(n / PANEL), k, PANEL] in `dtype` (default: float32, or bf16
+    for a bf16 weight; rounded to nearest even when narrowed), the layout `gemm` reads:
+    panel j holds output columns PANEL j .. PANEL j + PANEL - 1, k-major, zero past n. A
+    second copy of the weight in memory, on huge pages where the kernel grants them
+    (`huge_pages`)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+    if dtype not in PACKED_DTYPES:
+        raise ValueError(f"pack_weight: dtype {dtype} is not one of {PACKED_DTYPES}")
     n, k = weight.shape
     pad = -n % PANEL
-    w = weight.detach().to(torch.float32)
+    w = weight.detach().to(dtype)
     if pad:
         w = torch.cat((w, w.new_zeros(pad, k)))
-    out = huge_pages.empty(((n + pad) // PANEL, k, PANEL), torch.float32)  # streamed every decode step
+    out = huge_pages.empty(((n + pad) // PANEL, k, PANEL), dtype)  # streamed every decode step
     out.copy_(w.reshape(-1, PANEL, k).transpose(1, 2))
     return out
 
 
 def supports_gemm(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `gemm` takes x [m, k] with this packed weight: enabled, CPU float32, unit
-    stride along k, built."""
-    return (enabled() and x.device.type == "cpu" and x.dtype == packed.dtype == torch.float32 and x.dim() == 2
-            and x.shape[1] == packed.shape[1] and library() is not None)
+    """Whether `gemm` takes x [m, k] with this packed weight: enabled, CPU float32 x, a
+    float32 or bf16 packed weight, unit stride along k, built."""
+    return (enabled() and x.device.type == "cpu" and x.dtype == torch.float32 and packed.dtype in PACKED_DTYPES
+            and x.dim() == 2 and x.shape[1] == packed.shape[1] and library() is not None)
 
 
 def _library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
@@ -271,15 +284,17 @@ def _library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU, with `packed` =
-    pack_weight(weight) (kernels/csrc/gemm_cpu.c)."""
+    pack_weight(weight) in float32 or bf16 (kernels/csrc/gemm_cpu.c)."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
-    if packed.dim() != 3 or packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n or not packed.is_contiguous():
+    if (packed.dim() != 3 or packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n or not packed.is_contiguous()
+            or packed.dtype not in PACKED_DTYPES):
         raise ValueError(f"gemm: packed weight of shape {tuple(packed.shape)} does not fit x [{m}, {k}] and n={n}")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     y = torch.empty((m, n), dtype=torch.float32)
-    status = lib.pd_gemm(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+    fn = lib.pd_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.pd_gemm
+    status = fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                          y.data_ptr(), n, n, torch.get_num_threads())
     if status:
         raise NativeKernelError(f"native gemm: bad arguments (status {status})")
@@ -288,17 +303,18 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
 
 def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) -> [m, inter], float32 on CPU, with `packed` =
-    pack_weight([gate; up]) ([2 inter, k], inter a multiple of PANEL): SwiGLU's two
+    pack_weight([gate; up]) ([2 inter, k], inter a multiple of PANEL; float32 or bf16): SwiGLU's two
     projections and activation in one pass (pd_gemm_silu in kernels/csrc/gemm_cpu.c), the
     same bits as silu_mul(gemm(x, packed, 2 * inter))."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
     if (inter % PANEL or packed.dim() != 3 or packed.shape != (2 * inter // PANEL, k, PANEL)
-            or not packed.is_contiguous()):
+            or not packed.is_contiguous() or packed.dtype not in PACKED_DTYPES):
         raise ValueError(f"gemm_silu: packed weight of shape {tuple(packed.shape)} does not fit x [{m}, {k}] "
                          f"and inter={inter} (a multiple of {PANEL})")
     act = torch.empty((m, inter), dtype=torch.float32)
-    if lib.pd_gemm_silu(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), act.data_ptr(), inter, inter,
+    fn = lib.pd_gemm_silu_bf16 if packed.dtype == torch.bfloat16 else lib.pd_gemm_silu
+    if fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), act.data_ptr(), inter, inter,
                         torch.get_num_threads()):
         raise NativeKernelError("native gemm_silu: bad arguments")
     return act
