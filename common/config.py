@@ -252,6 +252,7 @@ class EngineOptions:
 
     def engine_config(self, model_dir: str | Path) -> EngineConfig:
         model = ModelConfig.from_dir(model_dir)
+        from common.checkpoint_dtype import resolve_dtype  # it reads this module's helpers
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = min(model.max_position_embeddings, 4096)
@@ -262,7 +263,8 @@ class EngineOptions:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                       enable_prefix_caching=self.enable_prefix_caching),
-            device=DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.num_threads),
+            device=DeviceConfig(device=self.device, dtype=resolve_dtype(self.dtype, model.model_dir, self.device),
+                                num_threads=self.num_threads),
             seed=self.seed,
             decode_graphs=self.decode_graphs,
         )

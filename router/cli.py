@@ -22,7 +22,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default="float32")
+    g.add_argument("--dtype", default="float32",
+                   help="float32, bfloat16 (on the CPU: bf16 weights, float32 activations), float16, or auto: the "
+                        "checkpoint's config.json dtype (float16 -> bfloat16 on the CPU)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -110,13 +112,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = engine_options(args)
     engine = options.engine_config(model)  # validates the flags before anything starts
     # every worker gets the same max_model_len as the router, resolved from the model once here
-    options = dataclasses.replace(options, max_model_len=engine.scheduler.max_model_len)
+    # and the dtype (`auto` resolved from the checkpoint), which the router's model fingerprint covers
+    options = dataclasses.replace(options, max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
     max_inflight = args.max_inflight or 4 * options.max_num_seqs * (args.colocated or args.decode)
     api_key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY") or None
-    router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
+    router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name, dtype=options.dtype,
                           host=args.host, http_port=args.http_port, zmq_port=args.zmq_port, routing=args.routing,
                           max_model_len=engine.scheduler.max_model_len, block_size=options.block_size,
                           enable_http=args.http_port >= 0, max_inflight=max_inflight,

@@ -14,6 +14,7 @@ class RouterConfig:
 
     model_dir: str
     model_name: str = "pdserve"
+    dtype: str = "float32"  # the deployment's engine dtype (resolved, never "auto"): part of the model fingerprint
     host: str = "127.0.0.1"
     http_port: int = 8000  # 0 picks a free port
     zmq_port: int = 5555  # client front end; 0 picks a free port
@@ -38,6 +39,9 @@ class RouterConfig:
     client_timeout_s: float = 10.0  # a ZeroMQ client that heartbeats and then falls silent this long is gone
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be the deployment's resolved engine dtype (float32, bfloat16 or float16), "
+                              f"got {self.dtype!r}")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
         if self.retries < 0:
