@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
 SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
-           SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"))  # one library
+           SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"),
+           # the two attention kernels again, reading a bf16 cache (they include the files above)
+           SOURCE.with_name("paged_decode_attention_bf16_cpu.c"),
+           SOURCE.with_name("prefill_attention_bf16_cpu.c"))  # one library
 HEADERS = (SOURCE.with_name("gemm_tile.h"),)
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
@@ -126,6 +129,8 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.pd_paged_decode_attention_bf16  # the same arguments, the caches bf16
+    fn.restype, fn.argtypes = lib.pd_paged_decode_attention.restype, lib.pd_paged_decode_attention.argtypes
     fn = lib.pd_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
@@ -139,6 +144,8 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+    fn = lib.pd_prefill_attention_bf16
+    fn.restype, fn.argtypes = lib.pd_prefill_attention.restype, lib.pd_prefill_attention.argtypes
     fn = lib.pd_qk_norm_rope
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
@@ -156,6 +163,8 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
                    + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int])
+    fn = lib.pd_store_kv_bf16
+    fn.restype, fn.argtypes = lib.pd_store_kv.restype, lib.pd_store_kv.argtypes
     fn = lib.pd_decode_layers
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 5
@@ -163,10 +172,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+# What a KV cache may hold for the native kernels: float32, or bf16 (stored rounded to
+# nearest even, widened to float32 in registers as it is read; q and outputs float32).
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the native kernel takes this call: enabled, CPU float32, built."""
-    return (enabled() and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and library() is not None)
+    """Whether the native kernel takes this call: enabled, CPU float32 q, a float32 or
+    bf16 cache, built."""
+    return (enabled() and q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in KV_DTYPES and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and library() is not None)
 
 
 def paged_decode_attention(
@@ -189,7 +205,8 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if b == 0:
         return out
-    status = lib.pd_paged_decode_attention(
+    fn = lib.pd_paged_decode_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.pd_paged_decode_attention
+    status = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, hq, hkv, d, block_size, tables.shape[1], num_blocks,
         *k_cache.stride()[:3], *v_cache.stride()[:3], scale, torch.get_num_threads())
@@ -231,10 +248,10 @@ def prefill_attention(
     starts, lens, ctxs = (torch.tensor(v, dtype=torch.int32) for v in (q_start, q_lens, ctx_lens))
     if any(s + ln > n for s, ln in zip(q_start, q_lens)) or tables.shape[0] != len(q_lens):
         raise ValueError("prefill_attention: a sequence's rows fall outside q, or tables do not match the sequences")
-    status = lib.pd_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                      tables.data_ptr(), tables.shape[1], num_blocks, starts.data_ptr(), lens.data_ptr(),
-                                      ctxs.data_ptr(), len(q_lens), hq, hkv, d, block_size, *k_cache.stride()[:3],
-                                      *v_cache.stride()[:3], scale, out.data_ptr(), torch.get_num_threads())
+    fn = lib.pd_prefill_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.pd_prefill_attention
+    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                num_blocks, starts.data_ptr(), lens.data_ptr(), ctxs.data_ptr(), len(q_lens), hq, hkv, d, block_size,
+                *k_cache.stride()[:3], *v_cache.stride()[:3], scale, out.data_ptr(), torch.get_num_threads())
     if status:
         raise NativeKernelError(f"native prefill attention: {ERRORS.get(status, f'error {status}')}")
     return out
@@ -295,7 +312,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
     y = torch.empty((m, n), dtype=torch.float32)
     fn = lib.pd_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.pd_gemm
     status = fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         y.data_ptr(), n, n, torch.get_num_threads())
+                y.data_ptr(), n, n, torch.get_num_threads())
     if status:
         raise NativeKernelError(f"native gemm: bad arguments (status {status})")
     return y
@@ -343,10 +360,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def supports_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `store_kv` takes these: enabled, CPU float32 everywhere, unit stride along
-    the head dim, built."""
+    """Whether `store_kv` takes these: enabled, CPU, float32 key and value, float32 or bf16
+    caches (rounded to nearest even), unit stride along the head dim, built."""
     ts = (key, value, k_cache, v_cache)
-    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
+    return (enabled() and all(t.device.type == "cpu" and t.stride(-1) == 1 for t in ts)
+            and key.dtype == value.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in KV_DTYPES
             and key.dim() == value.dim() == 3 and k_cache.dim() == v_cache.dim() == 4 and library() is not None)
 
 
@@ -362,10 +381,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (n,):
         raise ValueError(f"store_kv: {tuple(slots.shape)} slots for {n} tokens")
-    status = library().pd_store_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
-                                   value.stride(1), k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(),
-                                   *v_cache.stride()[:3], slots.data_ptr(), n, hkv, d, block_size, num_blocks,
-                                   torch.get_num_threads())
+    lib = library()
+    fn = lib.pd_store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.pd_store_kv
+    status = fn(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+                k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(), *v_cache.stride()[:3], slots.data_ptr(),
+                n, hkv, d, block_size, num_blocks, torch.get_num_threads())
     if status:
         raise ValueError(f"store_kv: a slot past the cache's {num_blocks * block_size}")
 

@@ -9,8 +9,10 @@ AVX512_BF16 has no bf16 arithmetic (torch's bf16 ops widen, compute and round ba
 every op, ~3x slower than our float32), decode is bound by the weight stream, which the
 bf16 weights halve, and every activation rounded to bf16 would only lose accuracy (the
 norms' statistics, the residual sum and softmax are where bf16 hurts most). The KV cache
-follows the activations (`kv_cache_dtype`). On a GPU, and for float16, the whole model is
-cast to the dtype as before.
+is bf16 too (`kv_cache_dtype`): K and V are rounded to nearest even as they are stored and
+widened in registers as attention reads them (kernels/csrc), half the bytes that decode
+attention streams, and twice the tokens in the same memory. On a GPU, and for float16,
+the whole model is cast to the dtype as before.
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ def activation_dtype(device: DeviceConfig) -> torch.dtype:
 
 
 def kv_cache_dtype(device: DeviceConfig) -> torch.dtype:
-    """The KV cache's dtype (what P and D must agree on): the activations'."""
-    return activation_dtype(device)
+    """The KV cache's dtype (what P and D must agree on): the engine's dtype."""
+    return device.torch_dtype
 
 
 def cast_model(model: nn.Module, device: DeviceConfig) -> nn.Module:

@@ -1,5 +1,6 @@
 /* A decode step's decoder layers on CPU in one native call: the CPU's counterpart of
- * replaying a captured CUDA graph. float32, with float32 or bf16 weight panels.
+ * replaying a captured CUDA graph. float32, with float32 or bf16 weight panels and a
+ * float32 or bf16 KV cache.
  *
  * For a batch of `m` sequences with one new token each (m small: a decode batch), every
  * layer runs the same steps as common.models.decoder.DecoderLayer, through the same
@@ -49,6 +50,12 @@ int pd_paged_decode_attention(const float *q, const float *k, const float *v, co
                               int64_t d, int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb,
                               int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,
                               int num_threads);
+int pd_paged_decode_attention_bf16(const float *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
+                                   const int32_t *lens, float *out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+                                   int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb,
+                                   int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,
+                                   int num_threads);
+void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n);
 
 /* One layer's weights and cache (kernels.cpu_decode._LayerStruct mirrors this). Weight
  * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), all four float32
@@ -61,10 +68,24 @@ typedef struct {
     const void *o_p;                      /* [hidden, hq d] packed */
     const void *gate_up_p;                /* [2 inter, hidden] packed */
     const void *down_p;                   /* [hidden, inter] packed */
-    float *k_cache, *v_cache;             /* [num_blocks, block_size, hkv, d] by element strides */
+    void *k_cache, *v_cache;              /* [num_blocks, block_size, hkv, d] by element strides */
     int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
     int64_t weights_bf16;                 /* 0: float32 panels, 1: bf16 panels */
+    int64_t kv_bf16;                      /* 0: float32 cache, 1: bf16 cache (stored rounded to nearest even) */
 } pd_layer_t;
+
+/* pd_paged_decode_attention on a layer's cache of either dtype */
+static int attention_w(const pd_layer_t *L, const float *q, const int32_t *tables, const int32_t *lens, float *out,
+                       int64_t m, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t max_blocks,
+                       int64_t num_blocks, float scale, int num_threads) {
+    if (L->kv_bf16)
+        return pd_paged_decode_attention_bf16(q, L->k_cache, L->v_cache, tables, lens, out, m, hq, hkv, d, block_size,
+                                              max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st,
+                                              L->v_sh, scale, num_threads);
+    return pd_paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, out, m, hq, hkv, d, block_size,
+                                     max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st, L->v_sh,
+                                     scale, num_threads);
+}
 
 /* pd_gemm / pd_gemm_silu on a layer's panels of either dtype */
 static int gemm_w(const pd_layer_t *L, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p,
@@ -108,23 +129,29 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         /* rows apart: each writes its own q rows and cache slot */
 #pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
         for (int64_t r = 0; r < m; r++) {
-            float tmp[d]; /* one head vector */
+            float tmp[d], kr[d]; /* one head vector each */
             const float *row = qkv + r * nqkv, *c = cos + r * d, *s = sin + r * d;
             for (int64_t i = 0; i < hq; i++)
                 pd_norm_rope_head(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);
             if (slots[r] < 0) continue;
             const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
             for (int64_t i = 0; i < hkv; i++) {
-                float *kd = L->k_cache + blk * L->k_sb + off * L->k_st + i * L->k_sh;
-                float *vd = L->v_cache + blk * L->v_sb + off * L->v_st + i * L->v_sh;
+                const int64_t ko = blk * L->k_sb + off * L->k_st + i * L->k_sh;
+                const int64_t vo = blk * L->v_sb + off * L->v_st + i * L->v_sh;
                 const float *vs = row + (hq + hkv + i) * d;
-                pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kd, tmp, d);
-                for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
+                if (L->kv_bf16) {
+                    pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kr, tmp, d);
+                    pd_f32_to_bf16_row(kr, (uint16_t *)L->k_cache + ko, d);
+                    pd_f32_to_bf16_row(vs, (uint16_t *)L->v_cache + vo, d);
+                } else {
+                    float *vd = (float *)L->v_cache + vo;
+                    pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, (float *)L->k_cache + ko, tmp, d);
+                    for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
+                }
             }
         }
-        status = pd_paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, att, m, hq, hkv, d, block_size,
-                                           max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st,
-                                           L->v_sh, scale, num_threads);
+        status = attention_w(L, q, tables, lens, att, m, hq, hkv, d, block_size, max_blocks, num_blocks, scale,
+                             num_threads);
         if (!status)
             status = gemm_w(L, att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
         if (!status)

@@ -111,6 +111,40 @@ int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int
     return 0;
 }
 
+/* dst[i] = src[i] rounded to bf16, to nearest even (NaN: 0x7fc0), bit for bit torch's
+ * float -> bfloat16 conversion; integer arithmetic on the bits, so -ffast-math cannot
+ * change it. For the bf16 KV cache (pd_store_kv_bf16, and the decode stack's store). */
+void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        dst[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+    }
+}
+
+/* pd_store_kv into bf16 caches (element strides), each value rounded to nearest even */
+int pd_store_kv_bf16(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
+                     uint16_t *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, uint16_t *v_cache, int64_t vc_sb,
+                     int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                     int64_t block_size, int64_t num_blocks, int num_threads) {
+    if (n < 0 || hkv <= 0 || d <= 0 || block_size <= 0 || num_threads < 1) return 1;
+    for (int64_t r = 0; r < n; r++)
+        if (slots[r] >= num_blocks * block_size) return 1;
+    if (n * hkv * d < PARALLEL_MIN_ELEMS) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        if (slots[r] < 0) continue;
+        const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
+        for (int64_t h = 0; h < hkv; h++) {
+            pd_f32_to_bf16_row(key + r * k_rs + h * k_hs, k_cache + blk * kc_sb + off * kc_st + h * kc_sh, d);
+            pd_f32_to_bf16_row(value + r * v_rs + h * v_hs, v_cache + blk * vc_sb + off * vc_st + h * vc_sh, d);
+        }
+    }
+    return 0;
+}
+
 int pd_store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
                 float *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, float *v_cache, int64_t vc_sb,
                 int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,

@@ -1,5 +1,5 @@
-"""bf16 on the CPU (common.models.precision): bf16 weights through the native GEMM,
-float32 activations, norms, cache and logits; and its accuracy by vLLM's rule below
+"""bf16 on the CPU (common.models.precision): bf16 weights through the native GEMM and a
+bf16 KV cache, float32 activations, norms and logits; and its accuracy by vLLM's rule below
 float32 (greedy against float32; where the streams first differ, each side's token in the
 other's top-5) and by perplexity, on the tiny random models and on the real default."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def greedy(llm: LLM, prompt: list[int], n: int) -> list[int]:
 
 def test_dtype_policy():
     cpu_bf16, cpu_f32 = DeviceConfig(dtype="bfloat16"), DeviceConfig(dtype="float32")
-    assert activation_dtype(cpu_bf16) == kv_cache_dtype(cpu_bf16) == torch.float32
+    assert activation_dtype(cpu_bf16) == torch.float32 and kv_cache_dtype(cpu_bf16) == torch.bfloat16
     assert activation_dtype(cpu_f32) == torch.float32
     assert activation_dtype(DeviceConfig(dtype="float16")) == torch.float16  # the whole model cast, as before
 
@@ -46,7 +46,7 @@ def test_bf16_holds_linears_and_embeddings_in_bf16_and_the_rest_in_float32(model
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.plan().packed.dtype == torch.bfloat16
-    assert bf.runner.kv_cache.dtype == torch.float32
+    assert bf.runner.kv_cache.dtype == torch.bfloat16
     stack = model.decode_stack()
     assert stack is not None and stack.layers[0].down_p.dtype == torch.bfloat16
     logits = sequence_logits(bf, [5, 6, 7])
