@@ -23,7 +23,7 @@
  *
  * bf16 weights (pd_gemm_bf16, pd_gemm_silu_bf16): the same panels of 16-bit bfloat16
  * values (kernels.cpu_native.pack_weight(w, torch.bfloat16)), each widened to float32 in
- * registers as it is loaded (zero-extend to 32 bits, shift left 16: exact) and then the
+ * registers as it is loaded (into the high half of a 32-bit lane: exact) and then the
  * same fused multiply-adds on float32 activations: half the bytes of w streamed, and the
  * product equals pd_gemm's on the widened weight bit for bit. Widening rather than
  * AVX512_BF16's vdpbf16ps: that instruction needs bf16 activations (one more rounding of
@@ -199,21 +199,35 @@ static inline __attribute__((always_inline)) void store_row(float *yi, __m256 v0
 #define ROWS4(F) ROWS3(F) F(3)
 #define ROWS5(F) ROWS4(F) F(4)
 #define ROWS6(F) ROWS5(F) F(5)
-#define TILE_T(R, SUF, WT, LOADW)                                                                                      \
+#define TILE_T(R, SUF, WT, LOAD2, FIX)                                                                                 \
     static void tile##R##SUF(int64_t kc, const float *x, int64_t rs, int64_t ks, const WT *p, float *y, int64_t ldy, \
                              int accumulate, const float *bias, int ncols) {                                           \
         ROWS##R(DECL) for (int64_t kk = 0; kk < kc; kk++) {                                                            \
-            const __m256 b0 = LOADW(p + kk * NR), b1 = LOADW(p + kk * NR + 8);                                         \
+            LOAD2(p + kk * NR, b0, b1)                                                                                 \
             ROWS##R(STEP)                                                                                              \
         }                                                                                                              \
-        ROWS##R(STORE)                                                                                                 \
+        ROWS##R(FIX) ROWS##R(STORE)                                                                                    \
     }
-/* 8 weights of a panel row as float32 lanes: float32 as they are, bf16 zero-extended
-   from memory (vpmovzxwd) and shifted into the high half (exact) */
-#define LOAD_F32(q) _mm256_loadu_ps(q)
-#define LOAD_BF16(q)                                                                                                   \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(q))), 16))
-#define TILE(R) TILE_T(R, , float, LOAD_F32) TILE_T(R, _bf16, uint16_t, LOAD_BF16)
+/* A panel row's 16 weights as two registers of 8 float32 lanes. float32: columns 0-7 and
+   8-15. bf16: one 32-byte load, whose 32-bit lanes each hold columns 2j (low half) and
+   2j + 1 (high half): shifted left 16 they are the even columns, masked the odd ones
+   (exact), two cheap ops where widening each half (vpmovzxwd + shift) takes four on
+   Zen 1; the accumulators then hold even and odd columns, put back in order once per
+   tile (UNZIP), not once per step of k. Each column's chain of fused multiply-adds is
+   the float32 kernel's on the widened weight: the same bits. */
+#define LOAD2_F32(q, b0, b1) const __m256 b0 = _mm256_loadu_ps(q), b1 = _mm256_loadu_ps((q) + 8);
+#define LOAD2_BF16(q, b0, b1)                                                                                          \
+    const __m256i w_ = _mm256_loadu_si256((const __m256i *)(q));                                                       \
+    const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(w_, 16));                                                  \
+    const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(w_, _mm256_set1_epi32((int)0xffff0000u)));
+static inline __attribute__((always_inline)) void unzip(__m256 *even, __m256 *odd) {
+    const __m256 lo = _mm256_unpacklo_ps(*even, *odd), hi = _mm256_unpackhi_ps(*even, *odd);
+    *even = _mm256_permute2f128_ps(lo, hi, 0x20); /* columns 0-7 */
+    *odd = _mm256_permute2f128_ps(lo, hi, 0x31);  /* columns 8-15 */
+}
+#define KEEP(i)
+#define UNZIP(i) unzip(&c##i##0, &c##i##1);
+#define TILE(R) TILE_T(R, , float, LOAD2_F32, KEEP) TILE_T(R, _bf16, uint16_t, LOAD2_BF16, UNZIP)
 TILE(6)
 TILE(5)
 TILE(4)
