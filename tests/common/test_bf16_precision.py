@@ -100,3 +100,24 @@ def test_divergence_helpers():
     sure = torch.full((4, 5), -1e9)
     sure[torch.arange(3), torch.tensor(ids[1:])] = 0.0
     assert perplexity(sure, ids) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_bf16_against_transformers_bf16_top5(model_dirs, arch):
+    """The reference at the same dtype: transformers' bf16 model (bf16 activations too)."""
+    from transformers import AutoModelForCausalLM
+    ours = make(model_dirs[arch], "bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.bfloat16).eval()
+    for prompt in ([5, 6, 7, 8, 9, 10], list(range(100, 140))):
+        a = greedy(ours, prompt, 16)
+        with torch.no_grad():
+            b = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        i = first_divergence(a, b)
+        if i is None:
+            continue
+        common = prompt + a[:i]
+        la = sequence_logits(ours.engine, common)[-1]
+        with torch.no_grad():
+            lb = hf(torch.tensor([common])).logits[0, -1].float()
+        assert Divergence(i, a[i], b[i], rank(lb, a[i]), rank(la, b[i])).within_top(5), (prompt, i, a, b)
