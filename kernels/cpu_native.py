@@ -40,7 +40,7 @@ SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("elementwise
            # the two attention kernels again, reading a bf16 cache (they include the files above)
            SOURCE.with_name("paged_decode_attention_bf16_cpu.c"),
            SOURCE.with_name("prefill_attention_bf16_cpu.c"))  # one library
-HEADERS = (SOURCE.with_name("gemm_tile.h"),)
+HEADERS = (SOURCE.with_name("gemm_tile.h"), SOURCE.with_name("bf16.h"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
 # constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.

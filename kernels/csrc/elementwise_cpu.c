@@ -124,11 +124,11 @@ void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n) {
     }
 }
 
-/* pd_store_kv into bf16 caches (element strides), each value rounded to nearest even */
-int pd_store_kv_bf16(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
-                     uint16_t *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, uint16_t *v_cache, int64_t vc_sb,
-                     int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
-                     int64_t block_size, int64_t num_blocks, int num_threads) {
+/* float32 caches (bf16 == 0): copied; bf16 caches: rounded to nearest even */
+static int store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
+                    void *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, void *v_cache, int64_t vc_sb,
+                    int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                    int64_t block_size, int64_t num_blocks, int num_threads, int bf16) {
     if (n < 0 || hkv <= 0 || d <= 0 || block_size <= 0 || num_threads < 1) return 1;
     for (int64_t r = 0; r < n; r++)
         if (slots[r] >= num_blocks * block_size) return 1;
@@ -138,8 +138,15 @@ int pd_store_kv_bf16(const float *key, int64_t k_rs, int64_t k_hs, const float *
         if (slots[r] < 0) continue;
         const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
         for (int64_t h = 0; h < hkv; h++) {
-            pd_f32_to_bf16_row(key + r * k_rs + h * k_hs, k_cache + blk * kc_sb + off * kc_st + h * kc_sh, d);
-            pd_f32_to_bf16_row(value + r * v_rs + h * v_hs, v_cache + blk * vc_sb + off * vc_st + h * vc_sh, d);
+            const float *ks = key + r * k_rs + h * k_hs, *vs = value + r * v_rs + h * v_hs;
+            const int64_t ko = blk * kc_sb + off * kc_st + h * kc_sh, vo = blk * vc_sb + off * vc_st + h * vc_sh;
+            if (bf16) {
+                pd_f32_to_bf16_row(ks, (uint16_t *)k_cache + ko, d);
+                pd_f32_to_bf16_row(vs, (uint16_t *)v_cache + vo, d);
+            } else {
+                memcpy((float *)k_cache + ko, ks, sizeof(float) * d);
+                memcpy((float *)v_cache + vo, vs, sizeof(float) * d);
+            }
         }
     }
     return 0;
@@ -149,18 +156,15 @@ int pd_store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value
                 float *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, float *v_cache, int64_t vc_sb,
                 int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
                 int64_t block_size, int64_t num_blocks, int num_threads) {
-    if (n < 0 || hkv <= 0 || d <= 0 || block_size <= 0 || num_threads < 1) return 1;
-    for (int64_t r = 0; r < n; r++)
-        if (slots[r] >= num_blocks * block_size) return 1;
-    if (n * hkv * d < PARALLEL_MIN_ELEMS) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        if (slots[r] < 0) continue;
-        const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
-        for (int64_t h = 0; h < hkv; h++) {
-            memcpy(k_cache + blk * kc_sb + off * kc_st + h * kc_sh, key + r * k_rs + h * k_hs, sizeof(float) * d);
-            memcpy(v_cache + blk * vc_sb + off * vc_st + h * vc_sh, value + r * v_rs + h * v_hs, sizeof(float) * d);
-        }
-    }
-    return 0;
+    return store_kv(key, k_rs, k_hs, value, v_rs, v_hs, k_cache, kc_sb, kc_st, kc_sh, v_cache, vc_sb, vc_st, vc_sh,
+                    slots, n, hkv, d, block_size, num_blocks, num_threads, 0);
+}
+
+/* pd_store_kv into bf16 caches (element strides), each value rounded to nearest even */
+int pd_store_kv_bf16(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
+                     uint16_t *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, uint16_t *v_cache, int64_t vc_sb,
+                     int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                     int64_t block_size, int64_t num_blocks, int num_threads) {
+    return store_kv(key, k_rs, k_hs, value, v_rs, v_hs, k_cache, kc_sb, kc_st, kc_sh, v_cache, vc_sb, vc_st, vc_sh,
+                    slots, n, hkv, d, block_size, num_blocks, num_threads, 1);
 }

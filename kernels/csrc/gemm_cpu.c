@@ -41,12 +41,12 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PD_AVX2 1
 #endif
 
+#include "bf16.h"
 #include "gemm_tile.h"
 
 #define NR PD_NR /* columns per panel; kernels.cpu_native.PANEL */
@@ -271,19 +271,12 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
         }
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p, float *y,
                        int64_t ldy, int accumulate, const float *bias, int ncols) {
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < ncols; j++) {
             float acc = 0.0f;
-            for (int64_t kk = 0; kk < kc; kk++) acc += x[i * rs + kk * ks] * bf16_to_f32(p[kk * NR + j]);
+            for (int64_t kk = 0; kk < kc; kk++) acc += x[i * rs + kk * ks] * pd_bf16_to_f32(p[kk * NR + j]);
             y[i * ldy + j] = accumulate ? y[i * ldy + j] + acc : acc + (bias ? bias[j] : 0.0f);
         }
 }

@@ -32,26 +32,19 @@
 #define PD_AVX2 1
 #endif
 
-/* The cache's element type: float32 here; paged_decode_attention_bf16_cpu.c compiles this
-   file again with PD_KV_BF16 for a bf16 cache, every K and V value widened to float32 as it
-   is loaded (zero-extend, shift left 16: exact), the arithmetic unchanged. */
+#include "bf16.h"
+
+/* The cache's element type kv_t (bf16.h): float32 here; paged_decode_attention_bf16_cpu.c
+   compiles this file again with PD_KV_BF16 for a bf16 cache, every K and V value widened
+   to float32 as it is loaded (exact), the arithmetic unchanged. */
 #ifdef PD_KV_BF16
-typedef uint16_t kv_t;
 #define PD_DECODE_ATTENTION pd_paged_decode_attention_bf16
-static inline float kv_f32(kv_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 #define KV_LOAD8(x)                                                                                                    \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x))), 16))
 #define KV_LOAD16(x)                                                                                                   \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x))), 16))
 #else
-typedef float kv_t;
 #define PD_DECODE_ATTENTION pd_paged_decode_attention
-#define kv_f32(x) (x)
 #define KV_LOAD8(x) _mm256_loadu_ps(x)
 #define KV_LOAD16(x) _mm512_loadu_ps(x)
 #endif

@@ -30,22 +30,15 @@
 
 #include "gemm_tile.h"
 
-/* The cache's element type: float32 here; prefill_attention_bf16_cpu.c compiles this file
-   again with PD_KV_BF16 for a bf16 cache, whose keys and values are widened (exactly) as
-   they are packed into the float32 panels; the rest is unchanged. */
+#include "bf16.h"
+
+/* The cache's element type kv_t (bf16.h): float32 here; prefill_attention_bf16_cpu.c
+   compiles this file again with PD_KV_BF16 for a bf16 cache, whose keys and values are
+   widened (exactly) as they are packed into the float32 panels; the rest is unchanged. */
 #ifdef PD_KV_BF16
-typedef uint16_t kv_t;
 #define PD_PREFILL_ATTENTION pd_prefill_attention_bf16
-static inline float kv_f32(kv_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 #else
-typedef float kv_t;
 #define PD_PREFILL_ATTENTION pd_prefill_attention
-#define kv_f32(x) (x)
 #endif
 
 #define TOKENS 48 /* query tokens per work item */

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import kernels
 from kernels import cpu_native
 
+from ._paged_utils import with_threads
+
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
@@ -24,15 +26,6 @@ def built():
 
 def expected(x, w_bf16, b):
     return F.linear(x.double(), w_bf16.double(), None if b is None else b.double()).float()
-
-
-def with_threads(threads, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -9,21 +9,12 @@ import torch
 import kernels
 from kernels import cpu_native, reference
 
-from ._paged_utils import make_paged, naive_decode
+from ._paged_utils import make_paged, naive_decode, with_threads
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
     assert cpu_native.library() is not None, "the native kernels did not build (is a C compiler installed?)"
-
-
-def with_threads(threads, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
