@@ -121,3 +121,16 @@ def test_greedy_bf16_against_transformers_bf16_top5(model_dirs, arch):
         with torch.no_grad():
             lb = hf(torch.tensor([common])).logits[0, -1].float()
         assert Divergence(i, a[i], b[i], rank(lb, a[i]), rank(la, b[i])).within_top(5), (prompt, i, a, b)
+
+
+def test_bf16_without_the_native_kernels(model_dirs, monkeypatch):
+    """PDSERVE_CPU_ATTENTION=torch (or no compiler): the same bf16 weights and cache through
+    torch, widened op by op; the same greedy tokens as the native path (float32 arithmetic
+    in both, only summation orders differ)."""
+    prompts = [list(range(100, 140)), [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    native = [o["token_ids"] for o in make(model_dirs["qwen2"], "bfloat16").generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+    llm = make(model_dirs["qwen2"], "bfloat16")
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16 and llm.engine.runner.model.decode_stack() is None
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == native
