@@ -73,7 +73,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
         load_weights(model, config.model.model_dir)
-        self.model = cast_model(model, dev).eval().requires_grad_(False)  # bf16 on CPU: weights only
+        self.model = cast_model(model, dev).eval().requires_grad_(False)  # bf16 on the CPU: stored, not computed in
         self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
         if kv_cache is None:
             self.num_blocks = decide_num_blocks(config)

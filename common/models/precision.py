@@ -23,14 +23,15 @@ from common.config import DeviceConfig
 from common.models.layers import Linear
 
 
-def weights_only(device: DeviceConfig) -> bool:
-    """Whether the engine's dtype applies to the weights alone (bf16 on the CPU)."""
+def storage_only(device: DeviceConfig) -> bool:
+    """Whether the engine's dtype is for storage alone (weights and KV cache), the
+    arithmetic float32: bf16 on the CPU."""
     return device.device == "cpu" and device.torch_dtype == torch.bfloat16
 
 
 def activation_dtype(device: DeviceConfig) -> torch.dtype:
     """The dtype activations and the residual stream are computed in."""
-    return torch.float32 if weights_only(device) else device.torch_dtype
+    return torch.float32 if storage_only(device) else device.torch_dtype
 
 
 def kv_cache_dtype(device: DeviceConfig) -> torch.dtype:
@@ -41,7 +42,7 @@ def kv_cache_dtype(device: DeviceConfig) -> torch.dtype:
 def cast_model(model: nn.Module, device: DeviceConfig) -> nn.Module:
     """The model on its device in the dtypes above (in place where torch's `to` is)."""
     model = model.to(device=torch.device(device.device), dtype=activation_dtype(device))
-    if weights_only(device):
+    if storage_only(device):
         # each Linear's weight and the embedding table; a tied lm_head shares the table's
         # Parameter, so it is narrowed once and stays tied
         params = {id(p): p for m in model.modules() if isinstance(m, (Linear, nn.Embedding)) for p in [m.weight]}
