@@ -1,7 +1,7 @@
 """Single-stream decode against the weight-streaming bound, measured in the same run (issue 13).
 
     python benchmarks/single_stream.py [--model DIR_OR_GGUF] [--threads 2] [--tokens 64] [--rounds 5]
-        [--out results/single_stream.json]
+        [--dtype float32[,bfloat16]] [--out results/single_stream.json]
 
 One request at a time decodes every token by reading all of the model's weights once,
 so a decode step cannot beat (weight bytes) / (memory read bandwidth). Both are measured
@@ -15,6 +15,10 @@ here, in this process, with the engine's thread count:
   `--rounds` times; per-token time = (last token - first token) / (tokens - 1) from the
   engine's own per-step timing, so the prompt's prefill is not counted. Best and median
   rounds are reported; the ratio uses the median.
+
+With several dtypes (`--dtype float32,bfloat16`) one engine per dtype runs in this process,
+taking turns round by round; each gets its own bound (its weights' bytes: bf16 halves
+them) and the report adds float32's median over each other dtype's.
 
 Default model: the embedded SmolLM2-135M-Instruct (float32 after conversion, 538 MB of
 weights). Target (issue 13): median per-token time <= 2x the bound.
@@ -82,32 +86,45 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", help="engine dtype, or several comma-separated, alternated")
     ap.add_argument("--out", default=str(REPO / "results" / "single_stream.json"))
     args = ap.parse_args()
     model = args.model
     if model is None:
         from common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
-    llm = LLM(model, num_threads=args.threads, num_kv_blocks=64, max_model_len=512)
-    decode_ms(llm, 8)  # warm-up: kernels built, weights packed, caches warm
-    nbytes = weight_bytes(llm.engine.runner.model)
-    runs = []
-    for _ in range(args.rounds):  # alternate bound and decode, so drift in the machine's load hits both
-        bw = read_bandwidth(nbytes, 3)
-        runs.append({"read_gb_s": bw / 1e9, "bound_ms": nbytes / bw * 1000, "decode_ms": decode_ms(llm, args.tokens)})
-    bound = min(r["bound_ms"] for r in runs)  # the best bandwidth seen: the tightest bound
-    med = statistics.median(r["decode_ms"] for r in runs)
+    dtypes = args.dtype.split(",")
+    llms = {dt: LLM(model, num_threads=args.threads, num_kv_blocks=64, max_model_len=512, dtype=dt) for dt in dtypes}
+    for llm in llms.values():
+        decode_ms(llm, 8)  # warm-up: kernels built, weights packed, caches warm
+    nbytes = {dt: weight_bytes(llm.engine.runner.model) for dt, llm in llms.items()}
+    runs: dict[str, list[dict]] = {dt: [] for dt in dtypes}
+    for _ in range(args.rounds):  # alternate bound and decode (and dtypes), so drift in the load hits all
+        for dt, llm in llms.items():
+            bw = read_bandwidth(nbytes[dt], 3)
+            runs[dt].append({"read_gb_s": bw / 1e9, "bound_ms": nbytes[dt] / bw * 1000,
+                             "decode_ms": decode_ms(llm, args.tokens)})
+    by_dtype = {}
+    for dt in dtypes:
+        bound = min(r["bound_ms"] for r in runs[dt])  # the best bandwidth seen: the tightest bound
+        med = statistics.median(r["decode_ms"] for r in runs[dt])
+        by_dtype[dt] = {"weight_bytes": nbytes[dt], "runs": runs[dt], "bound_ms": bound,
+                        "decode_ms_best": min(r["decode_ms"] for r in runs[dt]), "decode_ms_median": med,
+                        "ratio_to_bound": med / bound, "met": med / bound <= TARGET_RATIO}
+        print(f"{dt}: weights {nbytes[dt] / 1e6:.0f} MB; read bandwidth best {nbytes[dt] / bound / 1e6:.1f} GB/s -> "
+              f"bound {bound:.1f} ms/token")
+        each = " ".join(f"{r['decode_ms']:.1f}" for r in runs[dt])
+        print(f"{dt}: decode median {med:.1f} ms/token, best {by_dtype[dt]['decode_ms_best']:.1f} ({each}); "
+              f"{med / bound:.2f}x the bound (target <= {TARGET_RATIO}x: {'met' if by_dtype[dt]['met'] else 'MISSED'})")
+    first = by_dtype[dtypes[0]]
+    for dt in dtypes[1:]:
+        print(f"{dtypes[0]} median / {dt} median: {first['decode_ms_median'] / by_dtype[dt]['decode_ms_median']:.2f}")
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": str(model), "weight_bytes": nbytes, "threads": args.threads, "tokens": args.tokens,
+        "model": str(model), "threads": args.threads, "tokens": args.tokens, "target_ratio": TARGET_RATIO,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
-        "runs": runs, "bound_ms": bound, "decode_ms_best": min(r["decode_ms"] for r in runs), "decode_ms_median": med,
-        "ratio_to_bound": med / bound, "target_ratio": TARGET_RATIO, "met": med / bound <= TARGET_RATIO,
+        **first, "by_dtype": by_dtype,  # the first dtype's figures at the top level, as before
     }
-    print(f"weights {nbytes / 1e6:.0f} MB; read bandwidth best {nbytes / bound / 1e6:.1f} GB/s -> bound {bound:.1f} ms/token")
-    each = " ".join(f"{r['decode_ms']:.1f}" for r in runs)
-    print(f"decode: median {med:.1f} ms/token, best {report['decode_ms_best']:.1f} ({each}); {med / bound:.2f}x the bound "
-          f"(target <= {TARGET_RATIO}x: {'met' if report['met'] else 'MISSED'})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -212,12 +212,15 @@ class DeviceConfig:
     it may not have itself."""
 
     device: str = option("cpu", "cpu, cuda or cuda:i")
-    dtype: str = option("float32", f"weights and KV cache dtype: {', '.join(_DTYPES)}")
+    dtype: str = option("float32", "float32, bfloat16 (on the CPU: bf16 weights and KV cache, float32 "
+                                   "activations), float16, or auto: the checkpoint's config.json dtype "
+                                   "(float16 -> bfloat16 on the CPU)")
     num_threads: int | None = option(None, "torch intra-op threads per process (default: torch's own; "
                                            "`serve`: the CPU cores shared among the workers)")
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype != "auto":  # resolved against the checkpoint by EngineConfig
+            parse_dtype(self.dtype)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -333,6 +336,10 @@ class EngineConfig(EngineOptions):
     model: ModelConfig
 
     def __post_init__(self) -> None:
+        if self.device.dtype == "auto":
+            from common.checkpoint_dtype import resolve_dtype  # it imports this module
+            dtype = resolve_dtype("auto", self.model.model_dir, self.device.device)
+            object.__setattr__(self, "device", dataclasses.replace(self.device, dtype=dtype))
         if self.scheduler.max_model_len is None:
             resolved = min(self.model.max_position_embeddings, MAX_MODEL_LEN_CAP)
             object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler, max_model_len=resolved))

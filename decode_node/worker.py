@@ -21,6 +21,7 @@ from common.worker.faults import Faults
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, KVHandshake, KVReady, PrefillFailed,
                                   PrefillRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus)
 from common.engine.model_runner import decide_num_blocks, kv_cache_shape
+from common.models.precision import kv_cache_dtype
 from common.timeline import Stamp, mark
 from common.wire.transport import Incoming
 from common.worker.base import IDLE_WAIT_MS, WorkerBase
@@ -64,7 +65,7 @@ class DecodeWorker(WorkerBase):
         dev = self.config.device
         self.backend = resolve_backend(self.wconfig.kv_transfer, dev.device)
         shape = kv_cache_shape(self.config, decide_num_blocks(self.config))
-        self.receiver = make_receiver(self.backend, shape, dev.torch_dtype, dev.device,
+        self.receiver = make_receiver(self.backend, shape, kv_cache_dtype(dev), dev.device,
                                       shm_name_hint(self.worker_id, self.key.deployment_id))
         return LLMEngine(self.config, self.receiver.kv_cache)
 

@@ -203,8 +203,11 @@ class LinearPlan:
     (kernels/csrc/gemm_cpu.c), which beats MKL and oneDNN at every row count a decode
     batch or a prefill chunk has here; without the native library, oneDNN on its own
     packed copy (``PDSERVE_CPU_LINEAR=torch``: plain `F.linear`). Either packed copy is a
-    second copy of the weight in memory. A plan is for the weight as it is now: re-plan
-    after writing it (`common.models.layers.Linear` does, by the weight's version)."""
+    second copy of the weight in memory. A bf16 weight on the CPU is packed in bf16 and
+    multiplies float32 activations into float32 (widened in registers: half the bytes
+    streamed); off the native path its product is `F.linear` on the weight widened to the
+    activations' dtype. A plan is for the weight as it is now: re-plan after writing it
+    (`common.models.layers.Linear` does, by the weight's version)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
@@ -212,13 +215,14 @@ class LinearPlan:
         self.native = False
         self._onednn: torch.Tensor | None = None
         native = _cpu_native()
-        cpu_f32 = (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-                   and (bias is None or bias.dtype == torch.float32)
-                   and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
-        if cpu_f32 and native.enabled() and native.library() is not None:
+        cpu = (weight.device.type == "cpu" and weight.dim() == 2 and (bias is None or bias.dtype == torch.float32)
+               and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
+        cpu_f32 = cpu and weight.dtype == torch.float32
+        if cpu and weight.dtype in native.PACKED_DTYPES and native.enabled() and native.library() is not None:
             self.native = True
-            self.packed = native.pack_weight(weight)
-            self._fn = native.library().pd_gemm
+            self.packed = native.pack_weight(weight)  # in the weight's own dtype
+            lib = native.library()
+            self._fn = lib.pd_gemm_bf16 if self.packed.dtype == torch.bfloat16 else lib.pd_gemm
             self._n, self._k = weight.shape
             self._b = None if bias is None else bias.contiguous()
             self._bp = 0 if self._b is None else self._b.data_ptr()
@@ -236,6 +240,9 @@ class LinearPlan:
             return y
         if self._onednn is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+        if x.dtype != self.weight.dtype:  # bf16 weights, float32 activations, off the native path
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:

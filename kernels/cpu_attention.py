@@ -34,8 +34,9 @@ def paged_decode_attention(
         longest = lens[idx[-1]]
         nblk = -(-longest // block_size)
         ids = block_tables.index_select(0, rows)[:, :nblk].to(torch.long).clamp(min=0).reshape(-1)
-        k = k_cache.index_select(0, ids).view(n, nblk * block_size, hkv, d)[:, :longest]  # [n, L, Hkv, D]
-        v = v_cache.index_select(0, ids).view(n, nblk * block_size, hkv, d)[:, :longest]
+        # [n, L, Hkv, D], in q's dtype (a bf16 cache under float32 activations is widened)
+        k = k_cache.index_select(0, ids).view(n, nblk * block_size, hkv, d)[:, :longest].to(q.dtype)
+        v = v_cache.index_select(0, ids).view(n, nblk * block_size, hkv, d)[:, :longest].to(q.dtype)
         glens = torch.tensor([lens[i] for i in idx])
         mask = torch.arange(longest)[None, :] < glens[:, None]  # [n, L]
         o = F.scaled_dot_product_attention(

@@ -7,7 +7,8 @@ every layer's weight and cache pointers, set up once, and runs all layers of a p
 decode batch in one call, through the native kernels the per-op path calls one by one
 (the same results up to float rounding in the q/k norm and rotary step).
 
-`DecodeStack.build` returns None where it does not apply (not CPU float32, the native
+`DecodeStack.build` returns None where it does not apply (not CPU float32 activations,
+norms, float32 or bf16 packed weights and KV cache, the native
 library unavailable or turned off with ``PDSERVE_CPU_ATTENTION=torch``, a weight without
 unit stride along its input); the caller keeps the per-op path then.
 """
@@ -28,13 +29,15 @@ _STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
 class _LayerStruct(ctypes.Structure):
     """pd_layer_t in decode_layers_cpu.c, field for field."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in _POINTERS] + [(name, ctypes.c_int64) for name in _STRIDES]
+    _fields_ = ([(name, ctypes.c_void_p) for name in _POINTERS] + [(name, ctypes.c_int64) for name in _STRIDES]
+                + [("weights_bf16", ctypes.c_int64), ("kv_bf16", ctypes.c_int64)])
 
 
 @dataclass(frozen=True)
 class LayerTensors:
     """One decoder layer's tensors as the native stack reads them. Matrices are
-    nn.Linear's [out, in] weights packed by `cpu_native.pack_weight`; qkv_b, q_norm and
+    nn.Linear's [out, in] weights packed by `cpu_native.pack_weight`, all four float32 or
+    all four bf16 (widened in registers); caches float32 or bf16; the rest float32. qkv_b, q_norm and
     k_norm may be None (q_norm and k_norm together); caches are [num_blocks, block_size,
     Hkv, D]."""
 
@@ -85,9 +88,15 @@ def _eligible(layer: LayerTensors, d: StackDims) -> bool:
     caches = (layer.k_cache, layer.v_cache)
     if (layer.q_norm is None) != (layer.k_norm is None) or any(m is None for m, _ in mats):
         return False
-    for t in vec + [m for m, _ in mats] + list(caches):
+    for t in vec:
         if t.device.type != "cpu" or t.dtype != torch.float32:
             return False
+    if (any(c.device.type != "cpu" or c.dtype != caches[0].dtype for c in caches)
+            or caches[0].dtype not in cpu_native.KV_DTYPES):
+        return False
+    if (len({m.dtype for m, _ in mats}) != 1 or mats[0][0].dtype not in cpu_native.PACKED_DTYPES
+            or any(m.device.type != "cpu" for m, _ in mats)):
+        return False
     return (all(v.is_contiguous() for v in vec)
             and all(tuple(m.shape) == shape and m.is_contiguous() for m, shape in mats)
             and all(c.dim() == 4 and tuple(c.shape[2:]) == (d.num_kv_heads, d.head_dim) and c.stride(3) == 1
@@ -108,6 +117,8 @@ class DecodeStack:
                 setattr(s, name, 0 if t is None else t.data_ptr())
             s.k_sb, s.k_st, s.k_sh = layer.k_cache.stride()[:3]
             s.v_sb, s.v_st, s.v_sh = layer.v_cache.stride()[:3]
+            s.weights_bf16 = int(layer.qkv_p.dtype == torch.bfloat16)
+            s.kv_bf16 = int(layer.k_cache.dtype == torch.bfloat16)
         self.num_blocks, self.block_size = layers[0].k_cache.shape[:2] if layers else (0, 1)
 
     @classmethod

@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
 SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
-           SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"))  # one library
-HEADERS = (SOURCE.with_name("gemm_tile.h"),)
+           SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"),
+           # the two attention kernels again, reading a bf16 cache (they include the files above)
+           SOURCE.with_name("paged_decode_attention_bf16_cpu.c"),
+           SOURCE.with_name("prefill_attention_bf16_cpu.c"))  # one library
+HEADERS = (SOURCE.with_name("gemm_tile.h"), SOURCE.with_name("bf16.h"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
 # constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.
@@ -126,10 +129,14 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.pd_paged_decode_attention_bf16  # the same arguments, the caches bf16
+    fn.restype, fn.argtypes = lib.pd_paged_decode_attention.restype, lib.pd_paged_decode_attention.argtypes
     fn = lib.pd_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
                    + [ctypes.c_int64] * 2 + [ctypes.c_int])
+    fn = lib.pd_gemm_bf16  # pd_gemm's arguments, on bf16 panels
+    fn.restype, fn.argtypes = lib.pd_gemm.restype, lib.pd_gemm.argtypes
     fn = lib.pd_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int]
@@ -137,6 +144,8 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+    fn = lib.pd_prefill_attention_bf16
+    fn.restype, fn.argtypes = lib.pd_prefill_attention.restype, lib.pd_prefill_attention.argtypes
     fn = lib.pd_qk_norm_rope
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
@@ -148,10 +157,14 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
                    + [ctypes.c_int64] * 2 + [ctypes.c_int])
+    fn = lib.pd_gemm_silu_bf16
+    fn.restype, fn.argtypes = lib.pd_gemm_silu.restype, lib.pd_gemm_silu.argtypes
     fn = lib.pd_store_kv
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
                    + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int])
+    fn = lib.pd_store_kv_bf16
+    fn.restype, fn.argtypes = lib.pd_store_kv.restype, lib.pd_store_kv.argtypes
     fn = lib.pd_decode_layers
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 5
@@ -159,10 +172,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+# What a KV cache may hold for the native kernels: float32, or bf16 (stored rounded to
+# nearest even, widened to float32 in registers as it is read; q and outputs float32).
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the native kernel takes this call: enabled, CPU float32, built."""
-    return (enabled() and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and library() is not None)
+    """Whether the native kernel takes this call: enabled, CPU float32 q, a float32 or
+    bf16 cache, built."""
+    return (enabled() and q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in KV_DTYPES and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and library() is not None)
 
 
 def paged_decode_attention(
@@ -185,7 +205,8 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if b == 0:
         return out
-    status = lib.pd_paged_decode_attention(
+    fn = lib.pd_paged_decode_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.pd_paged_decode_attention
+    status = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, hq, hkv, d, block_size, tables.shape[1], num_blocks,
         *k_cache.stride()[:3], *v_cache.stride()[:3], scale, torch.get_num_threads())
@@ -227,10 +248,10 @@ def prefill_attention(
     starts, lens, ctxs = (torch.tensor(v, dtype=torch.int32) for v in (q_start, q_lens, ctx_lens))
     if any(s + ln > n for s, ln in zip(q_start, q_lens)) or tables.shape[0] != len(q_lens):
         raise ValueError("prefill_attention: a sequence's rows fall outside q, or tables do not match the sequences")
-    status = lib.pd_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                      tables.data_ptr(), tables.shape[1], num_blocks, starts.data_ptr(), lens.data_ptr(),
-                                      ctxs.data_ptr(), len(q_lens), hq, hkv, d, block_size, *k_cache.stride()[:3],
-                                      *v_cache.stride()[:3], scale, out.data_ptr(), torch.get_num_threads())
+    fn = lib.pd_prefill_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.pd_prefill_attention
+    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                num_blocks, starts.data_ptr(), lens.data_ptr(), ctxs.data_ptr(), len(q_lens), hq, hkv, d, block_size,
+                *k_cache.stride()[:3], *v_cache.stride()[:3], scale, out.data_ptr(), torch.get_num_threads())
     if status:
         raise NativeKernelError(f"native prefill attention: {ERRORS.get(status, f'error {status}')}")
     return out
@@ -238,18 +259,27 @@ def prefill_attention(
 
 # Output columns per panel of a packed weight (NR in kernels/csrc/gemm_cpu.c).
 PANEL = 16
+# What a packed weight may hold: float32, or bf16 widened to float32 in registers (the
+# products are float32 either way; bf16 streams half the bytes).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] -> [ceil(n / PANEL), k, PANEL], the layout `gemm` reads: panel j holds
-    output columns PANEL j .. PANEL j + PANEL - 1, k-major, zero past n. A second copy of
-    the weight in memory, on huge pages where the kernel grants them (`huge_pages`)."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """weight [n, k] -> [ceil(n / PANEL), k, PANEL] in `dtype` (default: float32, or bf16
+    for a bf16 weight; rounded to nearest even when narrowed), the layout `gemm` reads:
+    panel j holds output columns PANEL j .. PANEL j + PANEL - 1, k-major, zero past n. A
+    second copy of the weight in memory, on huge pages where the kernel grants them
+    (`huge_pages`)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+    if dtype not in PACKED_DTYPES:
+        raise ValueError(f"pack_weight: dtype {dtype} is not one of {PACKED_DTYPES}")
     n, k = weight.shape
     pad = -n % PANEL
-    w = weight.detach().to(torch.float32)
+    w = weight.detach().to(dtype)
     if pad:
         w = torch.cat((w, w.new_zeros(pad, k)))
-    out = huge_pages.empty(((n + pad) // PANEL, k, PANEL), torch.float32)  # streamed every decode step
+    out = huge_pages.empty(((n + pad) // PANEL, k, PANEL), dtype)  # streamed every decode step
     out.copy_(w.reshape(-1, PANEL, k).transpose(1, 2))
     return out
 
@@ -264,16 +294,18 @@ def _library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU, with `packed` =
-    pack_weight(weight) (kernels/csrc/gemm_cpu.c)."""
+    pack_weight(weight) in float32 or bf16 (kernels/csrc/gemm_cpu.c)."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
-    if packed.dim() != 3 or packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n or not packed.is_contiguous():
+    if (packed.dim() != 3 or packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n or not packed.is_contiguous()
+            or packed.dtype not in PACKED_DTYPES):
         raise ValueError(f"gemm: packed weight of shape {tuple(packed.shape)} does not fit x [{m}, {k}] and n={n}")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     y = torch.empty((m, n), dtype=torch.float32)
-    status = lib.pd_gemm(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         y.data_ptr(), n, n, torch.get_num_threads())
+    fn = lib.pd_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.pd_gemm
+    status = fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                y.data_ptr(), n, n, torch.get_num_threads())
     if status:
         raise NativeKernelError(f"native gemm: bad arguments (status {status})")
     return y
@@ -281,17 +313,18 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
 
 def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) -> [m, inter], float32 on CPU, with `packed` =
-    pack_weight([gate; up]) ([2 inter, k], inter a multiple of PANEL): SwiGLU's two
+    pack_weight([gate; up]) ([2 inter, k], inter a multiple of PANEL; float32 or bf16): SwiGLU's two
     projections and activation in one pass (pd_gemm_silu in kernels/csrc/gemm_cpu.c), the
     same bits as silu_mul(gemm(x, packed, 2 * inter))."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
     if (inter % PANEL or packed.dim() != 3 or packed.shape != (2 * inter // PANEL, k, PANEL)
-            or not packed.is_contiguous()):
+            or not packed.is_contiguous() or packed.dtype not in PACKED_DTYPES):
         raise ValueError(f"gemm_silu: packed weight of shape {tuple(packed.shape)} does not fit x [{m}, {k}] "
                          f"and inter={inter} (a multiple of {PANEL})")
     act = torch.empty((m, inter), dtype=torch.float32)
-    if lib.pd_gemm_silu(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), act.data_ptr(), inter, inter,
+    fn = lib.pd_gemm_silu_bf16 if packed.dtype == torch.bfloat16 else lib.pd_gemm_silu
+    if fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), act.data_ptr(), inter, inter,
                         torch.get_num_threads()):
         raise NativeKernelError("native gemm_silu: bad arguments")
     return act
@@ -320,10 +353,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def supports_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `store_kv` takes these: enabled, CPU float32 everywhere, unit stride along
-    the head dim, built."""
+    """Whether `store_kv` takes these: enabled, CPU, float32 key and value, float32 or bf16
+    caches (rounded to nearest even), unit stride along the head dim, built."""
     ts = (key, value, k_cache, v_cache)
-    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
+    return (enabled() and all(t.device.type == "cpu" and t.stride(-1) == 1 for t in ts)
+            and key.dtype == value.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in KV_DTYPES
             and key.dim() == value.dim() == 3 and k_cache.dim() == v_cache.dim() == 4 and library() is not None)
 
 
@@ -339,10 +374,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (n,):
         raise ValueError(f"store_kv: {tuple(slots.shape)} slots for {n} tokens")
-    status = library().pd_store_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
-                                   value.stride(1), k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(),
-                                   *v_cache.stride()[:3], slots.data_ptr(), n, hkv, d, block_size, num_blocks,
-                                   torch.get_num_threads())
+    lib = library()
+    fn = lib.pd_store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.pd_store_kv
+    status = fn(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+                k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(), *v_cache.stride()[:3], slots.data_ptr(),
+                n, hkv, d, block_size, num_blocks, torch.get_num_threads())
     if status:
         raise ValueError(f"store_kv: a slot past the cache's {num_blocks * block_size}")
 

@@ -141,7 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
     engine = options.engine_config(model)  # checks them against the model before anything starts
     # every worker gets the same max_model_len as the router, resolved from the model once here
-    options = options.replace(max_model_len=engine.scheduler.max_model_len)
+    # and the dtype (`auto` resolved from the checkpoint), which the router's model fingerprint covers
+    options = options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
@@ -152,7 +153,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if no_http:
         router_fields["http_port"] = 0
     router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
-                          max_model_len=engine.scheduler.max_model_len, block_size=options.cache.block_size,
+                          dtype=options.device.dtype, max_model_len=engine.scheduler.max_model_len,
+                          block_size=options.cache.block_size,
                           enable_http=not no_http, max_inflight=max_inflight, api_key=api_key,
                           restart_workers=args.restart, **router_fields)
     timeouts = given(args, WORKER_DEST)

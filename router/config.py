@@ -14,6 +14,7 @@ class RouterConfig:
 
     model_dir: str
     model_name: str = "pdserve"
+    dtype: str = "float32"  # the deployment\'s engine dtype (resolved, never "auto"): part of the model fingerprint
     host: str = option("127.0.0.1", "the address the HTTP, ZeroMQ and control sockets bind")
     http_port: int = option(8000, "OpenAI HTTP port; 0 picks a free port, -1 serves no HTTP")
     zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")
@@ -40,6 +41,9 @@ class RouterConfig:
                                            "its requests are aborted")
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be the deployment's resolved engine dtype (float32, bfloat16 or float16), "
+                              f"got {self.dtype!r}")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
         if self.retries < 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.engine.kv_layout import fingerprint_parts
 from common.wire.messages import WorkerHello, WorkerStatus
 from router.policy import WorkerView, prefix_overlap
 
@@ -37,7 +38,12 @@ def refusal(hello: WorkerHello, block_size: int, model_fingerprint: str) -> str 
     if hello.block_size != block_size:
         diffs.append(f"block_size {hello.block_size} (router: {block_size})")
     if hello.model_fingerprint != model_fingerprint:
-        diffs.append(f"model fingerprint {hello.model_fingerprint!r} (router: {model_fingerprint!r})")
+        (theirs, their_dtype), (ours, our_dtype) = map(fingerprint_parts, (hello.model_fingerprint, model_fingerprint))
+        if theirs == ours:  # the same weights in another precision
+            diffs.append(f"dtype {their_dtype or '?'} (router: {our_dtype or '?'}; start the worker with "
+                         f"--dtype {our_dtype})")
+        else:
+            diffs.append(f"model fingerprint {hello.model_fingerprint!r} (router: {model_fingerprint!r})")
     if not diffs:
         return None
     return f"refused {hello.role} worker {hello.worker_id} at {hello.address}: it has {' and '.join(diffs)}"

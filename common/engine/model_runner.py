@@ -14,6 +14,7 @@ from common.config import ConfigError, EngineConfig
 from common.engine.kv_layout import kv_cache_tensor
 from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
+from common.models.precision import cast_model, kv_cache_dtype
 from common.engine.sampler import Sampler, make_generator
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
@@ -29,7 +30,7 @@ def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
 
 def bytes_per_block(config: EngineConfig) -> int:
     shape = kv_cache_shape(config, 1)
-    return int(np.prod(shape)) * torch.empty((), dtype=config.device.torch_dtype).element_size()
+    return int(np.prod(shape)) * torch.empty((), dtype=kv_cache_dtype(config.device)).element_size()
 
 
 def decide_num_blocks(config: EngineConfig) -> int:
@@ -66,11 +67,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
         load_weights(model, config.model.model_dir)
-        self.model = model.to(device=self.device, dtype=dev.torch_dtype).eval().requires_grad_(False)
+        self.model = cast_model(model, dev).eval().requires_grad_(False)  # bf16 on the CPU: stored, not computed in
         self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
         if kv_cache is None:
             self.num_blocks = decide_num_blocks(config)
-            kv_cache = kv_cache_tensor(kv_cache_shape(config, self.num_blocks), dev.torch_dtype, self.device)
+            kv_cache = kv_cache_tensor(kv_cache_shape(config, self.num_blocks), kv_cache_dtype(dev), self.device)
         else:
             self.num_blocks = kv_cache.shape[2]
         self.kv_cache = kv_cache

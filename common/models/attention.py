@@ -70,8 +70,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
             mask = None
         else:
             n_blocks = -(-ctx_len // block_size)
-            ks = k_cache.index_select(0, table[:n_blocks]).flatten(0, 1)[:ctx_len]  # [ctx_len, Hkv, D]
-            vs = v_cache.index_select(0, table[:n_blocks]).flatten(0, 1)[:ctx_len]
+            # [ctx_len, Hkv, D] in q's dtype (a bf16 cache under float32 activations is widened)
+            ks = k_cache.index_select(0, table[:n_blocks]).flatten(0, 1)[:ctx_len].to(q.dtype)
+            vs = v_cache.index_select(0, table[:n_blocks]).flatten(0, 1)[:ctx_len].to(q.dtype)
             # query i sits at absolute position ctx_len - q_len + i and sees positions <= it
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]

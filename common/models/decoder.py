@@ -156,7 +156,7 @@ class DecoderForCausalLM(nn.Module):
         `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push).
         A pure decode batch of a few sequences on CPU runs every layer in one native call
         (`kernels.cpu_decode`) where that applies; the layers below otherwise."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids).to(self.activation_dtype)  # bf16 table, float32 stream (precision)
         if layer_hook is None and meta.num_decode == x.shape[0] and DecodeStack.takes(x):
             stack = self.decode_stack()
             if stack is not None:
@@ -175,6 +175,12 @@ class DecoderForCausalLM(nn.Module):
         if not len(x):
             return x
         return self.model.norm(x, residual)[0]
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """What the layers compute in: the norms' dtype (float32 under bf16 weights on the
+        CPU: `common.models.precision`)."""
+        return self.model.norm.weight.dtype
 
     def decode_stack(self) -> DecodeStack | None:
         """The native decode stack for the current weights and caches (None where it does

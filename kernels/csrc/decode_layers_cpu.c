@@ -1,5 +1,6 @@
 /* A decode step's decoder layers on CPU in one native call: the CPU's counterpart of
- * replaying a captured CUDA graph. float32 only.
+ * replaying a captured CUDA graph. float32, with float32 or bf16 weight panels and a
+ * float32 or bf16 KV cache.
  *
  * For a batch of `m` sequences with one new token each (m small: a decode batch), every
  * layer runs the same steps as common.models.decoder.DecoderLayer, through the same
@@ -33,11 +34,15 @@
 
 int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
             int64_t ldy, int64_t n, int num_threads);
+int pd_gemm_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, const float *bias, float *y,
+                 int64_t ldy, int64_t n, int num_threads);
 int pd_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out, float *res_out,
                     int64_t rows, int64_t dim, int64_t ldx, int64_t ldr, int num_threads);
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads);
 int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, float *act, int64_t lda,
                  int64_t inter, int num_threads);
+int pd_gemm_silu_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, float *act, int64_t lda,
+                      int64_t inter, int num_threads);
 void pd_norm_rope_head(const float *src, const float *norm_w, float eps, const float *cos, const float *sin,
                        float *dst, float *tmp, int64_t d);
 int pd_paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *tables,
@@ -45,19 +50,54 @@ int pd_paged_decode_attention(const float *q, const float *k, const float *v, co
                               int64_t d, int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb,
                               int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,
                               int num_threads);
+int pd_paged_decode_attention_bf16(const float *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
+                                   const int32_t *lens, float *out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+                                   int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb,
+                                   int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,
+                                   int num_threads);
+void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n);
 
 /* One layer's weights and cache (kernels.cpu_decode._LayerStruct mirrors this). Weight
- * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c). */
+ * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), all four float32
+ * or all four bf16 (weights_bf16: pd_gemm_bf16, widened in registers); the rest float32. */
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
-    const float *qkv_p, *qkv_b;           /* [(hq + 2 hkv) d, hidden] packed, bias or NULL */
+    const void *qkv_p;                    /* [(hq + 2 hkv) d, hidden] packed */
+    const float *qkv_b;                   /* bias or NULL */
     const float *q_norm, *k_norm;         /* [d] each, or both NULL */
-    const float *o_p;                     /* [hidden, hq d] packed */
-    const float *gate_up_p;               /* [2 inter, hidden] packed */
-    const float *down_p;                  /* [hidden, inter] packed */
-    float *k_cache, *v_cache;             /* [num_blocks, block_size, hkv, d] by element strides */
+    const void *o_p;                      /* [hidden, hq d] packed */
+    const void *gate_up_p;                /* [2 inter, hidden] packed */
+    const void *down_p;                   /* [hidden, inter] packed */
+    void *k_cache, *v_cache;              /* [num_blocks, block_size, hkv, d] by element strides */
     int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+    int64_t weights_bf16;                 /* 0: float32 panels, 1: bf16 panels */
+    int64_t kv_bf16;                      /* 0: float32 cache, 1: bf16 cache (stored rounded to nearest even) */
 } pd_layer_t;
+
+/* pd_paged_decode_attention on a layer's cache of either dtype */
+static int attention_w(const pd_layer_t *L, const float *q, const int32_t *tables, const int32_t *lens, float *out,
+                       int64_t m, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t max_blocks,
+                       int64_t num_blocks, float scale, int num_threads) {
+    if (L->kv_bf16)
+        return pd_paged_decode_attention_bf16(q, L->k_cache, L->v_cache, tables, lens, out, m, hq, hkv, d, block_size,
+                                              max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st,
+                                              L->v_sh, scale, num_threads);
+    return pd_paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, out, m, hq, hkv, d, block_size,
+                                     max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st, L->v_sh,
+                                     scale, num_threads);
+}
+
+/* pd_gemm / pd_gemm_silu on a layer's panels of either dtype */
+static int gemm_w(const pd_layer_t *L, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p,
+                  const float *bias, float *y, int64_t ldy, int64_t n, int num_threads) {
+    return L->weights_bf16 ? pd_gemm_bf16(x, ldx, m, k, p, bias, y, ldy, n, num_threads)
+                           : pd_gemm(x, ldx, m, k, p, bias, y, ldy, n, num_threads);
+}
+static int gemm_silu_w(const pd_layer_t *L, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p,
+                       float *act, int64_t lda, int64_t inter, int num_threads) {
+    return L->weights_bf16 ? pd_gemm_silu_bf16(x, ldx, m, k, p, act, lda, inter, num_threads)
+                           : pd_gemm_silu(x, ldx, m, k, p, act, lda, inter, num_threads);
+}
 
 int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, int64_t hidden, int64_t hq,
                      int64_t hkv, int64_t d, int64_t inter, int64_t block_size, int64_t num_blocks, float norm_eps,
@@ -84,41 +124,47 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         status = pd_add_rms_norm(h, l ? residual : NULL, L->input_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                  num_threads);
         if (!status)
-            status = pd_gemm(x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
+            status = gemm_w(L, x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
         if (status) break;
         /* rows apart: each writes its own q rows and cache slot */
 #pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
         for (int64_t r = 0; r < m; r++) {
-            float tmp[d]; /* one head vector */
+            float tmp[d], kr[d]; /* one head vector each */
             const float *row = qkv + r * nqkv, *c = cos + r * d, *s = sin + r * d;
             for (int64_t i = 0; i < hq; i++)
                 pd_norm_rope_head(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);
             if (slots[r] < 0) continue;
             const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
             for (int64_t i = 0; i < hkv; i++) {
-                float *kd = L->k_cache + blk * L->k_sb + off * L->k_st + i * L->k_sh;
-                float *vd = L->v_cache + blk * L->v_sb + off * L->v_st + i * L->v_sh;
+                const int64_t ko = blk * L->k_sb + off * L->k_st + i * L->k_sh;
+                const int64_t vo = blk * L->v_sb + off * L->v_st + i * L->v_sh;
                 const float *vs = row + (hq + hkv + i) * d;
-                pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kd, tmp, d);
-                for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
+                if (L->kv_bf16) {
+                    pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kr, tmp, d);
+                    pd_f32_to_bf16_row(kr, (uint16_t *)L->k_cache + ko, d);
+                    pd_f32_to_bf16_row(vs, (uint16_t *)L->v_cache + vo, d);
+                } else {
+                    float *vd = (float *)L->v_cache + vo;
+                    pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, (float *)L->k_cache + ko, tmp, d);
+                    for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
+                }
             }
         }
-        status = pd_paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, att, m, hq, hkv, d, block_size,
-                                           max_blocks, num_blocks, L->k_sb, L->k_st, L->k_sh, L->v_sb, L->v_st,
-                                           L->v_sh, scale, num_threads);
+        status = attention_w(L, q, tables, lens, att, m, hq, hkv, d, block_size, max_blocks, num_blocks, scale,
+                             num_threads);
         if (!status)
-            status = pd_gemm(att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
+            status = gemm_w(L, att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
         if (!status)
             status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                      num_threads);
         if (!status && inter % PD_NR == 0) /* whole panels: gate and up in one pass */
-            status = pd_gemm_silu(x, hidden, m, hidden, L->gate_up_p, act, inter, inter, num_threads);
+            status = gemm_silu_w(L, x, hidden, m, hidden, L->gate_up_p, act, inter, inter, num_threads);
         else if (!status) {
-            status = pd_gemm(x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter, num_threads);
+            status = gemm_w(L, x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter, num_threads);
             if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
         }
         if (!status)
-            status = pd_gemm(act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
+            status = gemm_w(L, act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
     }
     free(buf);
     return status;

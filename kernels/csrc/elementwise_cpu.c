@@ -96,8 +96,11 @@ int pd_qk_norm_rope(float *qkv, int64_t rows, int64_t ld, int64_t hq, int64_t hk
 /* o[i] = silu(g[i]) * u[i] for i < n: one row of pd_silu_mul, and the epilogue of the
  * fused gate/up product (pd_gemm_silu, kernels/csrc/gemm_cpu.c), so both give the same bits */
 void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
+    /* exp's argument capped at 88 (exp(88) < FLT_MAX): past ~88.7 it is inf, and the
+       division -ffast-math makes (a reciprocal refined by Newton's step, inf * 0) turns
+       silu(g <= -89) into NaN instead of -0; the cap leaves it ~g * 6e-39, torch's ~0 */
 #pragma omp simd simdlen(8)
-    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
 }
 
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads) {
@@ -108,10 +111,24 @@ int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int
     return 0;
 }
 
-int pd_store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
-                float *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, float *v_cache, int64_t vc_sb,
-                int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
-                int64_t block_size, int64_t num_blocks, int num_threads) {
+/* dst[i] = src[i] rounded to bf16, to nearest even (NaN: 0x7fc0), bit for bit torch's
+ * float -> bfloat16 conversion; integer arithmetic on the bits, so -ffast-math cannot
+ * change it. For the bf16 KV cache (pd_store_kv_bf16, and the decode stack's store). */
+void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        dst[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+    }
+}
+
+/* float32 caches (bf16 == 0): copied; bf16 caches: rounded to nearest even */
+static int store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
+                    void *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, void *v_cache, int64_t vc_sb,
+                    int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                    int64_t block_size, int64_t num_blocks, int num_threads, int bf16) {
     if (n < 0 || hkv <= 0 || d <= 0 || block_size <= 0 || num_threads < 1) return 1;
     for (int64_t r = 0; r < n; r++)
         if (slots[r] >= num_blocks * block_size) return 1;
@@ -121,9 +138,33 @@ int pd_store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value
         if (slots[r] < 0) continue;
         const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
         for (int64_t h = 0; h < hkv; h++) {
-            memcpy(k_cache + blk * kc_sb + off * kc_st + h * kc_sh, key + r * k_rs + h * k_hs, sizeof(float) * d);
-            memcpy(v_cache + blk * vc_sb + off * vc_st + h * vc_sh, value + r * v_rs + h * v_hs, sizeof(float) * d);
+            const float *ks = key + r * k_rs + h * k_hs, *vs = value + r * v_rs + h * v_hs;
+            const int64_t ko = blk * kc_sb + off * kc_st + h * kc_sh, vo = blk * vc_sb + off * vc_st + h * vc_sh;
+            if (bf16) {
+                pd_f32_to_bf16_row(ks, (uint16_t *)k_cache + ko, d);
+                pd_f32_to_bf16_row(vs, (uint16_t *)v_cache + vo, d);
+            } else {
+                memcpy((float *)k_cache + ko, ks, sizeof(float) * d);
+                memcpy((float *)v_cache + vo, vs, sizeof(float) * d);
+            }
         }
     }
     return 0;
+}
+
+int pd_store_kv(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
+                float *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, float *v_cache, int64_t vc_sb,
+                int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                int64_t block_size, int64_t num_blocks, int num_threads) {
+    return store_kv(key, k_rs, k_hs, value, v_rs, v_hs, k_cache, kc_sb, kc_st, kc_sh, v_cache, vc_sb, vc_st, vc_sh,
+                    slots, n, hkv, d, block_size, num_blocks, num_threads, 0);
+}
+
+/* pd_store_kv into bf16 caches (element strides), each value rounded to nearest even */
+int pd_store_kv_bf16(const float *key, int64_t k_rs, int64_t k_hs, const float *value, int64_t v_rs, int64_t v_hs,
+                     uint16_t *k_cache, int64_t kc_sb, int64_t kc_st, int64_t kc_sh, uint16_t *v_cache, int64_t vc_sb,
+                     int64_t vc_st, int64_t vc_sh, const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                     int64_t block_size, int64_t num_blocks, int num_threads) {
+    return store_kv(key, k_rs, k_hs, value, v_rs, v_hs, k_cache, kc_sb, kc_st, kc_sh, v_cache, vc_sb, vc_st, vc_sh,
+                    slots, n, hkv, d, block_size, num_blocks, num_threads, 1);
 }

@@ -19,6 +19,16 @@
  * make every thread stream all of w. benchmarks/cpu_linear.py compares it with MKL
  * (`F.linear`) and oneDNN side by side.
  *
+ * bf16 weights (pd_gemm_bf16, pd_gemm_silu_bf16): the same panels of 16-bit bfloat16
+ * values (kernels.cpu_native.pack_weight(w, torch.bfloat16)), each widened to float32 in
+ * registers as it is loaded (into the high half of a 32-bit lane: exact) and then the
+ * same fused multiply-adds on float32 activations: half the bytes of w streamed, and the
+ * product equals pd_gemm's on the widened weight bit for bit. Widening rather than
+ * AVX512_BF16's vdpbf16ps: that instruction needs bf16 activations (one more rounding of
+ * every input) and k-pair-interleaved panels (a second layout), and it sums pairs in its
+ * own order, so the two ISA builds would stop agreeing; decode, the case bf16 is for, is
+ * bound by the weight stream, which widening halves just the same.
+ *
  * Summation order: each output is summed over k in slices, each slice a chain of fused
  * multiply-adds from zero, and the slices' sums added into y in order (the bias first)
  * -- MKL's own order where its blocked sgemm runs (4 or more rows in multiples of 4, or
@@ -34,6 +44,7 @@
 #define PD_AVX2 1
 #endif
 
+#include "bf16.h"
 #include "gemm_tile.h"
 
 #define NR PD_NR /* columns per panel; kernels.cpu_native.PANEL */
@@ -79,23 +90,28 @@ static inline __attribute__((always_inline)) void store_row(float *yi, __m512 v,
 #define STORE2(i)                                                                                                      \
     store_row(y + (i)*ldy, c##i##0, accumulate, bias, NR);                                                             \
     store_row(y + (i)*ldy + NR, c##i##1, accumulate, bias ? bias + NR : 0, ncols1);
-#define TILES(R)                                                                                                       \
-    static void tile##R(int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,   \
+#define TILES_T(R, SUF, WT, LOADW)                                                                                     \
+    static void tile##R##SUF(int64_t kc, const float *x, int64_t rs, int64_t ks, const WT *p, float *y, int64_t ldy,   \
                         int accumulate, const float *bias, int ncols) {                                                \
         ROWS##R(DECL1) for (int64_t kk = 0; kk < kc; kk++) {                                                           \
-            const __m512 b = _mm512_loadu_ps(p + kk * NR);                                                             \
+            const __m512 b = LOADW(p + kk * NR);                                                                       \
             ROWS##R(STEP1)                                                                                             \
         }                                                                                                              \
         ROWS##R(STORE1)                                                                                                \
     }                                                                                                                  \
-    static void tile_pair##R(int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,  \
+    static void tile_pair##R##SUF(int64_t kc, const float *x, int64_t rs, int64_t ks, const WT *p0, const WT *p1,      \
                              float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {                   \
         ROWS##R(DECL2) for (int64_t kk = 0; kk < kc; kk++) {                                                           \
-            const __m512 b0 = _mm512_loadu_ps(p0 + kk * NR), b1 = _mm512_loadu_ps(p1 + kk * NR);                       \
+            const __m512 b0 = LOADW(p0 + kk * NR), b1 = LOADW(p1 + kk * NR);                                           \
             ROWS##R(STEP2)                                                                                             \
         }                                                                                                              \
         ROWS##R(STORE2)                                                                                                \
     }
+/* a panel row of 16 weights as 16 float32 lanes: float32 as it is, bf16 widened (exact) */
+#define LOAD_F32(q) _mm512_loadu_ps(q)
+#define LOAD_BF16(q)                                                                                                   \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(q))), 16))
+#define TILES(R) TILES_T(R, , float, LOAD_F32) TILES_T(R, _bf16, uint16_t, LOAD_BF16)
 TILES(1)
 TILES(2)
 TILES(3)
@@ -112,7 +128,26 @@ typedef void (*pair_fn)(int64_t, const float *, int64_t, int64_t, const float *,
                         const float *, int);
 static const pair_fn pairs[MR + 1] = {0,          tile_pair1, tile_pair2, tile_pair3, tile_pair4,
                                           tile_pair5, tile_pair6, tile_pair7, tile_pair8};
+typedef void (*tile_bf16_fn)(int64_t, const float *, int64_t, int64_t, const uint16_t *, float *, int64_t, int,
+                             const float *, int);
+static const tile_bf16_fn tiles_bf16[MR + 1] = {0,          tile1_bf16, tile2_bf16, tile3_bf16, tile4_bf16,
+                                                tile5_bf16, tile6_bf16, tile7_bf16, tile8_bf16};
+typedef void (*pair_bf16_fn)(int64_t, const float *, int64_t, int64_t, const uint16_t *, const uint16_t *, float *,
+                             int64_t, int, const float *, int);
+static const pair_bf16_fn pairs_bf16[MR + 1] = {0,               tile_pair1_bf16, tile_pair2_bf16, tile_pair3_bf16,
+                                                tile_pair4_bf16, tile_pair5_bf16, tile_pair6_bf16, tile_pair7_bf16,
+                                                tile_pair8_bf16};
 #define PD_PANEL_PAIRS 1
+
+void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
+                        const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
+    pairs_bf16[rows < 1 ? 1 : rows](kc, x, rs, ks, p0, p1, y, ldy, accumulate, bias, ncols1);
+}
+
+void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p, float *y,
+                       int64_t ldy, int accumulate, const float *bias, int ncols) {
+    tiles_bf16[rows < 1 ? 1 : rows](kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols);
+}
 
 void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
@@ -156,24 +191,47 @@ static inline __attribute__((always_inline)) void store_row(float *yi, __m256 v0
         c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                                                     \
     }
 #define STORE(i) store_row(y + (i)*ldy, c##i##0, c##i##1, accumulate, bias, ncols);
-#define TILE(R, DECLS, STEPS, STORES)                                                                                  \
-    static void tile##R(int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,   \
-                        int accumulate, const float *bias, int ncols) {                                                \
-        DECLS                                                                                                          \
-        for (int64_t kk = 0; kk < kc; kk++) {                                                                          \
-            const __m256 b0 = _mm256_loadu_ps(p + kk * NR), b1 = _mm256_loadu_ps(p + kk * NR + 8);                     \
-            STEPS                                                                                                      \
+#define ROWS1(F) F(0)
+#define ROWS2(F) ROWS1(F) F(1)
+#define ROWS3(F) ROWS2(F) F(2)
+#define ROWS4(F) ROWS3(F) F(3)
+#define ROWS5(F) ROWS4(F) F(4)
+#define ROWS6(F) ROWS5(F) F(5)
+#define TILE_T(R, SUF, WT, LOAD2, FIX)                                                                                 \
+    static void tile##R##SUF(int64_t kc, const float *x, int64_t rs, int64_t ks, const WT *p, float *y, int64_t ldy, \
+                             int accumulate, const float *bias, int ncols) {                                           \
+        ROWS##R(DECL) for (int64_t kk = 0; kk < kc; kk++) {                                                            \
+            LOAD2(p + kk * NR, b0, b1)                                                                                 \
+            ROWS##R(STEP)                                                                                              \
         }                                                                                                              \
-        STORES                                                                                                         \
+        ROWS##R(FIX) ROWS##R(STORE)                                                                                    \
     }
-TILE(6, DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5), STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5),
-     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5))
-TILE(5, DECL(0) DECL(1) DECL(2) DECL(3) DECL(4), STEP(0) STEP(1) STEP(2) STEP(3) STEP(4),
-     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4))
-TILE(4, DECL(0) DECL(1) DECL(2) DECL(3), STEP(0) STEP(1) STEP(2) STEP(3), STORE(0) STORE(1) STORE(2) STORE(3))
-TILE(3, DECL(0) DECL(1) DECL(2), STEP(0) STEP(1) STEP(2), STORE(0) STORE(1) STORE(2))
-TILE(2, DECL(0) DECL(1), STEP(0) STEP(1), STORE(0) STORE(1))
-TILE(1, DECL(0), STEP(0), STORE(0))
+/* A panel row's 16 weights as two registers of 8 float32 lanes. float32: columns 0-7 and
+   8-15. bf16: one 32-byte load, whose 32-bit lanes each hold columns 2j (low half) and
+   2j + 1 (high half): shifted left 16 they are the even columns, masked the odd ones
+   (exact), two cheap ops where widening each half (vpmovzxwd + shift) takes four on
+   Zen 1; the accumulators then hold even and odd columns, put back in order once per
+   tile (UNZIP), not once per step of k. Each column's chain of fused multiply-adds is
+   the float32 kernel's on the widened weight: the same bits. */
+#define LOAD2_F32(q, b0, b1) const __m256 b0 = _mm256_loadu_ps(q), b1 = _mm256_loadu_ps((q) + 8);
+#define LOAD2_BF16(q, b0, b1)                                                                                          \
+    const __m256i w_ = _mm256_loadu_si256((const __m256i *)(q));                                                       \
+    const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(w_, 16));                                                  \
+    const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(w_, _mm256_set1_epi32((int)0xffff0000u)));
+static inline __attribute__((always_inline)) void unzip(__m256 *even, __m256 *odd) {
+    const __m256 lo = _mm256_unpacklo_ps(*even, *odd), hi = _mm256_unpackhi_ps(*even, *odd);
+    *even = _mm256_permute2f128_ps(lo, hi, 0x20); /* columns 0-7 */
+    *odd = _mm256_permute2f128_ps(lo, hi, 0x31);  /* columns 8-15 */
+}
+#define KEEP(i)
+#define UNZIP(i) unzip(&c##i##0, &c##i##1);
+#define TILE(R) TILE_T(R, , float, LOAD2_F32, KEEP) TILE_T(R, _bf16, uint16_t, LOAD2_BF16, UNZIP)
+TILE(6)
+TILE(5)
+TILE(4)
+TILE(3)
+TILE(2)
+TILE(1)
 
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols) {
@@ -184,6 +242,18 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
         case 3: tile3(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
         case 2: tile2(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
         default: tile1(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols);
+    }
+}
+
+void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p, float *y,
+                       int64_t ldy, int accumulate, const float *bias, int ncols) {
+    switch (rows) {
+        case 6: tile6_bf16(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
+        case 5: tile5_bf16(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
+        case 4: tile4_bf16(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
+        case 3: tile3_bf16(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
+        case 2: tile2_bf16(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols); break;
+        default: tile1_bf16(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols);
     }
 }
 #else
@@ -198,6 +268,16 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
             y[i * ldy + j] = accumulate ? y[i * ldy + j] + acc : acc + (bias ? bias[j] : 0.0f);
         }
 }
+
+void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p, float *y,
+                       int64_t ldy, int accumulate, const float *bias, int ncols) {
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < ncols; j++) {
+            float acc = 0.0f;
+            for (int64_t kk = 0; kk < kc; kk++) acc += x[i * rs + kk * ks] * pd_bf16_to_f32(p[kk * NR + j]);
+            y[i * ldy + j] = accumulate ? y[i * ldy + j] + acc : acc + (bias ? bias[j] : 0.0f);
+        }
+}
 #endif
 
 #ifndef PD_PANEL_PAIRS
@@ -206,7 +286,33 @@ void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks,
     pd_gemm_tile(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
     pd_gemm_tile(rows, kc, x, rs, ks, p1, y + NR, ldy, accumulate, bias ? bias + NR : 0, ncols1);
 }
+
+void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
+                        const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
+    pd_gemm_tile_bf16(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
+    pd_gemm_tile_bf16(rows, kc, x, rs, ks, p1, y + NR, ldy, accumulate, bias ? bias + NR : 0, ncols1);
+}
 #endif
+
+/* One or two panels' tile on a packed weight of either element type: p is float32
+   (bf16 == 0) or bf16, and o0 / o1 are the panels' element offsets into it. */
+static inline void tile_any(int bf16, int two, int rows, int64_t kc, const float *x, int64_t rs, const void *p,
+                            int64_t o0, int64_t o1, float *y, int64_t ldy, int accumulate, const float *bias,
+                            int ncols) {
+    if (bf16) {
+        const uint16_t *w = p;
+        if (two)
+            pd_gemm_tile2_bf16(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
+        else
+            pd_gemm_tile_bf16(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
+    } else {
+        const float *w = p;
+        if (two)
+            pd_gemm_tile2(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
+        else
+            pd_gemm_tile(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
+    }
+}
 
 /* MKL's split of k (see the top): two equal halves up to 2 KC, KC at a time past it. */
 static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 : KC; }
@@ -214,8 +320,8 @@ static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 :
 /* Panels [pb, pe) of y for m <= MC rows of x, each read where it lies, two panels at a
  * time where the tile takes them. A panel's k slices follow each other, so w streams in
  * its own order. */
-static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
-                       int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
+static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int bf16, const float *bias,
+                       float *y, int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
     const int64_t kstep = k_step(k);
     for (int64_t j = pb, step; j < pe; j += step) {
 #ifdef PD_PANEL_PAIRS
@@ -227,14 +333,11 @@ static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const 
         const float *bj = bias ? bias + j * NR : 0;
         for (int64_t k0 = 0; k0 < k; k0 += kstep) {
             const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-            const float *pj = p + (j * k + k0) * NR;
+            const int64_t oj = (j * k + k0) * NR;
             for (int64_t i = 0; i < m; i += MR) {
                 const int rows = m - i < MR ? (int)(m - i) : MR;
-                if (step == 2)
-                    pd_gemm_tile2(rows, kc, x + i * ldx + k0, ldx, 1, pj, pj + k * NR, y + i * ldy + j * NR, ldy, k0 > 0, bj,
-                                  ncols);
-                else
-                    pd_gemm_tile(rows, kc, x + i * ldx + k0, ldx, 1, pj, y + i * ldy + j * NR, ldy, k0 > 0, bj, ncols);
+                tile_any(bf16, step == 2, rows, kc, x + i * ldx + k0, ldx, p, oj, oj + k * NR, y + i * ldy + j * NR,
+                         ldy, k0 > 0, bj, ncols);
             }
         }
     }
@@ -251,8 +354,8 @@ static inline int64_t bound(int64_t panels, int t, int threads) {
 #endif
 }
 
-int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
-            int64_t ldy, int64_t n, int num_threads) {
+static int gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int bf16, const float *bias,
+                float *y, int64_t ldy, int64_t n, int num_threads) {
     if (m < 0 || n < 0 || k <= 0 || ldx < k || ldy < n || num_threads < 1) return 1;
     if (m == 0 || n == 0) return 0;
     if (m * n * k < PARALLEL_MIN_MACS) num_threads = 1;
@@ -265,9 +368,20 @@ int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, c
     for (int t = 0; t < num_threads; t++) {
         const int64_t pb = bound(panels, t, num_threads), pe = bound(panels, t + 1, num_threads);
         for (int64_t r0 = 0; r0 < m; r0 += MC)
-            run_panels(x + r0 * ldx, ldx, m - r0 < MC ? m - r0 : MC, k, p, bias, y + r0 * ldy, ldy, n, pb, pe);
+            run_panels(x + r0 * ldx, ldx, m - r0 < MC ? m - r0 : MC, k, p, bf16, bias, y + r0 * ldy, ldy, n, pb, pe);
     }
     return 0;
+}
+
+int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
+            int64_t ldy, int64_t n, int num_threads) {
+    return gemm(x, ldx, m, k, p, 0, bias, y, ldy, n, num_threads);
+}
+
+/* pd_gemm on bf16 panels (see the top): float32 x, bias and y */
+int pd_gemm_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, const float *bias, float *y,
+                 int64_t ldy, int64_t n, int num_threads) {
+    return gemm(x, ldx, m, k, p, 1, bias, y, ldy, n, num_threads);
 }
 
 void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n); /* elementwise_cpu.c */
@@ -279,8 +393,8 @@ void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n); /* el
  * then pd_silu_mul_row writes act's 16 columns. The [m, 2 inter] product is never
  * written out and read back. Each sum is pd_gemm's, in the same order, so act equals
  * pd_silu_mul(pd_gemm(x, p)) bit for bit. Threads split the gate panels. */
-int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, float *act, int64_t lda,
-                 int64_t inter, int num_threads) {
+static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int bf16, float *act,
+                     int64_t lda, int64_t inter, int num_threads) {
     if (m < 0 || k <= 0 || inter <= 0 || inter % NR || ldx < k || lda < inter || num_threads < 1) return 1;
     if (m == 0) return 0;
     if (m * 2 * inter * k < PARALLEL_MIN_MACS) num_threads = 1;
@@ -296,10 +410,10 @@ int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float 
             for (int64_t j = pb; j < pe; j++) {
                 for (int64_t k0 = 0; k0 < k; k0 += kstep) {
                     const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-                    const float *pg = p + (j * k + k0) * NR, *pu = p + ((panels + j) * k + k0) * NR;
+                    const int64_t og = (j * k + k0) * NR, ou = ((panels + j) * k + k0) * NR;
                     for (int64_t i = 0; i < mb; i += MR)
-                        pd_gemm_tile2(mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, 1, pg, pu,
-                                      gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
+                        tile_any(bf16, 1, mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, p, og, ou,
+                                 gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
                 }
                 for (int64_t i = 0; i < mb; i++)
                     pd_silu_mul_row(gu + i * 2 * NR, gu + i * 2 * NR + NR, act + (r0 + i) * lda + j * NR, NR);
@@ -307,4 +421,15 @@ int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float 
         }
     }
     return 0;
+}
+
+int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, float *act, int64_t lda,
+                 int64_t inter, int num_threads) {
+    return gemm_silu(x, ldx, m, k, p, 0, act, lda, inter, num_threads);
+}
+
+/* pd_gemm_silu on bf16 panels (see the top) */
+int pd_gemm_silu_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, float *act, int64_t lda,
+                      int64_t inter, int num_threads) {
+    return gemm_silu(x, ldx, m, k, p, 1, act, lda, inter, num_threads);
 }

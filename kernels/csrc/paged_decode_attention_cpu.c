@@ -30,11 +30,28 @@
 #define PD_AVX2 1
 #endif
 
+#include "bf16.h"
+
+/* The cache's element type kv_t (bf16.h): float32 here; paged_decode_attention_bf16_cpu.c
+   compiles this file again with PD_KV_BF16 for a bf16 cache, every K and V value widened
+   to float32 as it is loaded (exact), the arithmetic unchanged. */
+#ifdef PD_KV_BF16
+#define PD_DECODE_ATTENTION pd_paged_decode_attention_bf16
+#define KV_LOAD8(x)                                                                                                    \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x))), 16))
+#define KV_LOAD16(x)                                                                                                   \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x))), 16))
+#else
+#define PD_DECODE_ATTENTION pd_paged_decode_attention
+#define KV_LOAD8(x) _mm256_loadu_ps(x)
+#define KV_LOAD16(x) _mm512_loadu_ps(x)
+#endif
+
 #define MAX_THREADS 64
 typedef struct {
     const float *q;
-    const float *k;
-    const float *v;
+    const kv_t *k;
+    const kv_t *v;
     const int32_t *tables;
     const int32_t *lens;
     float *out;
@@ -65,21 +82,21 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
  * Eight independent accumulators, one per row: a single dot product is a chain of
  * dependent FMAs (d / 8 of them, ~5 cycles each), eight keep the FMA unit busy. Rows
  * past n repeat the last one and are not stored. */
-static inline __attribute__((always_inline)) void dots8(const float *q, const float *k, int64_t kst, int64_t n,
+static inline __attribute__((always_inline)) void dots8(const float *q, const kv_t *k, int64_t kst, int64_t n,
                                                         float scale, float *s, const int64_t d) {
-    const float *r[8];
+    const kv_t *r[8];
     for (int i = 0; i < 8; i++) r[i] = k + (i < n ? i : n - 1) * kst;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t j = 0; j < d; j += 8) {
         const __m256 qv = _mm256_loadu_ps(q + j);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r[0] + j), qv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r[1] + j), qv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r[2] + j), qv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r[3] + j), qv, a3);
-        a4 = _mm256_fmadd_ps(_mm256_loadu_ps(r[4] + j), qv, a4);
-        a5 = _mm256_fmadd_ps(_mm256_loadu_ps(r[5] + j), qv, a5);
-        a6 = _mm256_fmadd_ps(_mm256_loadu_ps(r[6] + j), qv, a6);
-        a7 = _mm256_fmadd_ps(_mm256_loadu_ps(r[7] + j), qv, a7);
+        a0 = _mm256_fmadd_ps(KV_LOAD8(r[0] + j), qv, a0);
+        a1 = _mm256_fmadd_ps(KV_LOAD8(r[1] + j), qv, a1);
+        a2 = _mm256_fmadd_ps(KV_LOAD8(r[2] + j), qv, a2);
+        a3 = _mm256_fmadd_ps(KV_LOAD8(r[3] + j), qv, a3);
+        a4 = _mm256_fmadd_ps(KV_LOAD8(r[4] + j), qv, a4);
+        a5 = _mm256_fmadd_ps(KV_LOAD8(r[5] + j), qv, a5);
+        a6 = _mm256_fmadd_ps(KV_LOAD8(r[6] + j), qv, a6);
+        a7 = _mm256_fmadd_ps(KV_LOAD8(r[7] + j), qv, a7);
     }
     const __m256 sums = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale));
     if (n == 8) {
@@ -93,7 +110,7 @@ static inline __attribute__((always_inline)) void dots8(const float *q, const fl
 
 /* o[0:d] += sum_i w[i] * v_i for the n rows v_i = v + i * vst (d a multiple of 8), in
  * chunks of 64 values whose accumulators stay in registers across the rows. */
-static inline __attribute__((always_inline)) void axpy_rows(float *o, const float *v, int64_t vst, const float *w,
+static inline __attribute__((always_inline)) void axpy_rows(float *o, const kv_t *v, int64_t vst, const float *w,
                                                             int64_t n, const int64_t d) {
     for (int64_t c = 0; c < d; c += 64) {
         const int64_t nv = d - c < 64 ? (d - c) / 8 : 8;
@@ -101,8 +118,8 @@ static inline __attribute__((always_inline)) void axpy_rows(float *o, const floa
         for (int64_t x = 0; x < nv; x++) acc[x] = _mm256_loadu_ps(o + c + 8 * x);
         for (int64_t i = 0; i < n; i++) {
             const __m256 wi = _mm256_set1_ps(w[i]);
-            const float *vi = v + i * vst + c;
-            for (int64_t x = 0; x < nv; x++) acc[x] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vi + 8 * x), acc[x]);
+            const kv_t *vi = v + i * vst + c;
+            for (int64_t x = 0; x < nv; x++) acc[x] = _mm256_fmadd_ps(wi, KV_LOAD8(vi + 8 * x), acc[x]);
         }
         for (int64_t x = 0; x < nv; x++) _mm256_storeu_ps(o + c + 8 * x, acc[x]);
     }
@@ -126,12 +143,12 @@ static inline __attribute__((always_inline)) void axpy_rows(float *o, const floa
 #endif
 
 /* ask for `bytes` from `base` on into L2, a cache line at a time */
-static inline void prefetch_span(const float *base, int64_t bytes) {
+static inline void prefetch_span(const void *base, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)base + off, 0, 2);
 }
 
 /* ask for the line holding `x` (prefetcht2) */
-static inline __attribute__((always_inline)) void prefetch_line(const float *x) {
+static inline __attribute__((always_inline)) void prefetch_line(const void *x) {
     __builtin_prefetch((const char *)x, 0, 1);
 }
 
@@ -148,14 +165,14 @@ static inline __m256 fold(__m512 a) {
 #define PAIR_DECL(t) __m512 a##t = _mm512_setzero_ps(), b##t = _mm512_setzero_ps();
 #define PAIR_STEP(t)                                                                                                   \
     {                                                                                                                  \
-        const __m512 kv = _mm512_loadu_ps(r[t] + j);                                                                   \
+        const __m512 kv = KV_LOAD16(r[t] + j);                                                                         \
         a##t = _mm512_fmadd_ps(kv, q0v, a##t);                                                                         \
         b##t = _mm512_fmadd_ps(kv, q1v, b##t);                                                                         \
     }
-static inline __attribute__((always_inline)) void dots8_pair(const float *q0, const float *q1, const float *k,
+static inline __attribute__((always_inline)) void dots8_pair(const float *q0, const float *q1, const kv_t *k,
                                                              int64_t kst, int64_t n, float scale, float *s0,
-                                                             float *s1, const int64_t d, const float *pf) {
-    const float *r[8];
+                                                             float *s1, const int64_t d, const kv_t *pf) {
+    const kv_t *r[8];
     for (int i = 0; i < 8; i++) r[i] = k + (i < n ? i : n - 1) * kst;
     PAIR_DECL(0) PAIR_DECL(1) PAIR_DECL(2) PAIR_DECL(3) PAIR_DECL(4) PAIR_DECL(5) PAIR_DECL(6) PAIR_DECL(7)
     for (int64_t j = 0; j < d; j += 16) {
@@ -183,9 +200,9 @@ static inline __attribute__((always_inline)) void dots8_pair(const float *q0, co
 /* o0 += sum_i w0[i] v_i, o1 += sum_i w1[i] v_i over the same n rows v_i = v + i * vst
  * (d a multiple of 16), each row loaded once for both, 64 values at a time; with each line
  * loaded, the line at the same offset from `pf` is asked for (pf NULL: none). */
-static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, float *o1, const float *v, int64_t vst,
+static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, float *o1, const kv_t *v, int64_t vst,
                                                                  const float *w0, const float *w1, int64_t n,
-                                                                 const int64_t d, const float *pf) {
+                                                                 const int64_t d, const kv_t *pf) {
     for (int64_t c = 0; c < d; c += 64) {
         const int64_t nv = d - c < 64 ? (d - c) / 16 : 4;
         __m512 x[4], y[4];
@@ -195,11 +212,11 @@ static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, floa
         }
         for (int64_t i = 0; i < n; i++) {
             const __m512 u0 = _mm512_set1_ps(w0[i]), u1 = _mm512_set1_ps(w1[i]);
-            const float *vi = v + i * vst + c;
+            const kv_t *vi = v + i * vst + c;
             if (pf)
                 for (int64_t u = 0; u < nv; u++) prefetch_line(pf + i * vst + c + 16 * u);
             for (int64_t u = 0; u < nv; u++) {
-                const __m512 vv = _mm512_loadu_ps(vi + 16 * u);
+                const __m512 vv = KV_LOAD16(vi + 16 * u);
                 x[u] = _mm512_fmadd_ps(u0, vv, x[u]);
                 y[u] = _mm512_fmadd_ps(u1, vv, y[u]);
             }
@@ -239,20 +256,21 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
 #endif
 
     /* bytes from an item's first row of a block to past its last */
-    const int64_t k_span = 4 * ((hpi - 1) * p->k_sh + (p->block_size - 1) * p->k_st + d);
-    const int64_t v_span = 4 * ((hpi - 1) * p->v_sh + (p->block_size - 1) * p->v_st + d);
+    const int64_t k_span = (int64_t)sizeof(kv_t) * ((hpi - 1) * p->k_sh + (p->block_size - 1) * p->k_st + d);
+    const int64_t v_span = (int64_t)sizeof(kv_t) * ((hpi - 1) * p->v_sh + (p->block_size - 1) * p->v_st + d);
     for (int64_t blk = 0; blk < PREFETCH_AHEAD && blk < nblk; blk++) prefetch_span(p->k + table[blk] * p->k_sb + h0 * p->k_sh, k_span);
     /* pass 1: scores[r][t] = scale * <q_r, k_t>, a block at a time */
     for (int64_t blk = 0; blk < nblk; blk++) {
         const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
-        const float *kb = p->k + table[blk] * p->k_sb + h0 * p->k_sh;
+        const kv_t *kb = p->k + table[blk] * p->k_sb + h0 * p->k_sh;
         /* the block PREFETCH_AHEAD on; past the last, V's first blocks, where pass 2 starts */
         const int64_t ahead = blk + PREFETCH_AHEAD;
-        const float *kf = ahead < nblk ? p->k + table[ahead] * p->k_sb + h0 * p->k_sh
+        const kv_t *kf = ahead < nblk ? p->k + table[ahead] * p->k_sb + h0 * p->k_sh
                                        : p->v + table[ahead - nblk < nblk ? ahead - nblk : 0] * p->v_sb + h0 * p->v_sh;
         if (PREFETCH_AHEAD && !spread && ahead < nblk) prefetch_span(kf, k_span);
         for (int64_t r = 0; r < nq; r++) {
-            const float *kh = kb + (r / group) * p->k_sh, *qr = q + r * d;
+            const kv_t *kh = kb + (r / group) * p->k_sh;
+            const float *qr = q + r * d;
             float *s = scores + r * len + t0;
 #ifdef PD_AVX512
             if (pairs && r % group + 1 < group) { /* this query row and the next share their keys */
@@ -270,9 +288,9 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
             }
 #endif
             for (int64_t i = 0; i < n; i++) {
-                const float *kt = kh + i * p->k_st;
+                const kv_t *kt = kh + i * p->k_st;
                 float acc = 0.0f;
-                for (int64_t j = 0; j < d; j++) acc += qr[j] * kt[j];
+                for (int64_t j = 0; j < d; j++) acc += qr[j] * kv_f32(kt[j]);
                 s[i] = acc * p->scale;
             }
         }
@@ -293,12 +311,13 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
     /* pass 2: out[r] = sum_t p[r][t] * v_t, accumulated over a block before one store */
     for (int64_t blk = 0; blk < nblk; blk++) {
         const int64_t t0 = blk * p->block_size, n = len - t0 < p->block_size ? len - t0 : p->block_size;
-        const float *vb = p->v + table[blk] * p->v_sb + h0 * p->v_sh;
+        const kv_t *vb = p->v + table[blk] * p->v_sb + h0 * p->v_sh;
         const int64_t ahead = blk + PREFETCH_AHEAD;
-        const float *vf = ahead < nblk ? p->v + table[ahead] * p->v_sb + h0 * p->v_sh : NULL;
+        const kv_t *vf = ahead < nblk ? p->v + table[ahead] * p->v_sb + h0 * p->v_sh : NULL;
         if (PREFETCH_AHEAD && !spread && vf) prefetch_span(vf, v_span);
         for (int64_t r = 0; r < nq; r++) {
-            const float *vh = vb + (r / group) * p->v_sh, *w = scores + r * len + t0;
+            const kv_t *vh = vb + (r / group) * p->v_sh;
+            const float *w = scores + r * len + t0;
             float *o = out + r * d;
 #ifdef PD_AVX512
             if (pairs && r % group + 1 < group) {
@@ -314,8 +333,8 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
             }
 #endif
             for (int64_t i = 0; i < n; i++) {
-                const float *vt = vh + i * p->v_st;
-                for (int64_t j = 0; j < d; j++) o[j] += w[i] * vt[j];
+                const kv_t *vt = vh + i * p->v_st;
+                for (int64_t j = 0; j < d; j++) o[j] += w[i] * kv_f32(vt[j]);
             }
         }
     }
@@ -346,7 +365,7 @@ static void *run_job(void *arg) {
 }
 
 /* Returns 0 on success; 1 bad arguments (shapes, a length past its table, a bad block id); 2 out of memory. */
-int pd_paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *tables,
+int PD_DECODE_ATTENTION(const float *q, const kv_t *k, const kv_t *v, const int32_t *tables,
                               const int32_t *lens, float *out, int64_t batch, int64_t hq, int64_t hkv,
                               int64_t d, int64_t block_size, int64_t max_blocks, int64_t num_blocks, int64_t k_sb, int64_t k_st,
                               int64_t k_sh, int64_t v_sb, int64_t v_st, int64_t v_sh, float scale,

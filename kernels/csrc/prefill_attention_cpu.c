@@ -30,11 +30,23 @@
 
 #include "gemm_tile.h"
 
+#include "bf16.h"
+
+/* The cache's element type kv_t (bf16.h): float32 here; prefill_attention_bf16_cpu.c
+   compiles this file again with PD_KV_BF16 for a bf16 cache, whose keys and values are
+   widened (exactly) as they are packed into the float32 panels; the rest is unchanged. */
+#ifdef PD_KV_BF16
+#define PD_PREFILL_ATTENTION pd_prefill_attention_bf16
+#else
+#define PD_PREFILL_ATTENTION pd_prefill_attention
+#endif
+
 #define TOKENS 48 /* query tokens per work item */
 #define KEYS 64   /* keys per step: four panels */
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const kv_t *k, *v;
     float *out;
     const int32_t *tables, *q_start, *q_len, *ctx_len;
     int64_t ldq, hq, hkv, d, block_size, max_blocks;
@@ -60,10 +72,14 @@ static void pack_keys(const problem_t *p, const int32_t *table, int64_t h, int64
         const int64_t pnl = jj / PD_NR, col = jj % PD_NR;
         if (jj < nk) {
             const int64_t key = j0 + jj, blk = table[key / p->block_size], off = key % p->block_size;
-            const float *kr = p->k + blk * p->k_sb + off * p->k_st + h * p->k_sh;
-            const float *vr = p->v + blk * p->v_sb + off * p->v_st + h * p->v_sh;
-            for (int64_t x = 0; x < d; x++) kp[(pnl * d + x) * PD_NR + col] = kr[x];
+            const kv_t *kr = p->k + blk * p->k_sb + off * p->k_st + h * p->k_sh;
+            const kv_t *vr = p->v + blk * p->v_sb + off * p->v_st + h * p->v_sh;
+            for (int64_t x = 0; x < d; x++) kp[(pnl * d + x) * PD_NR + col] = kv_f32(kr[x]);
+#ifdef PD_KV_BF16
+            for (int64_t x = 0; x < d; x++) vp[((x / PD_NR) * KEYS + jj) * PD_NR + x % PD_NR] = kv_f32(vr[x]);
+#else
             for (int64_t x = 0; x < d; x += PD_NR) memcpy(vp + ((x / PD_NR) * KEYS + jj) * PD_NR, vr + x, sizeof(float) * PD_NR);
+#endif
         } else {
             for (int64_t x = 0; x < d; x++) kp[(pnl * d + x) * PD_NR + col] = 0.0f;
             for (int64_t x = 0; x < d; x += PD_NR) memset(vp + ((x / PD_NR) * KEYS + jj) * PD_NR, 0, sizeof(float) * PD_NR);
@@ -157,7 +173,7 @@ static void attend_seq_head(const problem_t *p, scratch_t *w, int64_t seq, int64
 
 /* Returns 0; 1 bad arguments (shapes, a context past its table or the cache, a block id
  * outside the cache); 2 out of memory. */
-int pd_prefill_attention(const float *q, int64_t ldq, const float *k, const float *v, const int32_t *tables,
+int PD_PREFILL_ATTENTION(const float *q, int64_t ldq, const kv_t *k, const kv_t *v, const int32_t *tables,
                          int64_t max_blocks, int64_t num_blocks, const int32_t *q_start, const int32_t *q_len,
                          const int32_t *ctx_len, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
                          int64_t block_size, int64_t k_sb, int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st,

@@ -31,6 +31,9 @@ CASES = {
                    ["block_size", "prefill has 16", "decode has 32"]),
     "backend": ("qwen3", {**engine_options(), "kv_transfer": "tcp"}, ["backend", "'shm'", "'tcp'"]),
     "model": ("llama", {**engine_options(), "kv_transfer": "shm"}, ["model_fingerprint"]),
+    # the same model at bfloat16 (bf16 KV, another fingerprint) against a float32 prefill worker
+    "dtype": ("qwen3", {**engine_options(), "dtype": "bfloat16", "kv_transfer": "shm"},
+              ["dtype", "prefill has 'float32'", "decode has 'bfloat16'"]),
 }
 
 

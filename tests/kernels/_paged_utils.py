@@ -67,3 +67,12 @@ def naive_decode(q, k_cache, v_cache, bt, lens, scale):
             out[b, h] = naive_attention_one(q[b, h] * scale, ks[:, h // group], vs[:, h // group])
     return out
 
+def with_threads(threads: int, fn):
+    """fn() on `threads` torch intra-op threads (the native kernels' OpenMP count), then
+    the old count back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)

@@ -83,10 +83,24 @@ def spy(monkeypatch):
     return calls
 
 
+@pytest.fixture(scope="module")
+def bf16_engines(model_dirs):
+    """bf16 weights, float32 activations and cache (common.models.precision)."""
+    return {arch: LLM(model_dirs[arch], num_threads=2, num_kv_blocks=256, max_model_len=256,
+                      dtype="bfloat16").engine for arch in ARCHS}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch", [1, 3, 7, 17])  # 7 and 17: past a 6-row register tile
-def test_stack_matches_torch_path(engines, arch, batch, monkeypatch, torch_path):
-    engine = engines[arch]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_matches_torch_path(engines, bf16_engines, arch, batch, dtype, monkeypatch, torch_path):
+    """bfloat16: the stack reads the bf16 panels and the bf16 cache; the torch path
+    multiplies by the same bf16 weights widened (F.linear in float32) and reads the same
+    cache widened, so the two agree as closely."""
+    engine = (engines if dtype == "float32" else bf16_engines)[arch]
+    if dtype == "bfloat16":
+        layer = engine.runner.model.decode_stack().layers[0]
+        assert layer.qkv_p.dtype == layer.k_cache.dtype == torch.bfloat16
     seqs, (ids, positions, meta, _, _) = decode_inputs(engine, batch)
     model = engine.runner.model
     calls = spy(monkeypatch)
@@ -103,8 +117,11 @@ def test_stack_matches_torch_path(engines, arch, batch, monkeypatch, torch_path)
         # layers: up to ~1.2e-4 on hidden states of magnitude ~3.5 seen; a wrong head,
         # slot or weight is off by far more
         torch.testing.assert_close(fast, slow, rtol=1e-4, atol=3e-4)
+        # a bf16 cache: those differences may round a stored value one bf16 step (2^-8
+        # relative, half-way cases) apart
+        kv_rtol = 1e-4 if dtype == "float32" else 2 ** -7
         for a, b in zip(fast_kv, slow_kv):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=3e-4)
+            torch.testing.assert_close(a, b, rtol=kv_rtol, atol=3e-4)
     finally:
         for s in seqs:
             engine.abort(s)
@@ -183,7 +200,7 @@ def test_not_taken_where_it_does_not_apply(engines, monkeypatch):
 
 
 def test_no_stack_for_other_dtypes(model_dirs):
-    engine = LLM(model_dirs["llama"], num_threads=1, num_kv_blocks=16, max_model_len=64, dtype="bfloat16").engine
+    engine = LLM(model_dirs["llama"], num_threads=1, num_kv_blocks=16, max_model_len=64, dtype="float16").engine
     assert engine.runner.model.decode_stack() is None
 
 

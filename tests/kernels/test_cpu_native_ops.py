@@ -255,3 +255,13 @@ def test_qk_norm_rope_declines_what_it_does_not_take():
     assert torch.equal(qkv, before)
     with pytest.raises(ValueError, match="cos and sin"):
         cpu_native.qk_norm_rope_(torch.randn(3, 32), 2, 1, 8, None, None, 1e-6, cos.squeeze(1), sin.squeeze(1))
+
+
+def test_silu_mul_of_a_very_negative_gate_is_zero_not_nan():
+    """exp(-g) overflows to inf past g ~ -88.7; the fused kernel must still give ~0 there,
+    as torch's silu does (it gave NaN: -ffast-math's refined reciprocal of inf)."""
+    gate = torch.tensor([-1000.0, -200.0, -95.0, -89.0, -88.0, -50.0, 0.0, 3.0] * 2)
+    gate_up = torch.cat((gate, torch.full((16,), 2.0)))[None]
+    got = cpu_native.silu_mul(gate_up)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, F.silu(gate)[None] * 2.0, rtol=1e-6, atol=1e-30)

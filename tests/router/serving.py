@@ -82,13 +82,14 @@ def _pdserve() -> list[str]:
 
 
 def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len: int, timeout: float = 150.0,
-                 faults: str | None = None) -> Served:
-    """`pdserve serve` started and ready; `faults` is its PDSERVE_FAULTS (docs/reliability.md)."""
+                 faults: str | None = None, extra: tuple[str, ...] = ()) -> Served:
+    """`pdserve serve` started and ready; `faults` is its PDSERVE_FAULTS (docs/reliability.md);
+    `extra`: more flags."""
     ready = workdir / "ready.json"
     log = workdir / "serve.log"
     cmd = [*_pdserve(), "serve", model_dir, *roles, "--http-port", "0", "--zmq-port", "0",
            "--num-kv-blocks", "256", "--max-model-len", str(max_model_len), "--num-threads", "1",
-           "--ready-file", str(ready)]
+           "--ready-file", str(ready), *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", **({"PDSERVE_FAULTS": faults} if faults else {})))

@@ -186,8 +186,11 @@ def test_worker_of_another_model_or_block_size_is_refused(model_dirs, capfd):
         try:
             other_model = h.worker("c-model")
             other_block = h.worker("c-block")
+            other_dtype = h.worker("c-bf16")  # the router's model at bfloat16 (the router's is float32)
             good = h.worker("c-good")
             await h.send(dataclasses.replace(other_model.hello(), model_fingerprint="0123456789abcdef"))
+            await h.send(dataclasses.replace(other_dtype.hello(), model_fingerprint=h.router.model_fingerprint.replace(
+                ":float32", ":bfloat16")))
             await h.send(dataclasses.replace(other_block.hello(), block_size=32))
             await h.send_raw(messages.encode(WorkerStatus("c-model", "colocated", 0, 0, 64, 64))[:5])  # malformed
             await h.send(good.hello())
@@ -206,6 +209,7 @@ def test_worker_of_another_model_or_block_size_is_refused(model_dirs, capfd):
     err = capfd.readouterr().err
     assert "refused colocated worker c-model" in err and "model fingerprint '0123456789abcdef'" in err
     assert "refused colocated worker c-block" in err and "block_size 32 (router: 16)" in err
+    assert "refused colocated worker c-bf16" in err and "dtype bfloat16 (router: float32" in err
     assert "router: dropped a malformed control message" in err
 
 

@@ -158,3 +158,12 @@ def test_refusal_names_a_different_model():
 def test_refusal_names_both_differences():
     why = refusal(dataclasses.replace(hello("c0", role="colocated"), block_size=8), BLOCK, "other")
     assert "block_size 8" in why and "fingerprint" in why
+
+
+def test_refusal_names_a_different_dtype_of_the_same_model():
+    """The fingerprint covers the engine dtype: the same weights at bfloat16 are refused by
+    a float32 deployment, with the flag that fixes it."""
+    why = refusal(dataclasses.replace(hello("d1", role="decode"), model_fingerprint="ab12:bfloat16"), BLOCK,
+                  "ab12:float32")
+    assert why is not None and "d1" in why and "dtype bfloat16 (router: float32" in why and "--dtype float32" in why
+    assert refusal(dataclasses.replace(hello("d1"), model_fingerprint="ab12:float32"), BLOCK, "ab12:float32") is None
