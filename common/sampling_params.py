@@ -21,10 +21,32 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range [-100, 100]: -100 bans a token, 1
 MAX_PENALTY = 2.0  # presence/frequency: OpenAI's range [-2, 2]
 MAX_REPETITION_PENALTY = 100.0  # > 0; 1 is off. Bounded so logit/penalty stays finite in float32
 SEED_RANGE = (-2**63, 2**63)  # any int64, as vLLM; the generator is seeded with seed mod 2**64
+# structured output: what each kind's spec holds (common/engine/grammar.py compiles it)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # JSON schema text, "", regex, JSON list, EBNF
+MAX_STRUCTURED_SPEC_CHARS = 64 * 1024  # compiled once per process (LRU), but a huge spec is a DoS on the compiler
 
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names it and its limit."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output text: `kind` (one of STRUCTURED_KINDS) and `spec`, its
+    text (a JSON schema, a regex, a JSON list of choices, an EBNF grammar; "" for
+    json_object). Only the shape is checked here; whether it compiles is checked at the
+    edge and by each engine (common/engine/grammar.py)."""
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise SamplingParamsError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                      f"got {str(self.kind)[:40]!r}")
+        if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise SamplingParamsError(f"a structured output spec may hold at most {MAX_STRUCTURED_SPEC_CHARS} "
+                                      f"characters, got {len(self.spec)}")
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,9 @@ class SamplingParams:
     temperature, `min_p`, top-k and top-p. A sampled `stop_token_ids` token ends the
     request with "stop" (kept in the output, like EOS). `logit_bias` is held as sorted
     (token id, bias) pairs: msgpack map keys on the wire are strings only, and a tuple
-    keeps the params frozen; a dict given here is turned into them.
+    keeps the params frozen; a dict given here is turned into them. `structured`
+    constrains the output to a grammar (its mask comes first, before logit_bias); the
+    request stops with "stop" when the grammar is complete.
 
     Built by a user, it is checked at once. Decoded off the wire (`unchecked`) it is
     checked by whoever serves it (`validate()`), so the refusal can name the request.
@@ -64,6 +88,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +138,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
         self._validate_stops()
         self._validate_penalties()
+        if self.structured is not None:
+            self.structured.validate()
 
     def _validate_stops(self) -> None:
         if self.stop_token_ids is not None:

@@ -12,6 +12,7 @@ import torch
 
 from common.engine.block_manager import BlockManager
 from common.config import EngineConfig
+from common.engine.grammar import GrammarError
 from common.engine.graph_runner import GraphRunner
 from common.hashing import block_hashes
 from common.engine.model_runner import ModelRunner
@@ -76,6 +77,7 @@ class LLMEngine:
         if tokenizer_eos is not None:
             self.eos_token_ids.add(tokenizer_eos)
         self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # what min_tokens hides
+        self.runner.grammars.stop_token_ids = sorted(self.eos_token_ids)  # what ends a grammar
         self._tokenizer: Tokenizer | None = None
         self._ids = SeqIdCounter()
 
@@ -99,6 +101,11 @@ class LLMEngine:
         """A validated Sequence, not yet scheduled. `prompt_hashes` are the chained hashes
         of the prompt's full blocks when the caller computed them already (the router)."""
         check_sampling(params, self.config.model.vocab_size)
+        if params.structured is not None:
+            try:
+                self.runner.grammars.compile(params.structured)  # into the cache, before any step needs it
+            except GrammarError as e:
+                raise RequestError(f"structured output ({params.structured.kind}) does not compile: {e}") from None
         token_ids = self.validate_prompt(prompt)
         n_full = len(token_ids) // self.config.cache.block_size
         if prompt_hashes is None or not prompt_hashes:
@@ -148,6 +155,7 @@ class LLMEngine:
         if seq.status != SequenceStatus.FINISHED:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq.seq_id)
+        seq.grammar = None
 
     def abort(self, seq: Sequence) -> None:
         self.release(seq, "abort")
@@ -247,6 +255,12 @@ class LLMEngine:
         matches them (common/text/detokenizer.py) and ends the sequence (`release`)."""
         p = seq.sampling_params
         last = seq.token_ids[-1]
+        if p.structured is not None:
+            try:
+                if self.runner.grammars.is_complete(seq):
+                    return "stop"  # the grammar accepted its stop token: ends even with ignore_eos
+            except ValueError:  # only a first token handed over from elsewhere can break it
+                return "abort"
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 return "stop"

@@ -15,6 +15,7 @@ from common.engine.kv_layout import kv_cache_tensor
 from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
 from common.models.precision import cast_model, kv_cache_dtype
+from common.engine.grammar import Grammars
 from common.engine.sampler import Sampler, make_generator
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
@@ -77,6 +78,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.model.kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(config.model.num_layers)]
         self.sampler = Sampler(config.seed, dev.device)
+        self.grammars = Grammars(config.model.model_dir, config.model.vocab_size)  # structured output
         self._generators: dict[int, torch.Generator] = {}
 
     def release(self, seq_id: int) -> None:
@@ -127,8 +129,10 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
         """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
         logits = self.model.compute_logits(hidden)  # [S, V]
+        # one check: a step without structured-output rows fills no mask
+        bitmask = self.grammars.bitmask(seqs) if any(s.sampling_params.structured for s in seqs) else None
         tokens = self.sampler(logits, [s.sampling_params for s in seqs], [self._generator(s) for s in seqs],
-                              [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs])
+                              [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], bitmask)
         return {s.seq_id: t for s, t in zip(seqs, tokens)}
 
     def prepare(self, seqs: list[Sequence], counts: list[int]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from common.engine.grammar import apply_bitmask
 from common.sampling_params import SamplingParams
 
 
@@ -26,10 +27,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
-                 token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None) -> list[int]:
+                 token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
+                 bitmask: tuple[torch.Tensor, list[int]] | None = None) -> list[int]:
         """logits [B, V] float32 -> one token id per row. `token_ids[i]` is row i's whole
         sequence so far (prompt then output; `num_prompt_tokens[i]` of it prompt): needed
-        only when some row uses min_tokens or a penalty."""
+        only when some row uses min_tokens or a penalty. `bitmask` (mask [B, V/32], rows):
+        the structured-output rows' allowed tokens, applied first."""
+        if bitmask is not None:
+            logits = logits.clone()
+            apply_bitmask(logits, *bitmask)
         if any(_touches_logits(p) for p in params):  # one check: a plain step costs nothing more
             assert token_ids is not None and num_prompt_tokens is not None, "penalties need the token history"
             logits = process_logits(logits.clone(), params, token_ids, num_prompt_tokens, self.eos_token_ids)

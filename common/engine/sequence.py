@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.sampling_params import SamplingParams
 
@@ -40,6 +41,9 @@ class Sequence:
     prompt_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # structured output: the grammar matcher (common/engine/grammar.py), made on first use and
+    # advanced only through appended tokens, so it survives preemption; dropped on release
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from common import schema
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutput
 
 PROTOCOL_VERSION = 2  # 2: workers send one `step_outputs` per step instead of a `token_output` per token
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
@@ -54,6 +54,7 @@ def register(tag: str, cls: type) -> type:
 
 # SamplingParams is the wire form itself: decoded `unchecked`, validated by whoever serves it.
 register("sampling", SamplingParams)
+register("structured_output", StructuredOutput)
 
 
 @message("kv_layout")
