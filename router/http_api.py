@@ -5,9 +5,12 @@ server does not know is ignored (the server logs its name once; `unknown_fields`
 field it knows but cannot honour is refused by name (`unsupported`)."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+from common.sampling_params import StructuredOutput
 
 
 class _NullIsDefault(BaseModel):
@@ -53,6 +56,9 @@ class _Common(_NullIsDefault):
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
     logit_bias: dict[int, StrictFloat | StrictInt] | None = None  # JSON keys are token ids as strings
+    # structured output (`structured_output` reads both): OpenAI's response_format and vLLM's field
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # OpenAI parameters pdserve does not implement: declared so that a request asking for
     # them is refused (unsupported()) instead of silently served without them
     logprobs: Any = None
@@ -60,7 +66,6 @@ class _Common(_NullIsDefault):
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -70,7 +75,6 @@ class _Common(_NullIsDefault):
 # value(s) of an unsupported parameter that ask for nothing beyond what pdserve does
 _HARMLESS: dict[str, tuple] = {
     "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
 }
 
@@ -86,6 +90,89 @@ def sampling_fields(body: _Common) -> dict[str, Any]:
     if "logit_bias" in out:
         out["logit_bias"] = tuple(sorted((t, float(b)) for t, b in out["logit_bias"].items()))
     return out
+
+
+class StructuredOutputError(ValueError):
+    """The body's structured output request cannot be served; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# vLLM's structured_outputs keys -> our kinds; a key given as null is left out
+_VLLM_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def structured_output(body: _Common, check: bool = False) -> StructuredOutput | None:
+    """The body's output constraint (response_format or structured_outputs), or None;
+    StructuredOutputError naming the field when it is malformed or (with `check`) does
+    not compile."""
+    so, param = _structured_output(body)
+    if so is not None and check:
+        from common.engine.grammar import GrammarError, check as compile_check  # xgrammar: only when asked
+        try:
+            so.validate()
+            compile_check(so)
+        except (GrammarError, ValueError) as e:
+            raise StructuredOutputError(param, f"{param} does not compile: {e}") from None
+    return so
+
+
+def _structured_output(body: _Common) -> tuple[StructuredOutput | None, str]:
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.get("type") != "text" and so:
+        raise StructuredOutputError("structured_outputs", "give response_format or structured_outputs, not both")
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "text":
+            return None, ""
+        if kind == "json_object":
+            return StructuredOutput("json_object"), "response_format"
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise StructuredOutputError("response_format.json_schema",
+                                            "response_format.json_schema must be an object with a schema")
+            schema = spec.get("schema", spec.get("json_schema"))
+            if schema is None:
+                return StructuredOutput("json_object"), "response_format"
+            if not isinstance(schema, dict):
+                raise StructuredOutputError("response_format.json_schema.schema", "the schema must be a JSON object")
+            return StructuredOutput("json", json.dumps(schema)), "response_format.json_schema.schema"
+        raise StructuredOutputError("response_format.type", f"response_format.type must be text, json_object or "
+                                                            f"json_schema, got {str(kind)[:40]!r}")
+    given = {k: v for k, v in (so or {}).items() if v is not None and v is not False}
+    if not given:
+        return None, ""
+    unknown = sorted(set(given) - set(_VLLM_KINDS))
+    if unknown:
+        raise StructuredOutputError(f"structured_outputs.{unknown[0]}",
+                                    f"structured_outputs.{unknown[0]} is not supported by this server; "
+                                    f"give one of {', '.join(_VLLM_KINDS)}")
+    if len(given) != 1:
+        raise StructuredOutputError("structured_outputs", f"structured_outputs takes one constraint, got "
+                                                          f"{', '.join(sorted(given))}")
+    (key, value), = given.items()
+    param = f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise StructuredOutputError(param, f"{param} is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise StructuredOutputError(param, f"{param} must be a JSON schema object")
+        return StructuredOutput("json", json.dumps(value)), param
+    if key == "json_object":
+        return StructuredOutput("json_object"), param
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise StructuredOutputError(param, f"{param} must be a non-empty list of non-empty strings")
+        return StructuredOutput("choice", json.dumps(value)), param
+    if not isinstance(value, str) or not value:
+        raise StructuredOutputError(param, f"{param} must be a non-empty string")
+    return StructuredOutput(_VLLM_KINDS[key], value), param
 
 
 def unsupported(body: _Common) -> str | None:

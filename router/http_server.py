@@ -18,8 +18,8 @@ from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError
-from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, sampling_fields, unknown_fields,
-                             unsupported)
+from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, StructuredOutputError, TokenizeBody, sampling_fields,
+                             structured_output, unknown_fields, unsupported)
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.text import merge_outputs, openai_usage
 
@@ -236,6 +236,10 @@ class OpenAIServer:
         if (name := unsupported(body)) is not None:
             return error(400, f"{name} is not supported by this server; leave it out", param=name,
                          code="unsupported_parameter")
+        try:
+            structured_output(body, check=True)
+        except StructuredOutputError as e:
+            return error(400, str(e), param=e.param)
         return None
 
     def submit_request(self, body: Body, default_max_tokens: int, **prompt: Any) -> SubmitRequest:
@@ -245,7 +249,8 @@ class OpenAIServer:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                                            stop=stop, seed=body.seed, ignore_eos=body.ignore_eos, **sampling_fields(body))
+                                            stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
+                                            structured=structured_output(body), **sampling_fields(body))
         return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                              return_timeline=body.return_timeline, **prompt)
 
