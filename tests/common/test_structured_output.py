@@ -145,3 +145,11 @@ def test_compiled_grammars_are_an_lru(model_dirs):
     g.compile(a)  # a is the most recent now: c evicts b
     g.compile(c)
     assert set(g._cache) == {("regex", "a+"), ("regex", "c+")}
+
+
+def test_structured_crosses_the_wire_as_a_typed_map():
+    from common.wire.messages import SubmitRequest, decode, encode
+    so = StructuredOutput("json", json.dumps(FIXED))
+    sub = SubmitRequest(request_id="r", sampling=SamplingParams(structured=so), prompt_token_ids=[1, 2])
+    back = decode(encode(sub))
+    assert back.sampling.structured == so and isinstance(back.sampling.structured, StructuredOutput)
