@@ -14,6 +14,7 @@ A matcher only ever accepts tokens already appended to the sequence, so a failed
 (re-run by the engine's isolation) leaves it as it was."""
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -50,21 +51,30 @@ def _choice_ebnf(spec: str) -> str:
 
 
 def check(so: StructuredOutput) -> None:
-    """GrammarError unless `so` compiles; needs no tokenizer (the router's edge check)."""
+    """GrammarError unless `so` compiles; needs no tokenizer (the router's edge check).
+    Answers are cached per (kind, spec), as clients resend the same schema."""
+    problem = _problem(so.kind, so.spec)
+    if problem is not None:
+        raise GrammarError(problem)
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _problem(kind: str, spec: str) -> str | None:
     xgr = _xgr()
     try:
-        if so.kind == "json":
-            xgr.Grammar.from_json_schema(so.spec, any_whitespace=False)
-        elif so.kind == "regex":
-            xgr.Grammar.from_regex(so.spec)
-        elif so.kind == "choice":
-            xgr.Grammar.from_ebnf(_choice_ebnf(so.spec))
-        elif so.kind == "grammar":
-            xgr.Grammar.from_ebnf(so.spec)
+        if kind == "json":
+            xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(_choice_ebnf(spec))
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(spec)
+    except GrammarError as e:
+        return str(e)
     except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError with the parser's message
-        if isinstance(e, GrammarError):
-            raise
-        raise GrammarError(_short(e)) from None
+        return _short(e)
+    return None
 
 
 def _short(e: Exception) -> str:
