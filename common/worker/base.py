@@ -203,8 +203,9 @@ class WorkerBase:
         while the loop is inside a long step, so a multi-second prefill does not look like a
         dead worker; and watch the router: when it is gone, stop the loop (which closes
         everything, the shm segment included) -- or, if the loop is stuck in a step for
-        another 5 s, release what outlives us and exit. It has its own socket: ZeroMQ
-        sockets are not shared between threads."""
+        another 5 s, release what outlives us and exit. A joined worker (no router pid)
+        says hello again every router_timeout_s instead: a restarted router registers it.
+        It has its own socket: ZeroMQ sockets are not shared between threads."""
         cfg = self.wconfig
         sock = Client(self.ctx, cfg.report_to, key=self.key) if cfg.report_to else None
         tick = min(cfg.heartbeat_s, cfg.router_timeout_s / 2)
