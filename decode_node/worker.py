@@ -10,7 +10,6 @@ decode_node/peers.py."""
 from __future__ import annotations
 
 import os
-import socket
 
 import zmq
 
@@ -49,7 +48,7 @@ class DecodeWorker(WorkerBase):
         faults = Faults.from_env(self.worker_id)  # a bad PDSERVE_FAULTS fails before the cache exists
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
-                                  self.backend, self.key, clock)
+                                  self.backend, self.key, clock, self.host_id)
         init_transfer_group(worker_config, engine_config.device.device)
         try:
             for address in worker_config.prefill_peers:
@@ -74,7 +73,7 @@ class DecodeWorker(WorkerBase):
         return KVHandshake(self.worker_id, self.server.address, self.layout, self.backend,
                            dict(self.receiver.backend_info(), num_blocks=self.engine.block_manager.num_blocks,
                                 **self.dist_info(), pid=os.getpid(),
-                                host=socket.gethostname()))  # P drops what it holds for us once we are gone
+                                host=self.host_id))  # P drops what it holds for us once we are gone
 
     # ---- messages from the router -------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
