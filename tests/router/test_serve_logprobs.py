@@ -154,3 +154,17 @@ def test_top_logprobs_without_logprobs_is_a_400(pd):
     r = httpx.post(f"{pd.http}/chat/completions", timeout=30,
                    json={"model": "qwen3", "max_tokens": 2, "messages": CHAT, "top_logprobs": 2})
     assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
+
+
+def test_zmq_client_gets_the_same_logprobs(pd, tok, offline):
+    from router.client import Client
+    ids = tok.encode(PROMPTS[0])
+    want = offline(ids)
+    with Client(pd.zmq, timeout_s=60) as client:
+        done = client.generate(PROMPTS[0], max_tokens=MAX_NEW, temperature=0, logprobs=TOP)
+        plain = client.generate(PROMPTS[0], max_tokens=MAX_NEW, temperature=0)
+        streamed = list(client.stream(PROMPTS[0], max_tokens=MAX_NEW, temperature=0, logprobs=TOP))
+    assert done.token_ids == want["token_ids"] and plain.logprobs is None
+    assert [x.logprob for x in done.logprobs] == pytest.approx([x.logprob for x in want["logprobs"]], abs=1e-4)
+    assert [x.top_ids for x in done.logprobs] == [x.top_ids for x in want["logprobs"]]
+    assert [x for o in streamed for x in o.logprobs or ()] == done.logprobs
