@@ -370,6 +370,7 @@ class WorkerConfig:
     world_size: int = 0
     prefill_peers: tuple[str, ...] = ()  # decode role: prefill workers to handshake with at start
     report_to: str = ""  # router address to push WorkerStatus heartbeats to
+    host_id: str = ""  # "same host" is decided by it (common/worker/host.py); "" = boot id + network namespace
     heartbeat_s: float = option(0.5, "worker heartbeat interval (s)")
     peer_timeout_s: float = option(10.0, "a prefill/decode peer silent this long (s), or a handshake unanswered, "
                                          "is lost (same host: its process is watched)")
@@ -377,7 +378,9 @@ class WorkerConfig:
     # the deployment's secret (hex, common.wire.auth): only ever in the 0600 config file, never argv/env
     secret: str = field(default="", repr=False)
     # fault tolerance (docs/reliability.md)
-    router_pid: int = 0  # the router's process; this worker exits when it is gone (0: not watched)
+    # the router's process (same host); this worker exits when it is gone. 0: not watched
+    # (a joined worker: it re-sends its hello every router_timeout_s until a router registers it)
+    router_pid: int = 0
     router_timeout_s: float = option(3.0, "how often (s) a worker checks its router; it exits within this "
                                           "after the router")
     lease_s: float = option(30.0, "a decode worker gives up a reservation whose KV has not landed after "

@@ -21,6 +21,7 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range [-100, 100]: -100 bans a token, 1
 MAX_PENALTY = 2.0  # presence/frequency: OpenAI's range [-2, 2]
 MAX_REPETITION_PENALTY = 100.0  # > 0; 1 is off. Bounded so logit/penalty stays finite in float32
 SEED_RANGE = (-2**63, 2**63)  # any int64, as vLLM; the generator is seeded with seed mod 2**64
+MAX_LOGPROBS = 20  # top log-probabilities per token, OpenAI's limit (top_logprobs <= 20)
 # structured output: what each kind's spec holds (common/engine/grammar.py compiles it)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # JSON schema text, "", regex, JSON list, EBNF
 MAX_STRUCTURED_SPEC_CHARS = 64 * 1024  # compiled once per process (LRU), but a huge spec is a DoS on the compiler
@@ -88,6 +89,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    # None: no log-probabilities; n: the sampled token's and the n most likely (common/logprobs.py)
+    logprobs: int | None = None
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -136,6 +139,8 @@ class SamplingParams:
                     raise SamplingParamsError(f"stop string {s[:40]!r} is not valid Unicode (lone surrogate)")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self._validate_stops()
         self._validate_penalties()
         if self.structured is not None:

@@ -25,6 +25,8 @@ class Outbox:
         # invariant: nothing follows a finished entry (the request has left the worker)
         assert not last.finished, f"request {entry.request_id}: output after its last one"
         last.token_ids += entry.token_ids
+        if entry.logprobs:  # a request that asks has one per token; an entry without tokens has none
+            last.logprobs = (last.logprobs or []) + entry.logprobs
         last.finished, last.finish_reason, last.timeline = entry.finished, entry.finish_reason, entry.timeline
         if entry.num_prompt_tokens:
             last.num_prompt_tokens, last.num_cached_tokens = entry.num_prompt_tokens, entry.num_cached_tokens

@@ -3,7 +3,6 @@ messages they send. It never touches requests: it reports events, and the worker
 decides what they mean for the requests that wait on a peer."""
 from __future__ import annotations
 
-import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -12,6 +11,7 @@ import zmq
 from common.clock import SYSTEM_CLOCK, Clock
 from common.wire.auth import DeploymentKey
 from common.config import ConfigError
+from common.worker.host import local_host_id, same_host
 from common.worker.liveness import process_alive
 from common.wire.messages import KVHandshake, KVHandshakeReply, KVLayout, StatusRequest
 from common.wire.transport import Client, Incoming, is_endpoint
@@ -62,7 +62,7 @@ class PrefillPeers:
     """Owns the sockets to prefill workers, keyed by address."""
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller, decode_id: str, timeout_s: float,
-                 backend: str, key: DeploymentKey, clock: Clock = SYSTEM_CLOCK) -> None:
+                 backend: str, key: DeploymentKey, clock: Clock = SYSTEM_CLOCK, host_id: str = "") -> None:
         self.ctx = ctx
         self.clock = clock
         self.key = key
@@ -70,6 +70,7 @@ class PrefillPeers:
         self.decode_id = decode_id
         self.timeout_s = timeout_s
         self.backend = backend
+        self.host_id = host_id or local_host_id()
         self.peers: dict[str, PrefillPeer] = {}
         self._checked = 0.0  # when check() last looked (monotonic s)
 
@@ -134,7 +135,7 @@ class PrefillPeers:
                     lost.append(self._drop(peer, f"prefill worker at {peer.address} did not answer the "
                                                  f"handshake within {self.timeout_s:.0f} s"))
                 continue
-            if self._writes_into_our_memory(peer) or peer.info.get("host") == socket.gethostname():
+            if self._writes_into_our_memory(peer) or same_host(self.host_id, peer.info.get("host")):
                 # on this host a P's death is confirmed, never guessed from silence: a P busy
                 # with a long prefill is silent (and, over shm / CUDA IPC, may still be writing
                 # into our blocks). A reaped or zombie process is dead (common/worker/liveness.py).
@@ -150,7 +151,7 @@ class PrefillPeers:
         return lost
 
     def _writes_into_our_memory(self, peer: PrefillPeer) -> bool:
-        return self.backend in ("shm", "cuda_ipc") and peer.info.get("host") == socket.gethostname()
+        return self.backend in ("shm", "cuda_ipc") and same_host(self.host_id, peer.info.get("host"))
 
     def _drop(self, peer: PrefillPeer, why: str) -> PeerLost:
         if peer.ready:

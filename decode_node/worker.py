@@ -10,13 +10,13 @@ decode_node/peers.py."""
 from __future__ import annotations
 
 import os
-import socket
 
 import zmq
 
 from common.clock import SYSTEM_CLOCK, Clock
 from common.config import EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine, RequestError, StepOutput
+from common.logprobs import TokenLogprobs
 from common.worker.faults import Faults
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, KVHandshake, KVReady, PrefillFailed,
                                   PrefillRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus)
@@ -49,7 +49,7 @@ class DecodeWorker(WorkerBase):
         faults = Faults.from_env(self.worker_id)  # a bad PDSERVE_FAULTS fails before the cache exists
         self.engine = self.make_engine()
         self.peers = PrefillPeers(self.ctx, self.poller, self.worker_id, worker_config.peer_timeout_s,
-                                  self.backend, self.key, clock)
+                                  self.backend, self.key, clock, self.host_id)
         init_transfer_group(worker_config, engine_config.device.device)
         try:
             for address in worker_config.prefill_peers:
@@ -74,7 +74,7 @@ class DecodeWorker(WorkerBase):
         return KVHandshake(self.worker_id, self.server.address, self.layout, self.backend,
                            dict(self.receiver.backend_info(), num_blocks=self.engine.block_manager.num_blocks,
                                 **self.dist_info(), pid=os.getpid(),
-                                host=socket.gethostname()))  # P drops what it holds for us once we are gone
+                                host=self.host_id))  # P drops what it holds for us once we are gone
 
     # ---- messages from the router -------------------------------------------------------
     def handle(self, inc: Incoming) -> None:
@@ -219,10 +219,10 @@ class DecodeWorker(WorkerBase):
         mark(req.timeline, Stamp.FIRST_TOKEN, now)
         self.requests.move(req, State.RUNNING)
         try:
-            out = self.engine.start_decoding(req.seq, ready.first_token, ready.sampler_state)
+            out = self.engine.start_decoding(req.seq, ready.first_token, ready.sampler_state, ready.first_logprobs)
         except ValueError as e:  # a P on another kind of device: the seed alone still works
             self.log(f"request {req.request_id}: {e}; sampling goes on from the seed alone")
-            out = StepOutput(req.seq, ready.first_token, False)
+            out = StepOutput(req.seq, ready.first_token, False, logprobs=ready.first_logprobs)
         self.emit(req, out)
 
     # ---- the step --------------------------------------------------------------------------
@@ -292,22 +292,23 @@ class DecodeWorker(WorkerBase):
         """Queue a step's token for this turn's message; a finished sequence has released
         its blocks in the engine."""
         if not out.finished:
-            entry = RequestOutput(req.request_id, [out.new_token])
+            entry = RequestOutput(req.request_id, [out.new_token], logprobs=_logprobs(out))
             if out.seq.num_output_tokens == 1:  # the first: a request ended by a stop string gets no last entry
                 entry.num_prompt_tokens, entry.num_cached_tokens = out.seq.num_prompt_tokens, out.seq.num_cached_tokens
             self.outbox.add(req.identity, entry)
             return
-        self.finish_reply(req, out.seq.finish_reason or "stop", [out.new_token])
+        self.finish_reply(req, out.seq.finish_reason or "stop", [out.new_token], _logprobs(out))
         self.requests.move(req, State.FINISHED)
         self.counters["finished"] += 1
 
-    def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int]) -> None:
+    def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int],
+                     logprobs: list[TokenLogprobs] | None = None) -> None:
         seq = req.seq
         mark(req.timeline, Stamp.FINISH, self.clock.time())
         self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            timeline=req.timeline if req.return_timeline else None))
+            timeline=req.timeline if req.return_timeline else None, logprobs=logprobs))
 
     def flush(self) -> None:
         """End of a loop turn: one StepOutputs per router connection with every entry of
@@ -372,6 +373,11 @@ class DecodeWorker(WorkerBase):
             self.receiver.close()
             self.receiver = None
         super().close()
+
+
+def _logprobs(out: StepOutput) -> list[TokenLogprobs] | None:
+    """A step output's logprobs as a `RequestOutput` holds them: one per token."""
+    return None if out.logprobs is None else [out.logprobs]
 
 
 def serve(engine_config: EngineConfig, worker_config: WorkerConfig) -> None:

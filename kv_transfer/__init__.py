@@ -6,6 +6,7 @@ import torch
 
 from common.config import BACKENDS, ConfigError, WorkerConfig
 from common.engine.kv_layout import kv_cache_tensor
+from common.worker.host import pair_transport
 from common.engine.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.engine.kv_layout
 from kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
 from kv_transfer.peer_check import check_block_ids, check_peer_info, shm_name_hint
@@ -16,9 +17,11 @@ __all__ = ["BACKENDS", "KVReceiver", "KVSender", "PendingReceive", "TransferErro
 
 
 def resolve_backend(name: str, device: str) -> str:
-    """`auto` picks the same-host fast path for the device: cuda_ipc on GPU, shm on CPU."""
+    """`auto` picks the same-host fast path for the device: cuda_ipc on GPU, shm on CPU
+    (every worker of `pdserve serve` is on one host; a joined worker resolves `auto` with
+    common.worker.host.pair_transport before it gets here)."""
     if name == "auto":
-        return "cuda_ipc" if device.startswith("cuda") else "shm"
+        return pair_transport(name, device, same=True)
     if name not in BACKENDS:
         raise ValueError(f"unknown kv transfer backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
     gpu_only = {"cuda_ipc", "nccl"}

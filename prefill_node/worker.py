@@ -7,12 +7,12 @@ prefill_node/kv_push.py."""
 from __future__ import annotations
 
 import os
-import socket
 
 from common.clock import SYSTEM_CLOCK, Clock
 from common.config import EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine, RequestError, StepOutput
 from common.worker.faults import Faults
+from common.worker.host import cross_host_refusal, same_host
 from common.worker.liveness import process_alive
 from common.wire.messages import (AbortRequest, ErrorReply, KVHandshake, KVHandshakeReply, KVReady, PrefillFailed,
                              PrefillRequest, StatusRequest)
@@ -76,6 +76,8 @@ class PrefillWorker(WorkerBase):
         if hs.backend != self.backend:
             mismatch = (mismatch + "; " if mismatch else "") + \
                 f"kv transfer backend: prefill uses {self.backend!r}, decode uses {hs.backend!r}"
+        elif why := cross_host_refusal(self.backend, self.host_id, hs.backend_info.get("host")):
+            mismatch = (mismatch + "; " if mismatch else "") + why
         if mismatch:
             self.log(f"refused decode worker {hs.decode_id}: {mismatch}")
             self.server.send(identity, KVHandshakeReply(self.worker_id, False, f"incompatible prefill/decode pair: {mismatch}", self.layout))
@@ -98,7 +100,7 @@ class PrefillWorker(WorkerBase):
             return
         pid, host = hs.backend_info.get("pid", 0), hs.backend_info.get("host", "")
         self.decode_peers[hs.decode_id] = (pid if isinstance(pid, int) else 0, host if isinstance(host, str) else "")
-        info = dict(self.dist_info(), pid=os.getpid(), host=socket.gethostname())
+        info = dict(self.dist_info(), pid=os.getpid(), host=self.host_id)
         self.server.send(identity, KVHandshakeReply(self.worker_id, True, "", self.layout, info))
 
     def on_prefill(self, identity: bytes, req: PrefillRequest) -> None:
@@ -152,7 +154,7 @@ class PrefillWorker(WorkerBase):
         mark(job.timeline, Stamp.PREFILL_END, prefill_end)
         mark(job.timeline, Stamp.TRANSFER_START, self.clock.time())
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
-                        sampler_state=self.engine.sampler_state(seq))
+                        sampler_state=self.engine.sampler_state(seq), first_logprobs=out.logprobs)
         src = seq.block_table[job.skip_blocks:]
         try:
             frames = [] if sender.layerwise else sender.send(ready, src, job.dst_block_ids)
@@ -190,10 +192,9 @@ class PrefillWorker(WorkerBase):
         on another host, silent past peer_timeout_s -- it pings every quarter of it) will
         never take what we hold for it: its jobs end and its sender is closed (for shm:
         its segment is unmapped)."""
-        here = socket.gethostname()
         for decode_id in list(self.senders):
             pid, host = self.decode_peers.get(decode_id, (0, ""))
-            if host == here and pid > 0:
+            if same_host(self.host_id, host) and pid > 0:  # a pid only means something on its own host
                 gone = not process_alive(pid)
             else:
                 gone = now - self.decode_seen.get(decode_id, now) > self.wconfig.peer_timeout_s

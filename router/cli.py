@@ -32,6 +32,7 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
 }
+ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
 
 def config_flag(option: Option) -> str:
@@ -130,8 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Fill the DeploymentConfig once from the flags, then run it."""
     from router.deploy import plan_deployment
     from router.serve import run
-    options = engine_options(args)  # the flags' values are checked before a model is fetched
-    model = resolve_model(args.model)
+    model, options = _resolved_options(args)
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
     if not args.colocated:
@@ -139,24 +139,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.decode = 1 if args.decode is None else args.decode
     if not args.colocated and (args.prefill < 1 or args.decode < 1):
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
-    engine = options.engine_config(model)  # checks them against the model before anything starts
-    # every worker gets the same max_model_len as the router, resolved from the model once here
-    # and the dtype (`auto` resolved from the checkpoint), which the router's model fingerprint covers
-    options = options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
     max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * (args.colocated or args.decode)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY") or None
-    router_fields = given(args, ROUTER_DEST)
-    no_http = router_fields.get("http_port") == -1
-    if no_http:
-        router_fields["http_port"] = 0
-    router = RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
-                          dtype=options.device.dtype, max_model_len=engine.scheduler.max_model_len,
-                          block_size=options.cache.block_size,
-                          enable_http=not no_http, max_inflight=max_inflight, api_key=api_key,
-                          restart_workers=args.restart, **router_fields)
+    router = _router_config(args, model, options, max_inflight, restart_workers=args.restart)
     timeouts = given(args, WORKER_DEST)
     if args.colocated:
         dep = plan_deployment(router, options, threads_per_worker=threads, worker_timeouts=timeouts,
@@ -167,13 +154,103 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               prefill_devices=_devices(args.prefill_devices, args.prefill, "--prefill-devices"),
                               decode_devices=_devices(args.decode_devices, args.decode, "--decode-devices"))
     if args.secret_file:  # multi-host: every host's workers are given the same secret this way
-        from common.wire.auth import read_secret_file
-        try:
-            dep = dataclasses.replace(dep, secret=read_secret_file(args.secret_file))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        dep = dataclasses.replace(dep, secret=_secret(args.secret_file))
     run(dep, args.ready_file)
     return 0
+
+
+def _secret(path: str) -> str:
+    from common.wire.auth import read_secret_file
+    try:
+        return read_secret_file(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _router_config(args: argparse.Namespace, model: str, options: EngineOptions, max_inflight: int,
+                   **fields: Any) -> RouterConfig:
+    """The router's config: the model's, the engine options' block size, max_model_len and
+    dtype (resolved by the caller), and the router flags given."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY") or None
+    router_fields = given(args, ROUTER_DEST)
+    no_http = router_fields.get("http_port") == -1
+    if no_http:
+        router_fields["http_port"] = 0
+    return RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
+                        dtype=options.device.dtype, max_model_len=options.scheduler.max_model_len,
+                        block_size=options.cache.block_size, enable_http=not no_http, max_inflight=max_inflight,
+                        api_key=api_key, **router_fields, **fields)
+
+
+def _resolved_options(args: argparse.Namespace) -> tuple[str, EngineOptions]:
+    """The model and the engine options of the flags, with max_model_len and dtype
+    resolved from the model: a router and its workers must agree on them (the model
+    fingerprint covers the dtype)."""
+    options = engine_options(args)  # the flags' values are checked before a model is fetched
+    model = resolve_model(args.model)
+    engine = options.engine_config(model)
+    return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """The router and its front ends alone; workers join it (`pdserve worker --join`)."""
+    from router.deploy import DeploymentConfig
+    from router.serve import run
+    model, options = _resolved_options(args)
+    max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs
+    router = _router_config(args, model, options, max_inflight)
+    run(DeploymentConfig(router, (), secret=_secret(args.secret_file)), args.ready_file)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """One worker that registers with the router at --join; it runs in this process."""
+    import socket
+
+    from common.worker.spec import WorkerSpec
+    from common.worker.host import pair_transport
+    from common.wire.transport import is_endpoint
+    if not is_endpoint(args.join) or not args.join.startswith("tcp://"):
+        raise ConfigError(f"--join must be the router's control address, tcp://HOST:PORT, got {args.join!r}")
+    model, options = _resolved_options(args)
+    # a joined worker's peers may be on any host, so `auto` is tcp here (common/worker/host.py)
+    kv_transfer = "auto" if args.role == "colocated" else pair_transport(args.kv_transfer, options.device.device, None)
+    worker_id = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    wconfig = WorkerConfig(role=args.role, worker_id=worker_id, bind=f"tcp://{args.host}:{args.port}",
+                           kv_transfer=kv_transfer, report_to=args.join, host_id=args.host_id,
+                           secret=_secret(args.secret_file), ready_file=args.ready_file,
+                           **given(args, WORKER_DEST))
+    spec = WorkerSpec(model, options, wconfig)
+    print(f"pdserve worker {worker_id}: {args.role}, kv transfer {kv_transfer}, joining {args.join}",
+          file=sys.stderr, flush=True)
+    if args.role == "prefill":
+        from prefill_node.worker import serve
+    else:
+        from decode_node.worker import serve
+    serve(spec.engine_config(), spec.worker)
+    return 0
+
+
+def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret_default: str) -> argparse._ArgumentGroup:
+    """The router's flags, shared by `serve` and `router`; returns the fault-tolerance group."""
+    router_options = options_of(RouterConfig)
+    add_config_flags(p, [router_options[n] for n in fields], ROUTER_DEST)
+    p.add_argument("--secret-file", default="", required=not secret_default,
+                   help="file (mode 0600) holding the deployment secret, hex"
+                        f"{'; default: ' + secret_default if secret_default else ''}. Internal messages are "
+                        "authenticated with it; it is never passed in argv or env")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--ready-file", default="", help="write connection info as JSON here once ready")
+    g = p.add_argument_group("client-facing limits (docs/security.md)")
+    g.add_argument("--max-inflight", type=int, default=0,
+                   help="requests admitted at once; beyond: HTTP 429 / ZeroMQ 'overloaded' "
+                        "(default 4 x max-num-seqs x decode or colocated workers; `router`: x 1)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["limits"]], ROUTER_DEST)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
+    g = p.add_argument_group("fault tolerance (docs/reliability.md)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
+    return g
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,27 +294,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-devices", default=None)
     p.add_argument("--colocated-devices", default=None)
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES)
-    router_options = options_of(RouterConfig)
-    add_config_flags(p, [router_options[n] for n in SERVE_ROUTER_FIELDS[""]], ROUTER_DEST)
-    p.add_argument("--secret-file", default="",
-                   help="file (mode 0600) holding the deployment secret, hex; default: a fresh one per run. "
-                        "Internal messages are authenticated with it; it is never passed in argv or env")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--ready-file", default="", help="write connection info as JSON here once ready")
-    g = p.add_argument_group("client-facing limits (docs/security.md)")
-    g.add_argument("--max-inflight", type=int, default=0,
-                   help="requests admitted at once; beyond: HTTP 429 / ZeroMQ 'overloaded' "
-                        "(default 4 x max-num-seqs x decode or colocated workers)")
-    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["limits"]], ROUTER_DEST)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
-    g = p.add_argument_group("fault tolerance (docs/reliability.md)")
+    g = _add_router_args(p, SERVE_ROUTER_FIELDS[""], "a fresh one per run")
     g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
-    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     worker = options_of(WorkerConfig)
     add_config_flags(g, [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("router", help="start the router alone; workers join it from any host (docs/deploy.md)")
+    p.add_argument("model", nargs="?", default=None, help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    _add_router_args(p, ROUTER_ALONE_FIELDS, "")
+    _add_engine_args(p)  # block size, dtype and max_model_len: the workers must match them
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("worker", help="start one worker that joins a router (docs/deploy.md)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="the model folder on this machine (default: SmolLM2-135M-Instruct); the router "
+                        "refuses a worker whose model or dtype differs from its own")
+    p.add_argument("--role", required=True, choices=("prefill", "decode", "colocated"))
+    p.add_argument("--join", required=True, metavar="tcp://HOST:PORT",
+                   help="the router's control address (`pdserve router --host HOST --control-port PORT`)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address this worker binds and announces: the router and the other workers "
+                        "connect to it, so it must be reachable from their hosts (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="the port to bind (default: a free one)")
+    p.add_argument("--host-id", default="",
+                   help="this machine's identity for 'same host' decisions (default: the kernel's boot id "
+                        "and the network namespace)")
+    p.add_argument("--worker-id", dest="name", default="", help="default: ROLE-HOSTNAME-PID")
+    p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES,
+                   help="auto: tcp (a joined worker's peers may be on any host)")
+    p.add_argument("--secret-file", required=True,
+                   help="file (mode 0600) holding the deployment secret, hex: the router's")
+    p.add_argument("--ready-file", default="", help="write this worker's address as JSON here once it is bound")
+    worker = options_of(WorkerConfig)
+    add_config_flags(p.add_argument_group("liveness"), [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_worker)
 
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")

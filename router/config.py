@@ -18,7 +18,7 @@ class RouterConfig:
     host: str = option("127.0.0.1", "the address the HTTP, ZeroMQ and control sockets bind")
     http_port: int = option(8000, "OpenAI HTTP port; 0 picks a free port, -1 serves no HTTP")
     zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")
-    control_port: int = 0  # worker hello/heartbeats
+    control_port: int = option(0, "the port workers register on (hello, heartbeats); 0 picks a free port")
     routing: str = option("prefix_load", f"how a request's workers are chosen: {', '.join(POLICIES)}")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block

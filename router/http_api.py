@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from common.sampling_params import StructuredOutput
+from common.sampling_params import MAX_LOGPROBS, StructuredOutput
 
 
 class _NullIsDefault(BaseModel):
@@ -61,8 +61,6 @@ class _Common(_NullIsDefault):
     structured_outputs: dict[str, Any] | None = None
     # OpenAI parameters pdserve does not implement: declared so that a request asking for
     # them is refused (unsupported()) instead of silently served without them
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -74,7 +72,7 @@ class _Common(_NullIsDefault):
 
 # value(s) of an unsupported parameter that ask for nothing beyond what pdserve does
 _HARMLESS: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "echo": (False,), "best_of": (1,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
 }
 
@@ -194,6 +192,12 @@ class CompletionBody(_Common):
     # one prompt (text or token ids) or several (a choice each, `index` in this order)
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     add_special_tokens: StrictBool = True  # vLLM: the tokenizer's BOS / post-processor applies
+    # the legacy form: the sampled token's logprob and the `logprobs` most likely per token
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: None when not asked."""
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per choice."""
@@ -240,6 +244,8 @@ class ChatBody(_Common):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: StrictBool = False  # the sampled token's logprob, and `top_logprobs` most likely, per token
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -248,6 +254,16 @@ class ChatBody(_Common):
                 and data.get("add_generation_prompt") is True:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return data
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatBody":
+        if self.top_logprobs and not self.logprobs:  # OpenAI's and vLLM's rule
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: None when not asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeBody(_NullIsDefault):

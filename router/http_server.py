@@ -21,6 +21,7 @@ from router.requests import Prepared, RouteError
 from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, StructuredOutputError, TokenizeBody, sampling_fields,
                              structured_output, unknown_fields, unsupported)
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
+from router.logprobs import TokenText, chat_logprobs, completion_logprobs
 from router.text import merge_outputs, openai_usage
 
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names logged; a client inventing names cannot grow the set further
@@ -39,6 +40,14 @@ def _route_error(e: RouteError) -> JSONResponse:
                  headers=headers)
 
 
+def _completion_logprobs(out: TokenOutput, text: TokenText, offset: int) -> dict:
+    return completion_logprobs(out.token_ids, out.logprobs or [], text, offset)
+
+
+def _chat_logprobs(out: TokenOutput, text: TokenText, offset: int) -> dict:
+    return chat_logprobs(out.token_ids, out.logprobs or [], text)
+
+
 def _completion_content(text: str, first: bool | None) -> dict:
     return {"text": text}
 
@@ -53,29 +62,41 @@ def _chat_content(text: str, first: bool | None) -> dict:
 class Shape:
     """How one endpoint's responses read: the id prefix, the object names of a whole
     response and of a chunk, and a choice's text part (`content(text, first)`, where
-    `first` is None for a whole response and says whether a chunk is the stream's first)."""
+    `first` is None for a whole response and says whether a chunk is the stream's first),
+    and its logprobs (`logprobs(out, token_text, text_offset)`, router/logprobs.py)."""
 
     prefix: str
     obj: str
     chunk_obj: str
     content: Callable[[str, bool | None], dict]
+    logprobs: Callable[[TokenOutput, TokenText, int], dict]
 
 
-COMPLETION = Shape("cmpl", "text_completion", "text_completion", _completion_content)
-CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_content)
+COMPLETION = Shape("cmpl", "text_completion", "text_completion", _completion_content, _completion_logprobs)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_content, _chat_logprobs)
 
 
 class Envelope:
     """One response's id, creation time and model, around its choices; for a stream it
     also owns which choices have sent their first chunk (a chat stream's first delta of
-    each choice names the role)."""
+    each choice names the role) and each choice's text offset for completions' logprobs."""
 
-    def __init__(self, shape: Shape, request_id: str, model: str, created: float) -> None:
+    def __init__(self, shape: Shape, request_id: str, model: str, created: float, token_text: TokenText) -> None:
         self.shape = shape
         self.id = f"{shape.prefix}-{request_id}"
         self.created = int(created)
         self.model = model
         self.started: set[int] = set()
+        self.token_text = token_text
+        self.offsets: dict[int, int] = {}  # choice -> text offset of its next token (sum of token strings)
+
+    def logprobs(self, out: TokenOutput, index: int) -> dict | None:
+        """`out`'s logprobs in the endpoint's shape, or None when the request did not ask."""
+        if out.logprobs is None:
+            return None
+        form = self.shape.logprobs(out, self.token_text, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(self.token_text(t)) for t in out.token_ids)
+        return form
 
     def wrap(self, kind: str, choices: list, usage: dict | None, timeline: dict | None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
@@ -87,15 +108,15 @@ class Envelope:
         if out is None:
             return self.wrap(self.shape.chunk_obj, [], usage, None)
         choice = {"index": index, **self.shape.content(out.text, index not in self.started),
-                  "token_ids": out.token_ids, "logprobs": None, "finish_reason": out.finish_reason}
+                  "token_ids": out.token_ids, "logprobs": self.logprobs(out, index), "finish_reason": out.finish_reason}
         self.started.add(index)
         return self.wrap(self.shape.chunk_obj, [choice], usage, out.timeline)
 
     def whole(self, results: list[TokenOutput]) -> dict:
         """The response of a request that was not streamed (`results`: each choice's merged
         outputs, in `index` order)."""
-        choices = [{"index": i, **self.shape.content(res.text, None), "token_ids": res.token_ids, "logprobs": None,
-                    "finish_reason": res.finish_reason} for i, res in enumerate(results)]
+        choices = [{"index": i, **self.shape.content(res.text, None), "token_ids": res.token_ids,
+                    "logprobs": self.logprobs(res, i), "finish_reason": res.finish_reason} for i, res in enumerate(results)]
         timeline = results[0].timeline if len(results) == 1 else None
         return self.wrap(self.shape.obj, choices, openai_usage(results), timeline)
 
@@ -118,6 +139,7 @@ class OpenAIServer:
         self.model_name = router.config.model_name
         self.version = _version()
         self.logged_unknown: set[str] = set()
+        self.token_strings: dict[int, str] = {}  # token id -> its string in logprobs
         self.app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
         self.app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.max_body_bytes,
                                 api_key=router.config.api_key)
@@ -206,6 +228,14 @@ class OpenAIServer:
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- one request -----------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """One token's string in logprobs (router/logprobs.py): its decode, special tokens kept;
+        memoized (at most one string per vocabulary entry)."""
+        s = self.token_strings.get(token_id)
+        if s is None:
+            s = self.token_strings[token_id] = self.router.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
     def log_unknown(self, body: Any) -> None:
         """Unknown fields are ignored, as OpenAI and vLLM do; each name is logged once, so
         a client's typo can be found without a log line per request."""
@@ -250,7 +280,8 @@ class OpenAIServer:
         sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                                             stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
-                                            structured=structured_output(body), **sampling_fields(body))
+                                            logprobs=body.num_logprobs(), structured=structured_output(body),
+                                            **sampling_fields(body))
         return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                              return_timeline=body.return_timeline, **prompt)
 
@@ -271,7 +302,7 @@ class OpenAIServer:
         preps = await self.admitted(subs)
         if isinstance(preps, JSONResponse):
             return preps
-        envelope = Envelope(shape, preps[0].sub.request_id, self.model_name, self.router.clock.time())
+        envelope = Envelope(shape, preps[0].sub.request_id, self.model_name, self.router.clock.time(), self.token_text)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.sse(preps, envelope, include_usage), media_type="text/event-stream")

@@ -69,6 +69,8 @@ def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> li
         if isinstance(nxt, RequestOutput) and isinstance(last, RequestOutput) and not last.finished \
                 and nxt.request_id == last.request_id:  # never across attempts (router/recovery.py)
             last.token_ids = [*last.token_ids, *nxt.token_ids]
+            if nxt.logprobs:  # one per token when the request asks
+                last.logprobs = [*(last.logprobs or ()), *nxt.logprobs]
             last.finished, last.finish_reason = nxt.finished, nxt.finish_reason
             if nxt.num_prompt_tokens:  # counts ride on an attempt's first and last entries only
                 last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens

@@ -1,6 +1,7 @@
 """`pdserve serve`: the router (ZeroMQ + HTTP front ends) in this process, workers as
 child processes. Waits until every worker has registered, prints where to connect, and on
-Ctrl-C / SIGTERM stops every process it started."""
+Ctrl-C / SIGTERM stops every process it started. `pdserve router` is the same with no
+workers of its own: they join it (`pdserve worker --join`, docs/deploy.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -86,15 +87,15 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
                 await asyncio.sleep(0.02)
             port = http.servers[0].sockets[0].getsockname()[1]
             http_url = f"http://{config.host}:{port}/v1"
-        roles = (f"{len(dep.colocated_devices)} colocated" if dep.colocated_devices else
-                 f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode "
-                 f"(kv transfer {dep.kv_transfer})")
-        print(f"pdserve ready: {roles} workers, routing {config.routing}, model {config.model_dir}\n"
-              f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n  Ctrl-C stops everything.",
-              flush=True)
+        roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
+                 f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
+                 f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
+        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir}\n"
+              f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n"
+              f"  Workers join: {router.control_address}\n  Ctrl-C stops everything.", flush=True)
         freeze_startup_heap()
         if ready_file:
-            info = {"http": http_url, "zmq": front.address, "pid": os.getpid(),
+            info = {"http": http_url, "zmq": front.address, "control": router.control_address, "pid": os.getpid(),
                     "workers": {w.name: w.info for w in launcher.workers}}
             Path(ready_file).with_suffix(".tmp").write_text(json.dumps(info))
             Path(ready_file).with_suffix(".tmp").rename(ready_file)

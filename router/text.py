@@ -19,7 +19,8 @@ def merge_outputs(outs: Iterable[TokenOutput]) -> TokenOutput:
     return TokenOutput(request_id=last.request_id, token_ids=[t for o in outs for t in o.token_ids],
                        text="".join(o.text for o in outs), finished=last.finished,
                        finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
-                       num_cached_tokens=last.num_cached_tokens, timeline=last.timeline)
+                       num_cached_tokens=last.num_cached_tokens, timeline=last.timeline,
+                       logprobs=[lp for o in outs for lp in o.logprobs or ()] if any(o.logprobs for o in outs) else None)
 
 
 def usage(out: TokenOutput) -> dict[str, int]:

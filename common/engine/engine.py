@@ -15,7 +15,8 @@ from common.config import EngineConfig
 from common.engine.grammar import GrammarError
 from common.engine.graph_runner import GraphRunner
 from common.hashing import block_hashes
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import ModelRunner, Sampled
+from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledBatch, Scheduler
 from common.engine.sequence import SeqIdCounter, Sequence, SequenceStatus
@@ -34,6 +35,7 @@ class StepOutput:
     new_token: int
     finished: bool
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asks (SamplingParams.logprobs)
 
 
 @dataclass
@@ -131,9 +133,11 @@ class LLMEngine:
         cached = self.scheduler.reserve(seq)
         return None if cached is None else seq.block_table[cached:]
 
-    def start_decoding(self, seq: Sequence, first_token: int, sampler_state: bytes = b"") -> StepOutput:
+    def start_decoding(self, seq: Sequence, first_token: int, sampler_state: bytes = b"",
+                       logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Decode role: `seq`'s prompt KV has landed in its reserved blocks and a prefill
-        worker sampled `first_token` (with its generator left at `sampler_state`).
+        worker sampled `first_token` (with its generator left at `sampler_state`, and its
+        `logprobs` when the request asks).
         Raises ValueError if the sampler state does not fit this engine (the seed alone
         then goes on) after the sequence is running."""
         assert seq.status == SequenceStatus.RESERVED, seq.status
@@ -141,7 +145,7 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(seq)
         seq.token_ids.append(first_token)
         self.scheduler.start_running(seq)
-        out = self._finish_if_stopped(seq, first_token)
+        out = self._finish_if_stopped(seq, first_token, logprobs)
         if not out.finished and sampler_state:
             self.runner.restore_generator(seq, sampler_state)
         return out
@@ -198,19 +202,19 @@ class LLMEngine:
             batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
         self.scheduler.advance(batch)
         for seq in batch.seqs:
-            token = sampled.get(seq.seq_id)
-            if token is None:
+            s = sampled.get(seq.seq_id)
+            if s is None:
                 continue
-            seq.token_ids.append(token)
+            seq.token_ids.append(s.token)
             if self.prefill_only:
                 self.scheduler.detach(seq)
-                outputs.append(StepOutput(seq, token, True))
+                outputs.append(StepOutput(seq, s.token, True, logprobs=s.logprobs))
             else:
-                outputs.append(self._finish_if_stopped(seq, token))
+                outputs.append(self._finish_if_stopped(seq, s.token, s.logprobs))
         return outputs
 
     def _isolate(self, batch: ScheduledBatch, error: Exception, generators: dict[int, bytes]
-                 ) -> tuple[dict[int, int], dict[int, str]]:
+                 ) -> tuple[dict[int, Sampled], dict[int, str]]:
         """The batch's step raised: run it again in halves, down to single sequences, to
         find which sequence(s) make it raise. Returns the tokens of the rest and an error
         per culprit. Token-exact for the rest: a failed attempt advanced nothing (the
@@ -219,7 +223,7 @@ class LLMEngine:
         generators are put back as they were before it."""
         print(f"[engine] a step of {len(batch)} sequence(s) raised {type(error).__name__}: {error}; "
               f"isolating the sequence(s) that cause it", file=sys.stderr, flush=True)
-        sampled: dict[int, int] = {}
+        sampled: dict[int, Sampled] = {}
         failed: dict[int, str] = {}
         parts = [list(range(len(batch)))]
         while parts:
@@ -241,11 +245,11 @@ class LLMEngine:
                     parts += [part[:len(part) // 2], part[len(part) // 2:]]
         return sampled, failed
 
-    def _finish_if_stopped(self, seq: Sequence, token: int) -> StepOutput:
+    def _finish_if_stopped(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
         reason = self.check_stop(seq)
         if reason:
             self.release(seq, reason)
-        return StepOutput(seq, token, reason is not None)
+        return StepOutput(seq, token, reason is not None, logprobs=logprobs)
 
     def check_stop(self, seq: Sequence) -> str | None:
         """'stop' on EOS or a `stop_token_ids` token, 'length' on max_tokens /

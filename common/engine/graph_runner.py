@@ -9,7 +9,7 @@ import torch
 
 from common.models.attention import AttentionMetadata
 from common.config import EngineConfig
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import ModelRunner, Sampled
 from common.engine.scheduler import ScheduledBatch
 
 
@@ -48,7 +48,7 @@ class GraphRunner(ModelRunner):
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # decode steps served from the static buffers (eager or graph)
 
-    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, int]:
+    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, Sampled]:
         bucket = pick_bucket(len(batch), self.buckets)
         if layer_hook is not None or bucket is None or any(n != 1 for n in batch.num_tokens):
             return super().execute(batch, layer_hook)

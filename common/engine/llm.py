@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from common.config import EngineConfig
 from common.engine.engine import LLMEngine, RequestError
+from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
 
@@ -28,7 +29,8 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict[str, Any]]:
         """One result dict per prompt, in order: text, token_ids, prompt_token_ids,
-        finish_reason, num_cached_tokens."""
+        finish_reason, num_cached_tokens; `logprobs` (a `TokenLogprobs` per output token)
+        when its params ask."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         if sampling_params is None:
@@ -47,12 +49,15 @@ class LLM:
                   for s in seqs if s.sampling_params.stop}
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         errors: dict[int, str] = {}  # seq_id -> why the engine failed it (finish_reason "error")
+        logprobs: dict[int, list[TokenLogprobs]] = {s.seq_id: [] for s in seqs if s.sampling_params.logprobs is not None}
         try:
             while self.engine.has_work():
                 outputs = self.engine.step()
                 errors.update({o.seq.seq_id: o.error for o in outputs if o.error})
                 done = sum(o.finished for o in outputs)
                 for o in outputs:
+                    if o.logprobs is not None:
+                        logprobs[o.seq.seq_id].append(o.logprobs)
                     detok = detoks.get(o.seq.seq_id)
                     if detok is None or o.error:
                         continue
@@ -77,4 +82,5 @@ class LLM:
             "finish_reason": s.finish_reason,
             "num_cached_tokens": s.num_cached_tokens,
             **({"error": errors[s.seq_id]} if s.seq_id in errors else {}),
+            **({"logprobs": logprobs[s.seq_id]} if s.seq_id in logprobs else {}),
         } for s in seqs]

@@ -4,7 +4,7 @@ paged KV cache tensor and per-request sampling generators."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -16,10 +16,12 @@ from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
 from common.models.precision import cast_model, kv_cache_dtype
 from common.engine.grammar import Grammars
+from common.engine.logprobs import raw_logprobs, token_logprobs
 from common.engine.sampler import Sampler, make_generator
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.loading.weights import load_weights
+from common.logprobs import TokenLogprobs
 
 
 def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
@@ -52,6 +54,12 @@ def decide_num_blocks(config: EngineConfig) -> int:
             f"{config.scheduler.max_model_len} ({need} blocks of {config.cache.block_size} tokens); "
             f"raise num_kv_blocks or lower max_model_len")
     return n
+
+
+class Sampled(NamedTuple):
+    """One sequence's sampled token and, when its request asks, its log-probabilities."""
+    token: int
+    logprobs: TokenLogprobs | None = None
 
 
 class ModelRunner:
@@ -114,7 +122,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None
-                ) -> dict[int, int]:
+                ) -> dict[int, Sampled]:
         """Run one step; returns {seq_id: sampled token} for seqs that completed all their tokens."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)  # decode first
         seqs = [batch.seqs[i] for i in order]
@@ -126,14 +134,17 @@ class ModelRunner:
         return self.sample(hidden, sample_seqs)
 
     @torch.inference_mode()
-    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
+    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sampled]:
         """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
         logits = self.model.compute_logits(hidden)  # [S, V]
+        params = [s.sampling_params for s in seqs]
+        raw = raw_logprobs(logits, params)  # None unless a row asks; taken before the grammar's mask
         # one check: a step without structured-output rows fills no mask
-        bitmask = self.grammars.bitmask(seqs) if any(s.sampling_params.structured for s in seqs) else None
-        tokens = self.sampler(logits, [s.sampling_params for s in seqs], [self._generator(s) for s in seqs],
+        bitmask = self.grammars.bitmask(seqs) if any(p.structured for p in params) else None
+        tokens = self.sampler(logits, params, [self._generator(s) for s in seqs],
                               [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], bitmask)
-        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+        lps = token_logprobs(raw, params, tokens) if raw is not None else {}
+        return {s.seq_id: Sampled(t, lps.get(i)) for i, (s, t) in enumerate(zip(seqs, tokens))}
 
     def prepare(self, seqs: list[Sequence], counts: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:

@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 
 from common import schema
+from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams, StructuredOutput
 
 PROTOCOL_VERSION = 2  # 2: workers send one `step_outputs` per step instead of a `token_output` per token
@@ -133,6 +134,7 @@ class TokenOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     timeline: dict[str, float] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
 
 
 @message("request_output", since=2)
@@ -147,6 +149,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     timeline: dict[str, float] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
 
 
 @message("step_outputs", since=2)
@@ -233,6 +236,7 @@ class KVReady:
     timeline: dict[str, float] = field(default_factory=dict)
     sampler_state: bytes = b""
     checksum: int = -1  # kv_transfer.integrity.kv_checksum of the sent blocks; -1: not computed
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asks
 
 
 @message("prefill_failed")

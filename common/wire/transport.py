@@ -130,6 +130,16 @@ class Client:
     def send(self, msg: Any, frames: list = ()) -> None:
         self.sock.send_multipart([self.auth.seal(msg, frames), *frames], copy=False)
 
+    def send_or_drop(self, msg: Any) -> bool:
+        """Send unless the queue to an absent peer is full (False: dropped). For messages
+        that are repeated anyway (heartbeats, hellos): a router away for minutes must not
+        block the sender once its send queue holds SNDHWM of them."""
+        try:
+            self.sock.send_multipart([self.auth.seal(msg, ())], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
     def recv(self, timeout_ms: int | None = None) -> Incoming:
         """Block for one message (TimeoutError after timeout_ms); MessageError if
         malformed, AuthError if not authentic."""

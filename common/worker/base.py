@@ -18,8 +18,9 @@ from common.config import ConfigError, EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine
 from common.gc_tuning import freeze_startup_heap
 from common.engine.kv_layout import layout_of
+from common.worker.host import local_host_id
 from common.worker.liveness import process_alive
-from common.wire.messages import WorkerStatus
+from common.wire.messages import WorkerHello, WorkerStatus
 from common.wire.transport import Client, Incoming, Server
 
 
@@ -38,6 +39,7 @@ class WorkerBase:
         self.clock = clock  # heartbeats, drains, leases, peer checks and timeline stamps read it
         self.wconfig = worker_config
         self.worker_id = worker_config.worker_id
+        self.host_id = local_host_id(worker_config.host_id)  # peers compare it to decide "same host"
         if not worker_config.secret:
             raise ConfigError("the worker config file has no deployment secret: every internal message is "
                               "authenticated with it (the launcher writes it; `--secret-file` across hosts)")
@@ -144,15 +146,17 @@ class WorkerBase:
             return False
         return os.getppid() != pid if self._router_is_parent else not process_alive(pid)
 
+    def hello(self) -> WorkerHello:
+        return WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
+                           self.engine.block_manager.num_blocks, self.config.cache.block_size,
+                           self.layout.model_fingerprint)
+
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         self.write_ready_file()
         if self.reporter is not None:
-            from common.wire.messages import WorkerHello
-            self.reporter.send(WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
-                                           self.engine.block_manager.num_blocks,
-                                           self.config.cache.block_size, self.layout.model_fingerprint))
+            self.reporter.send_or_drop(self.hello())
         threading.Thread(target=self._keepalive, name="keepalive", daemon=True).start()
         self.log(f"ready on {self.server.address}")
         freeze_startup_heap()  # the model, torch and the rest: out of every later collection
@@ -191,7 +195,7 @@ class WorkerBase:
         if now - self._last_heartbeat >= self.wconfig.heartbeat_s:
             self._last_heartbeat = now
             status = self.status(with_events=True)
-            self.reporter.send(status)
+            self.reporter.send_or_drop(status)
             self._last_status = dataclasses.replace(status, kv_stored=[], kv_evicted=[])
 
     def _keepalive(self) -> None:
@@ -199,17 +203,25 @@ class WorkerBase:
         while the loop is inside a long step, so a multi-second prefill does not look like a
         dead worker; and watch the router: when it is gone, stop the loop (which closes
         everything, the shm segment included) -- or, if the loop is stuck in a step for
-        another 5 s, release what outlives us and exit. It has its own socket: ZeroMQ
-        sockets are not shared between threads."""
+        another 5 s, release what outlives us and exit. A joined worker (no router pid)
+        says hello again every router_timeout_s instead: a restarted router registers it.
+        It has its own socket: ZeroMQ sockets are not shared between threads."""
         cfg = self.wconfig
         sock = Client(self.ctx, cfg.report_to, key=self.key) if cfg.report_to else None
         tick = min(cfg.heartbeat_s, cfg.router_timeout_s / 2)
+        hello = self.hello() if sock is not None and cfg.router_pid <= 0 else None
+        last_hello = self.clock.monotonic()
         try:
             while not self._stop:
                 self.clock.sleep(tick)
                 if sock is not None and self._last_status is not None and \
                         self.clock.monotonic() - self._last_heartbeat > 2 * cfg.heartbeat_s:
-                    sock.send(self._last_status)
+                    sock.send_or_drop(self._last_status)
+                if hello is not None and self.clock.monotonic() - last_hello >= cfg.router_timeout_s:
+                    # a joined worker has no router pid to watch: it keeps serving, and says
+                    # hello again, so a router that restarted (or missed the first) registers it
+                    last_hello = self.clock.monotonic()
+                    sock.send_or_drop(hello)
                 if self.router_gone():
                     self.log(f"router (pid {cfg.router_pid}) is gone: stopping")
                     self._stop = True

@@ -39,12 +39,13 @@ from common.wire.messages import KVReady, StepOutputs
 from common.wire.transport import Server
 
 if TYPE_CHECKING:
+    from common.engine.model_runner import Sampled
     from common.worker.base import WorkerBase
 
 ENV_VAR = "PDSERVE_FAULTS"
 FAULT_TOKEN_ENV = "PDSERVE_TEST_FAULT_TOKEN"
 
-Execute = Callable[..., dict[int, int]]  # ModelRunner.execute(batch, layer_hook=None) -> {seq_id: token}
+Execute = Callable[..., "dict[int, Sampled]"]  # ModelRunner.execute(batch, layer_hook=None) -> {seq_id: token}
 
 
 @dataclass
@@ -221,7 +222,7 @@ class KillMidTransfer:
         self.faults = faults
         self.kill_at_layer = num_layers // 2
 
-    def __call__(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, int]:
+    def __call__(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, Sampled]:
         if layer_hook is None or not self.faults.hit("kill_mid_transfer"):
             return self.execute(batch, layer_hook)
         write_layer = layer_hook
@@ -242,7 +243,7 @@ class PoisonToken:
         self.execute = execute
         self.token = token
 
-    def __call__(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, int]:
+    def __call__(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, Sampled]:
         sampled = self.execute(batch, layer_hook)
         if any(self.token in s.token_ids for s in batch.seqs if s.seq_id in sampled):
             raise RuntimeError(f"injected fault: a sequence holds token {self.token} ({FAULT_TOKEN_ENV})")

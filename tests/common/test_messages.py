@@ -11,9 +11,10 @@ import msgpack
 import pytest
 import zmq
 
+from common.logprobs import TokenLogprobs
 from common.wire import messages
 from common.sampling_params import SamplingParams
-from common.wire.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, MessageError,
+from common.wire.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, KVReady, MessageError,
                                   RequestOutput, StatusRequest, StepOutputs, decode, encode)
 from common.wire.transport import Client, Server
 
@@ -204,3 +205,16 @@ def test_server_answers_malformed_input_and_keeps_going():
         client.close()
         server.close()
         ctx.term()
+
+
+def test_logprobs_travel_with_their_tokens_and_are_type_checked():
+    lp = TokenLogprobs(-0.5, [3, 9], [-0.5, -1.25])
+    msg = StepOutputs([RequestOutput("a", [3], logprobs=[lp]), RequestOutput("b", [4])])
+    back = decode(encode(msg))
+    assert back == msg and type(back.outputs[0].logprobs[0]) is TokenLogprobs and back.outputs[1].logprobs is None
+    ready = decode(encode(KVReady("r", 3, 1, first_logprobs=lp)))
+    assert ready.first_logprobs == lp
+    raw = msgpack.unpackb(encode(msg))
+    raw["data"]["outputs"][0]["logprobs"][0]["top_ids"] = ["x"]
+    with pytest.raises(MessageError, match="top_ids"):
+        decode(msgpack.packb(raw))

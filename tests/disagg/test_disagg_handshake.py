@@ -34,6 +34,9 @@ CASES = {
     # the same model at bfloat16 (bf16 KV, another fingerprint) against a float32 prefill worker
     "dtype": ("qwen3", {**engine_options(), "dtype": "bfloat16", "kv_transfer": "shm"},
               ["dtype", "prefill has 'float32'", "decode has 'bfloat16'"]),
+    # shared memory between two hosts (another host id: common/worker/host.py) cannot work
+    "host": ("qwen3", {**engine_options(), "kv_transfer": "shm", "host_id": "another-machine"},
+             ["'shm' shares memory", "on two", "'another-machine'", "--kv-transfer tcp"]),
 }
 
 

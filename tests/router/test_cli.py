@@ -90,3 +90,25 @@ def test_serve_router_flags_come_from_router_config():
     assert sorted(given(args, ROUTER_DEST)) == sorted(names)
     for name in names:
         assert options[name].help, f"RouterConfig.{name} has no help text for its flag"
+
+
+def test_worker_command_flags_fill_only_worker_config_fields():
+    args = build_parser().parse_args(["worker", "m", "--role", "decode", "--join", "tcp://10.0.0.1:7000",
+                                      "--host", "10.0.0.2", "--secret-file", "s", "--worker-id", "d-a",
+                                      "--heartbeat", "0.2", "--block-size", "32"])
+    assert given(args, WORKER_DEST) == {"heartbeat_s": 0.2}  # only WorkerConfig fields, nothing else
+    assert (args.role, args.join, args.host, args.name) == ("decode", "tcp://10.0.0.1:7000", "10.0.0.2", "d-a")
+    assert engine_options(args).cache.block_size == 32
+
+
+def test_router_command_has_the_control_port_and_needs_a_secret_file(capsys):
+    args = build_parser().parse_args(["router", "--control-port", "7000", "--secret-file", "s"])
+    assert given(args, "router_") == {"control_port": 7000}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--control-port", "7000"])
+    assert "--secret-file" in capsys.readouterr().err
+
+
+def test_worker_refuses_a_join_address_that_is_not_tcp(tmp_path):
+    from router.cli import main
+    assert main(["worker", "--role", "prefill", "--join", "ipc:///tmp/x", "--secret-file", str(tmp_path / "s")]) == 2

@@ -46,7 +46,22 @@ def test_unknown_fields_are_kept_aside_known_unsupported_ones_named():
                                     "parallel_tool_calls": False})
     assert unknown_fields(body) == ["frobnicate", "parallel_tool_calls"]
     assert unsupported(ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}],
-                                                "logprobs": True})) == "logprobs"
+                                                "best_of": 2})) == "best_of"
+
+
+def test_logprobs_fields_map_to_the_sampling_count():
+    msgs = [{"role": "user", "content": "x"}]
+    chat = lambda **kw: ChatBody.model_validate({"messages": msgs, **kw})  # noqa: E731
+    assert chat().num_logprobs() is None and chat(logprobs=False).num_logprobs() is None
+    assert chat(logprobs=True).num_logprobs() == 0 and chat(logprobs=True, top_logprobs=20).num_logprobs() == 20
+    assert CompletionBody(prompt="hi", logprobs=0).num_logprobs() == 0
+    assert CompletionBody(prompt="hi").num_logprobs() is None
+    for bad in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": 1}):
+        with pytest.raises(ValidationError, match="logprobs"):
+            chat(**bad)
+    for bad in (-1, 21, True):
+        with pytest.raises(ValidationError, match="logprobs"):
+            CompletionBody(prompt="hi", logprobs=bad)
 
 
 def test_continue_final_message_excludes_an_explicit_generation_prompt():
