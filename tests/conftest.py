@@ -60,12 +60,13 @@ PROCESS_STARTERS = {"subprocess", "multiprocessing", "router.launch.Launcher"}
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Parametrized fixtures that load the real model for one param only: (file, fixture) -> param.
-REAL_MODEL_PARAMS = {("tests/router/test_detokenizer.py", "tok"): "real"}
+REAL_MODEL_PARAMS = {("tests/common/test_detokenizer.py", "tok"): "real"}
 
 # Tests whose own run (not a shared fixture's start-up) takes ~10 s or more on a 2-core
 # machine, by node-id prefix. No unit test does; these all start processes.
 SLOW = (
     "tests/reliability/",
+    "tests/deploy/",
     "tests/router/test_fuzz.py::",
     "tests/router/bench/test_bench_e2e.py::test_bench_sweep_and_detailed_run",
     "tests/router/test_serve_bad_input.py::test_bad_input_while_a_stream_runs",
