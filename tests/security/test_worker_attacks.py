@@ -12,6 +12,7 @@ import zmq
 
 from common.wire.auth import DeploymentKey, new_secret
 from common.engine.kv_layout import layout_of
+from common.worker.host import local_host_id
 from common.wire.messages import KVHandshake, KVHandshakeReply, PrefillFailed, PrefillRequest
 from common.sampling_params import SamplingParams
 from common.wire.transport import Client
@@ -91,6 +92,7 @@ def test_replayed_generate_request_is_refused(pair, expected):
 def _fake_decode(pair, name: str, backend_info: dict):
     """A peer holding the secret that handshakes with P as decode worker `name`."""
     client = Client(pair.ctx, pair.prefill.address, identity=name.encode(), key=pair.key)
+    backend_info = {"host": local_host_id(), **backend_info}  # a process on P's host: shm is allowed
     try:
         client.send(KVHandshake(name, "tcp://127.0.0.1:1", _layout(pair), "shm", backend_info))
         return client, client.recv(timeout_ms=20000).msg
