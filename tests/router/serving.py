@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +22,9 @@ import zmq
 
 from common.wire.messages import PROTOCOL_VERSION
 from common.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import openai
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -217,3 +221,15 @@ class RawClient:
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+def openai_client(served: "Served", timeout: float = 120) -> "openai.OpenAI":
+    """The official openai client on a deployment's HTTP front end (no retries: a test
+    sees the first answer)."""
+    import openai
+    return openai.OpenAI(base_url=served.http, api_key="unused", max_retries=0, timeout=timeout)
+
+
+def served_model(client: "openai.OpenAI") -> str:
+    """The served model's id, as an OpenAI client finds it (an unknown model is a 404)."""
+    return client.models.list().data[0].id

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from common.text.tokenizer import Tokenizer
-from tests.router.serving import serving_pd
+from tests.router.serving import openai_client, served_model, serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -27,12 +27,10 @@ def served(real_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.http, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(served)
 
 
-def _model(client: openai.OpenAI) -> str:
-    """The served model's id, as an OpenAI client finds it (an unknown model is a 404)."""
-    return client.models.list().data[0].id
+_model = served_model
 
 
 @pytest.fixture(scope="module")

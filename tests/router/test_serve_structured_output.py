@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.router.serving import serving_pd
+from tests.router.serving import openai_client, served_model, serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -33,11 +33,10 @@ def served(real_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.http, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(served)
 
 
-def _model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
+_model = served_model
 
 
 def _schema_chat(client, **kw):
