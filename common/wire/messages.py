@@ -32,8 +32,9 @@ _REGISTRY: dict[str, type] = {}
 
 def message(tag: str, since: int = OLDEST_VERSION):
     """Register a dataclass as a wire message under `tag`, new in protocol version
-    `since`. A message type keeps its form across versions (a change is a new type), so
-    a peer that speaks an older version is understood for every type it knows."""
+    `since`. Across versions a type only gains fields with defaults (any other change is a
+    new type), so a peer that speaks an older version, whose messages lack those fields,
+    is understood for every type it knows."""
     def wrap(cls):
         cls = dataclass(cls)
         cls.TYPE = tag
