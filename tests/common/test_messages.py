@@ -112,8 +112,8 @@ def _gen(**over: Any) -> bytes:
 
 def test_a_peer_of_an_older_version_is_understood_for_the_types_it_knows():
     """Types only gain fields with defaults across versions (any other change is a new
-    type): a version-1 client's
-    submit decodes as it did; types newer than the message's version are refused above."""
+    type): a version-1 client's submit decodes as it did; types newer than the message's
+    version are refused above."""
     from common.wire.messages import OLDEST_VERSION, SubmitRequest
     raw = _raw("submit", {"request_id": "s", "sampling": {"max_tokens": 3}, "prompt": "hi"}, v=OLDEST_VERSION)
     assert decode(raw) == SubmitRequest("s", SamplingParams.unchecked(max_tokens=3), prompt="hi")
