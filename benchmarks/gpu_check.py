@@ -331,7 +331,59 @@ def check_serving(args, models) -> dict:
     return res
 
 
-CHECKS = {"env": check_env, "triton": check_triton, "engine": check_engine, "graph_speed": check_graph_speed,
+def check_bf16(args, models) -> dict:
+    """bf16 against transformers by vLLM's rule below float32. The reference computes as
+    ours does: on a GPU both cast the whole model to bf16 (transformers at bf16); on the
+    CPU ours keeps float32 arithmetic over bf16 weights and a bf16 KV cache, so the
+    reference is transformers in float32 over the same bf16-rounded weights. Where the
+    greedy streams first differ, each side's token must be in the other's top-5 (ours: the
+    engine's teacher-forced logits; theirs: transformers' forward on the same prefix). Eager and graphs, every model; the share identical to the end is reported."""
+    from transformers import AutoModelForCausalLM
+
+    from common.engine.scoring import Divergence, first_divergence, rank, sequence_logits
+    from common.sampling_params import SamplingParams
+    res: dict = {}
+    for name, d in models.items():
+        prompts = prompts_for(d)[:8]
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(args.device).eval()
+        if not on_gpu(args.device):
+            hf = hf.float()
+        want = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p], device=args.device)
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+                want.append(out[0, len(p):].tolist())
+        row: dict = {}
+        for graphs in (False, True):
+            llm = _llm(d, args.device, graphs, dtype="bfloat16")
+            scorer = _llm(d, args.device, False, dtype="bfloat16", enable_prefix_caching=False)
+            got = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
+                                                       use_tqdm=False)]
+            divs = []
+            for p, a, b in zip(prompts, got, want):
+                i = first_divergence(a, b)
+                if i is None or i >= min(len(a), len(b)):
+                    divs.append(Divergence(None))
+                    continue
+                prefix = p + a[:i]
+                ours = sequence_logits(scorer.engine, prefix)[-1].float().cpu()
+                with torch.no_grad():
+                    theirs = hf(torch.tensor([prefix], device=args.device)).logits[0, -1].float().cpu()
+                divs.append(Divergence(i, a[i], b[i], rank(theirs, a[i]), rank(ours, b[i])))
+            row["graphs" if graphs else "eager"] = {
+                "identical": sum(x.position is None for x in divs), "prompts": len(divs),
+                "first_divergence": [x.position for x in divs], "within_top5": all(x.within_top(5) for x in divs),
+                "ranks": [(x.a_rank_in_b, x.b_rank_in_a) for x in divs if x.position is not None]}
+            del llm, scorer
+        del hf
+        res[name] = row
+        log(f"  bf16 {name}: {row}")
+    res["ok"] = all(r["eager"]["within_top5"] and r["graphs"]["within_top5"] for r in res.values() if isinstance(r, dict))
+    return res
+
+
+CHECKS = {"env": check_env, "triton": check_triton, "engine": check_engine, "bf16": check_bf16, "graph_speed": check_graph_speed,
           "cuda_ipc": check_cuda_ipc, "nccl": check_nccl, "pair": check_pair, "serving": check_serving}
 
 
