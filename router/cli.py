@@ -113,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
-    print(f"model {model}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    print(f"model {model} in {llm.engine.config.device.dtype}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
     return 0
 
 

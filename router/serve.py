@@ -90,7 +90,8 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
-        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir}\n"
+        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
+              f"in {config.dtype}\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n"
               f"  Workers join: {router.control_address}\n  Ctrl-C stops everything.", flush=True)
         freeze_startup_heap()
