@@ -81,7 +81,7 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     from common.loading.model_factory import make_model
-    out = make_model(args.dir, args.arch, args.size, args.seed)
+    out = make_model(args.dir, args.arch, args.size, args.seed, chat_template=args.chat_template)
     print(f"wrote {args.arch}/{args.size} model (seed {args.seed}) to {out}")
     return 0
 
@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=SUPPORTED_ARCHS, default="qwen3")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", choices=["simple", "qwen3"], default="simple",
+                   help="simple: role and content only; qwen3: Qwen3's own (tools, <think>), with its added tokens")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("convert-gguf", help="convert a llama/qwen2/qwen3 GGUF file to a HuggingFace-format folder")
