@@ -90,7 +90,14 @@ def check_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
         if "tool_calls" in m:
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise RequestError("message tool_calls must be a list of objects")
-            chars += len(check_text(json.dumps(m["tool_calls"], ensure_ascii=False), "message tool_calls"))
+            chars += len(_json_text(m["tool_calls"], "message tool_calls"))
     if tools is not None:
-        chars += len(check_text(json.dumps(tools, ensure_ascii=False), "tools"))
+        chars += len(_json_text(tools, "tools"))
     check_prompt_chars(chars, max_chars)
+
+
+def _json_text(value: Any, what: str) -> str:
+    try:
+        return check_text(json.dumps(value, ensure_ascii=False), what)
+    except (TypeError, ValueError):  # bytes (msgpack bin) from a ZeroMQ client
+        raise RequestError(f"{what} must be JSON data (objects, lists, strings, numbers)") from None

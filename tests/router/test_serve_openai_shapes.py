@@ -101,7 +101,7 @@ def test_unknown_field_is_served_and_logged_once(oai, pd):
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2),
-                                         ("tools", [{"type": "function", "function": {"name": "f"}}])])
+                                         ("functions", [{"name": "f", "parameters": {}}])])
 def test_known_but_unsupported_field_is_refused_by_name(oai, field, value):
     with pytest.raises(openai.BadRequestError, match=field) as e:
         oai.chat.completions.create(model="qwen3", messages=CHAT, max_tokens=2, extra_body={field: value})
