@@ -11,6 +11,8 @@ think block): then it is all content. Text before a `<think>` stays reasoning (v
 non-streamed parser drops it; its streamed one keeps it)."""
 from __future__ import annotations
 
+from common.text.detokenizer import held_back_tail
+
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -18,18 +20,6 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 def thinking_on(parser: str, template_kwargs: dict | None) -> bool:
     """False where the parser honours `enable_thinking: false` and the request sets it."""
     return not (parser == "qwen3" and (template_kwargs or {}).get("enable_thinking", True) is False)
-
-
-def held_prefix(text: str, *tags: str) -> int:
-    """The length of the longest suffix of `text` that is a proper prefix of one of `tags`
-    (text that may yet become a tag, so it is held back)."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 class ReasoningSplitter:
@@ -57,7 +47,7 @@ class ReasoningSplitter:
         if end >= 0:
             self.buf, self.ended = "", True
             return buf[:end], buf[end + len(END):]
-        keep = held_prefix(buf, END) if self.dropped_start else held_prefix(buf, START, END)
+        keep = held_back_tail(buf, [END] if self.dropped_start else [START, END])
         self.buf = buf[len(buf) - keep:]
         return buf[:len(buf) - keep], ""
 

@@ -17,7 +17,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from router.reasoning import held_prefix
+from common.text.detokenizer import held_back_tail
 
 START, END = "<tool_call>", "</tool_call>"
 TOOL_CALL_PARSERS = ("hermes",)
@@ -65,6 +65,7 @@ class HermesParser:
         self.max_calls = max_calls
         self.buf = ""
         self.in_call = False
+        self.scanned = 0  # how much of an open block's text is known to hold no END
         self.calls = 0
         self.pending_space = ""  # whitespace-only content not yet sent
         self.started = False
@@ -77,16 +78,18 @@ class HermesParser:
             if not self.in_call:
                 at = self.buf.find(START)
                 if at < 0:
-                    keep = held_prefix(self.buf, START)
+                    keep = held_back_tail(self.buf, [START])
                     text.append(self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
                 text.append(self.buf[:at])
                 self.buf, self.in_call = self.buf[at + len(START):], True
             else:
-                at = self.buf.find(END)
-                if at < 0:
+                at = self.buf.find(END, self.scanned)
+                if at < 0:  # an open block: the next search starts where END could still begin
+                    self.scanned = max(0, len(self.buf) - len(END) + 1)
                     break
+                self.scanned = 0
                 body, self.buf, self.in_call = self.buf[:at], self.buf[at + len(END):], False
                 text.append(self._block(body, found, closed=True))
         return self._content("".join(text)), found
