@@ -313,6 +313,7 @@ class TokenizeBody(_NullIsDefault):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None  # messages only: rendered by the template, as a chat would
 
     @model_validator(mode="after")
     def _one_form(self) -> "TokenizeBody":

@@ -198,7 +198,7 @@ class OpenAIServer:
             return error(400, str(e), param="messages")
         cfg = self.router.config
         try:
-            plan = tool_plan([t.model_dump(exclude_none=True) for t in body.tools or ()], body.tool_choice,
+            plan = tool_plan(_tools(body.tools), body.tool_choice,
                              body.parallel_tool_calls, cfg.enable_auto_tool_choice,
                              has_grammar=structured_output(body) is not None)
         except ToolError as e:
@@ -232,7 +232,8 @@ class OpenAIServer:
                 form: dict[str, Any] = {"messages": _messages(body.messages),
                                         "add_generation_prompt": body.add_generation_prompt,
                                         "continue_final_message": body.continue_final_message,
-                                        "chat_template_kwargs": body.chat_template_kwargs}
+                                        "chat_template_kwargs": body.chat_template_kwargs,
+                                        "tools": _tools(body.tools)}
             except ValueError as e:
                 return error(400, str(e), param="messages")
         else:
@@ -417,6 +418,11 @@ class OpenAIServer:
                   flush=True)
             yield sse_error(500, f"internal error: {type(e).__name__}", "internal_error")
         yield "data: [DONE]\n\n"
+
+
+def _tools(tools: list | None) -> list[dict[str, Any]] | None:
+    """Tool definitions in the wire form, fields left out where not given (None: no tools)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 def _messages(messages: list) -> list[dict[str, Any]]:

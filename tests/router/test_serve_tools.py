@@ -5,12 +5,13 @@ served with vLLM's flags (--enable-auto-tool-choice --tool-call-parser hermes
 calls whose arguments validate against the tool's schema (the grammar writes them, so a
 random model does); "auto" and the reasoning split read an output the test forces with a
 structured_outputs regex, streamed and not; tool messages render; bad tools are a 400
-naming the field; tools travel on the ZeroMQ wire."""
+naming the field; tools travel on the ZeroMQ wire and into /tokenize."""
 from __future__ import annotations
 
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -193,4 +194,6 @@ def test_tools_travel_on_the_zeromq_wire(served, tools_model):
     finally:
         raw.close()
     assert last["type"] == "token_output" and last["data"]["num_prompt_tokens"] == want
+    tokenized = httpx.post(f"{served.base}/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+    assert tokenized["tokens"] == tok.encode(tok.apply_chat_template(ASK, tools=TOOLS))  # vLLM's /tokenize takes tools
     assert want > len(tok.encode(tok.apply_chat_template(ASK))) + 50  # the tools are in the prompt
