@@ -85,7 +85,9 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_conte
 class Envelope:
     """One response's id, creation time and model, around its choices; for a stream it
     also owns which choices have sent their first chunk (a chat stream's first delta of
-    each choice names the role) and each choice's text offset for completions' logprobs."""
+    each choice names the role), each choice's text offset for completions' logprobs and,
+    for a chat with tools or a reasoning parser (`shaping`), each choice's output state
+    (router/chat_output.py)."""
 
     def __init__(self, shape: Shape, request_id: str, model: str, created: float, token_text: TokenText,
                  shaping: ChoiceOutputs | None = None) -> None:
