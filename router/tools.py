@@ -48,12 +48,18 @@ class ToolPlan:
             return StructuredOutput("json", json.dumps(self.parameters(self.name or "")))
         if self.choice != "required":
             return None
-        items = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                 "parameters": self.parameters(t["function"]["name"])},
-                  "required": ["name", "parameters"]} for t in self.tools]
+        defs = lifted_defs(self.tools)  # at the root, where each tool's "#/$defs/..." refs point
+        items = []
+        for t in self.tools:
+            params = dict(self.parameters(t["function"]["name"]))
+            params.pop("$defs", None)
+            items.append({"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                         "parameters": params}, "required": ["name", "parameters"]})
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if not self.parallel:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return StructuredOutput("json", json.dumps(schema))
 
 
@@ -76,12 +82,26 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bo
         raise ToolError("tool_choice", 'tool_choice "auto" (the default when tools are given) needs a server '
                                        'started with --enable-auto-tool-choice and --tool-call-parser; or set '
                                        'tool_choice to "none", "required" or a named function')
+    if choice == "required":
+        lifted_defs(tools)
     if has_grammar and choice in ("named", "required"):
         raise ToolError("tool_choice", "a named or required tool_choice is enforced with a grammar of its own: "
                                        "leave out response_format / structured_outputs")
     if not tools:
         return None
     return ToolPlan(tools, choice, name, parallel is not False)
+
+
+def lifted_defs(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every tool's parameters' `$defs` in one map (a "required" choice's one schema);
+    ToolError where two tools define a name differently."""
+    defs: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        for key, value in ((tool["function"].get("parameters") or {}).get("$defs") or {}).items():
+            if defs.setdefault(key, value) != value:
+                raise ToolError(f"tools[{i}].function.parameters", f'tools[{i}].function.parameters defines '
+                                f'$defs.{key} unlike an earlier tool, which tool_choice "required" cannot join')
+    return defs
 
 
 def _choice(tool_choice: Any, have_tools: bool) -> tuple[str, str | None]:

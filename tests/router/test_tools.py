@@ -58,6 +58,20 @@ def test_named_and_required_grammars():
     assert tool_plan([WEATHER], "auto", None, True).structured() is None
 
 
+def test_required_lifts_each_tools_defs_to_the_root():
+    point = {"type": "object", "properties": {"at": {"$ref": "#/$defs/P"}}, "required": ["at"],
+             "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    tools = [WEATHER, {"type": "function", "function": {"name": "go", "parameters": point}}]
+    schema = json.loads(tool_plan(tools, "required", None, True).structured().spec)
+    assert schema["$defs"] == point["$defs"] and "$defs" not in schema["items"]["anyOf"][1]["properties"]["parameters"]
+    check(tool_plan(tools, "required", None, True).structured())
+    clash = {"type": "function", "function": {"name": "other", "parameters": {**point, "$defs": {"P": {"type": "string"}}}}}
+    with pytest.raises(ToolError) as e:
+        tool_plan([*tools, clash], "required", None, True)
+    assert e.value.param == "tools[2].function.parameters"
+    assert tool_plan([*tools, clash], "auto", None, True).choice == "auto"  # only one schema must hold them all
+
+
 def test_wire_tool_calls_read_arguments_as_vllm():
     calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
              {"id": "b", "type": "function", "function": {"name": "g", "arguments": ""}},
