@@ -25,12 +25,13 @@ from router.config import RouterConfig
 ENGINE_DEST = "engine_"
 WORKER_DEST = "worker_"
 ROUTER_DEST = "router_"
-FLAGS = {"seed": "--engine-seed"}  # where the rule in config_flag() does not fit
+FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice"}  # where config_flag()'s rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
     "": ("host", "http_port", "zmq_port", "routing"),
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
+    "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
@@ -81,7 +82,7 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     from common.loading.model_factory import make_model
-    out = make_model(args.dir, args.arch, args.size, args.seed)
+    out = make_model(args.dir, args.arch, args.size, args.seed, chat_template=args.chat_template)
     print(f"wrote {args.arch}/{args.size} model (seed {args.seed}) to {out}")
     return 0
 
@@ -248,6 +249,8 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["limits"]], ROUTER_DEST)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
+    g = p.add_argument_group("chat output (vLLM's flags)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["chat"]], ROUTER_DEST)
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     return g
@@ -262,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=SUPPORTED_ARCHS, default="qwen3")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", choices=["simple", "qwen3"], default="simple",
+                   help="simple: role and content only; qwen3: Qwen3's own (tools, <think>), with its added tokens")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("convert-gguf", help="convert a llama/qwen2/qwen3 GGUF file to a HuggingFace-format folder")

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from common.config import CacheConfig, ConfigError, option
 from router.policy import POLICIES
+from router.reasoning import REASONING_PARSERS
+from router.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,12 @@ class RouterConfig:
     restart_workers: bool = False  # the launcher starts a worker again when it exits
     client_timeout_s: float = option(10.0, "a heartbeating ZeroMQ client silent this long (s) is gone: "
                                            "its requests are aborted")
+    # chat output parsing over HTTP, vLLM's flags (router/tools.py, router/reasoning.py)
+    enable_auto_tool_choice: bool = option(False, 'serve tool_choice "auto": the model writes its calls, '
+                                                  "--tool-call-parser reads them")
+    tool_call_parser: str | None = option(None, f"the model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}")
+    reasoning_parser: str | None = option(None, f"split <think> reasoning into reasoning_content: "
+                                                f"{', '.join(REASONING_PARSERS)}")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -58,6 +66,12 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_chars < 0:
             raise ConfigError(f"max_prompt_chars must be >= 0 (0: default), got {self.max_prompt_chars}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty (leave it out to serve without one)")
 

@@ -27,7 +27,7 @@ from common.timeline import Stamp, mark
 from common.text.chat_template import ChatTemplateError
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
-from common.validation import RequestError, check_prompt_chars, check_sampling, check_text, check_token_ids
+from common.validation import RequestError, check_chat, check_prompt_chars, check_sampling, check_text, check_token_ids
 from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -219,16 +219,13 @@ class Router:
         given = [x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)]
         if sum(given) != 1:
             raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
+        if sub.tools is not None and sub.messages is None:
+            raise RouteError("tools go with messages (a chat), not with a plain prompt")
         try:
             params = check_sampling(sub.sampling, self.tokenizer.vocab_size)
             limit = self.config.prompt_chars_limit
             if sub.messages is not None:
-                for m in sub.messages:
-                    if set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
-                        raise RouteError("each chat message needs 'role' and 'content'")
-                    for key, value in m.items():
-                        check_text(value, f"message {key}")
-                check_prompt_chars(sum(len(v) for m in sub.messages for v in m.values()), limit)
+                check_chat(sub.messages, sub.tools, limit)
             elif sub.prompt is not None:
                 check_prompt_chars(len(check_text(sub.prompt)), limit)
             elif len(sub.prompt_token_ids or ()) >= self.config.max_model_len:  # before copying a huge list
@@ -245,7 +242,7 @@ class Router:
         tok = self.tokenizer
         if sub.messages is not None:
             text = tok.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt,
-                                           continue_final_message=sub.continue_final_message,
+                                           tools=sub.tools, continue_final_message=sub.continue_final_message,
                                            template_kwargs=sub.chat_template_kwargs)
             return tok.encode(text, add_special_tokens=sub.add_special_tokens is True)
         if sub.prompt is not None:

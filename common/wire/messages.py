@@ -18,7 +18,8 @@ from common import schema
 from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams, StructuredOutput
 
-PROTOCOL_VERSION = 2  # 2: workers send one `step_outputs` per step instead of a `token_output` per token
+PROTOCOL_VERSION = 3  # 2: workers send one `step_outputs` per step instead of a `token_output` per token;
+# 3: `submit` carries `tools`, and chat messages their tool calls and replies
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
@@ -90,20 +91,24 @@ class SubmitRequest:
     """Client -> router: exactly one of prompt (text), prompt_token_ids or messages (chat,
     rendered with the model's chat template). `add_special_tokens` None means the form's
     default, as vLLM: true for a text prompt (the tokenizer's BOS / post-processor),
-    false for messages (the template carries them). The last three fields apply to
+    false for messages (the template carries them). The last four fields apply to
     messages only: `continue_final_message` leaves the last message open instead of
-    adding a generation prompt; `chat_template_kwargs` are extra template variables."""
+    adding a generation prompt; `chat_template_kwargs` are extra template variables;
+    `tools` (version 3) are the OpenAI tool definitions the template renders. A message
+    (version 3) may carry `tool_calls`, `tool_call_id` and `reasoning_content` beside
+    `role`, `content` and `name`."""
     request_id: str
     sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     stream: bool = True
     return_timeline: bool = False
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @message("worker_hello")
