@@ -23,7 +23,7 @@ def test_no_config_flag_gives_the_configs_defaults(command):
 
 def _other(value: object) -> str:
     """A flag value other than the default, valid for the option."""
-    return {16: "32", 0.2: "0.5", 64: "8", 2048: "4096", "cpu": "cuda:0", "float32": "bfloat16", 0: "7"}.get(value, "3")
+    return {16: "32", 0.2: "0.5", 64: "8", 2048: "4096", "cpu": "cuda:0", "float32": "bfloat16", "auto": "float32", 0: "7"}.get(value, "3")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
