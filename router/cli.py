@@ -31,6 +31,8 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "": ("host", "http_port", "zmq_port", "routing"),
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
+    "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
+               "disagg_tpot_guard_ms"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
@@ -248,6 +250,8 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["limits"]], ROUTER_DEST)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
+    g = p.add_argument_group("conditional disaggregation (docs/slo.md)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["disagg"]], ROUTER_DEST)
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     return g
