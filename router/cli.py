@@ -336,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)
 
+    from router import profile
+    p = sub.add_parser("profile", help="measure prefill, decode step and KV transfer times; write a latency model "
+                                       "(docs/slo.md)")
+    profile.add_arguments(p)
+    _add_engine_args(p)
+    p.set_defaults(func=lambda args: profile.main(args, resolve_model(args.model), engine_options(args)))
+
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")
     bench_cli.add_arguments(p)

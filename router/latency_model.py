@@ -64,10 +64,13 @@ class DecodeFit:
 
     @staticmethod
     def fit(samples: list[tuple[int, float, float]]) -> "DecodeFit":
-        """Least squares over (batch, context, seconds) samples; a coefficient the data
-        would make negative is 0 and the others are fitted again without it."""
-        a = np.array([[1.0, b, b * c] for b, c, _ in samples])
+        """Least squares of the relative error over (batch, context, seconds) samples (a
+        1 ms step counts as much as a 100 ms one); a coefficient the data would make
+        negative is 0 and the others are fitted again without it."""
         y = np.array([s for _, _, s in samples])
+        w = 1.0 / np.maximum(y, 1e-9)
+        a = np.array([[1.0, b, b * c] for b, c, _ in samples]) * w[:, None]
+        y = y * w
         keep = [0, 1, 2]
         while True:
             coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
