@@ -12,7 +12,8 @@ Method:
    `--max-output`; the requests of one trace timestamp spread over the gap to the next,
    time compressed to `--rate` req/s. Every mode gets the same requests at the same times.
 2. cost mode: `pdserve profile` first, with the servers' engine flags (its file lands in
-   --out-dir and is the mode's --disagg-latency-model; `--tpot-guard-ms` is its guard).
+   --out-dir and is the mode's --disagg-latency-model; `--tpot-guard-ms` is its guard),
+   unless `--latency-model FILE` names one.
 3. Each mode on a fresh `pdserve serve --prefill 1 --decode 1 --disagg MODE`
    (benchmarks/servers.py: --num-threads 1 per worker, float32), one after the other, over
    HTTP with per-request timelines (`pdserve bench`'s client, router/bench/runner.py).
@@ -160,6 +161,7 @@ def main() -> int:
     p.add_argument("--slo-ttft-ms", type=lambda s: [float(x) for x in s.split(",")], default=[100.0, 250.0, 500.0, 1000.0])
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--latency-model", default=None, help="cost mode: this file instead of profiling first")
     p.add_argument("--out-dir", default=str(REPO / "results/conditional_disagg"))
     args = p.parse_args()
     if not (Path(args.model) / "config.json").is_file():
@@ -169,7 +171,9 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = workload(args, ModelConfig.from_dir(args.model).vocab_size)
     modes = [m for m in args.modes.split(",") if m]
-    latency_model = profile(args, out_dir / "latency_model.json") if "cost" in modes else None
+    latency_model = Path(args.latency_model) if args.latency_model else None
+    if "cost" in modes and latency_model is None:
+        latency_model = profile(args, out_dir / "latency_model.json")
     results = {}
     with tempfile.TemporaryDirectory(prefix="conddisagg-") as tmp:
         for mode in modes:

@@ -53,11 +53,12 @@ class ProfilePlan:
     def fitted_to(self, max_model_len: int, max_num_seqs: int) -> "ProfilePlan":
         """The plan without the sizes this engine cannot run; ConfigError if too little is left."""
         room = max_model_len - self.decode_steps - 2
-        plan = ProfilePlan(tuple(n for n in self.prefill_tokens if n < max_model_len),
+        prefill = sorted({min(n, max_model_len - 1) for n in self.prefill_tokens})  # a prompt leaves room for a token
+        plan = ProfilePlan(tuple(prefill),
                            tuple(b for b in self.batches if b <= max_num_seqs),
                            tuple(c for c in self.contexts if c <= room), self.blocks, self.decode_steps, self.reps)
         if len(plan.prefill_tokens) < 2 or len(set(plan.blocks)) < 2 or not plan.batches or not plan.contexts:
-            raise ConfigError(f"profile: need >= 2 prefill sizes below max_model_len {max_model_len}, >= 2 block "
+            raise ConfigError(f"profile: need >= 2 prefill sizes (below max_model_len {max_model_len}), >= 2 block "
                               f"counts, and a batch <= max_num_seqs {max_num_seqs} with a context that fits")
         if self.reps < 1 or self.decode_steps < 1 or min(self.blocks) < 1:
             raise ConfigError("profile: --reps, --decode-steps and every block count must be >= 1")

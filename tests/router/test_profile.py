@@ -43,6 +43,6 @@ def test_profile_tcp_transfer_and_refused_plans(model_dirs):
         model = run_profile(model_dirs["llama"], options, ProfilePlan((8, 30), (2,), (16,), (1, 3), 1, 1), "tcp")
     assert model.meta["kv_transfer"] == "tcp" and [n for n, _ in model.transfer.points] == [1, 3]
     with pytest.raises(ConfigError, match="2 prefill sizes"):
-        run_profile(model_dirs["llama"], options, ProfilePlan((8, 64), (2,), (16,), (1, 3)))  # 64 does not fit
+        run_profile(model_dirs["llama"], options, ProfilePlan((63, 64, 100), (2,), (16,), (1, 3)))  # one size: 63
     with pytest.raises(ConfigError, match="not 'gloo'"):
         run_profile(model_dirs["llama"], options, ProfilePlan((8, 30), (2,), (16,), (1, 3), 1, 1), "gloo")
