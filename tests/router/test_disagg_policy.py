@@ -210,3 +210,30 @@ def test_router_config_checks_and_builds_the_policy(tmp_path):
     assert pol.model is not None and pol.tpot_guard_s == pytest.approx(0.05)
     with pytest.raises(ConfigError, match="cannot read"):
         policy_from_config(RouterConfig(model_dir="m", disagg="cost", disagg_latency_model=str(tmp_path / "no.json")))
+
+
+def test_router_side_counts_stamps_and_feeds_d_prefix_index():
+    from prometheus_client import generate_latest
+
+    from router.disagg_state import Disaggregation
+    from router.metrics import RouterMetrics
+    metrics = RouterMetrics()
+    dis = Disaggregation(RouterConfig(model_dir="m", disagg="threshold", disagg_threshold_tokens=40), metrics)
+    d, p = entry("d0", "decode"), entry("p0", "prefill")
+    ids = list(range(100, 150))  # 50 tokens: 3 full blocks, all matchable (49 // 16)
+    hashes = block_hashes(ids, BLOCK)[:3]
+    first = dis.decide(len(ids), hashes, d, p, [])
+    assert first.disaggregate and first.reason == "long_prompt"
+    assert set(hashes) <= d.cached  # D holds the prompt's KV after either path
+    again = dis.decide(len(ids) + 4, hashes, d, p, [])  # the same prefix again: D lacks 54 - 48 tokens
+    assert not again.disaggregate and again.reason == "short_prompt" and again.prefill_tokens == 6
+    text = generate_latest(metrics.registry).decode()
+    assert 'pdserve_disagg_decisions_total{decision="disagg",reason="long_prompt"} 1.0' in text
+    assert 'pdserve_disagg_decisions_total{decision="local",reason="short_prompt"} 1.0' in text
+    timeline: dict[str, float] = {}
+    dis.mark(timeline, again, 5.0)
+    assert timeline == {"route_local": 5.0}
+    always = Disaggregation(RouterConfig(model_dir="m"), RouterMetrics())
+    timeline = {}
+    always.mark(timeline, always.decide(len(ids), hashes, d, p, []), 5.0)
+    assert timeline == {}  # the default mode leaves the timeline as it always was
