@@ -50,6 +50,7 @@ from router.bench.metrics import RequestRecord, attainment, summarize  # noqa: E
 from router.bench.runner import run_workload  # noqa: E402
 from router.bench.workloads import BenchRequest, mooncake_workload  # noqa: E402
 from servers import MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, log, start_pdserve  # noqa: E402
+from slo_experiment import spread_ties  # noqa: E402
 
 TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
 TRACE_SCALE = 32
@@ -59,14 +60,7 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[BenchRequest, f
     """(request, send time) pairs: the trace slice with ties spread, compressed to --rate."""
     reqs = mooncake_workload(TRACE, args.requests, TRACE_SCALE, vocab, start=args.trace_start,
                              max_output=args.max_output, max_input=args.max_input, seed=args.seed)
-    stamps = [r.arrival or 0.0 for r in reqs]
-    distinct = sorted(set(stamps))
-    nxt = {t: distinct[i + 1] if i + 1 < len(distinct) else t + 3.0 for i, t in enumerate(distinct)}
-    seen: dict[float, int] = {}
-    spread = []
-    for t in stamps:
-        k, seen[t] = seen.get(t, 0), seen.get(t, 0) + 1
-        spread.append(t + (nxt[t] - t) * k / stamps.count(t))
+    spread = spread_ties([r.arrival or 0.0 for r in reqs])
     scale = (len(reqs) - 1) / args.rate / (spread[-1] - spread[0]) if spread[-1] > spread[0] else 1.0
     return [(r, (t - spread[0]) * scale) for r, t in zip(reqs, spread)]
 
