@@ -73,3 +73,17 @@ def test_short_on_decode_long_via_prefill_token_exact(served, vocab_size, hf_gre
 def vocab_size(model_dir) -> int:
     from common.config import ModelConfig
     return ModelConfig.from_dir(model_dir).vocab_size
+
+
+def test_serve_refuses_a_bad_latency_model_before_starting_workers(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.router.serving import ROOT
+    bad = tmp_path / "lm.json"
+    bad.write_text('{"schema": "pdserve-latency-model/1", "prefill": {"points": [[1, 0.1], [2, 0.2]]}}')
+    done = subprocess.run([sys.executable, "-m", "router.cli", "serve", model_dir, "--http-port", "0", "--zmq-port", "0",
+                           "--disagg", "cost", "--disagg-latency-model", str(bad), "--ready-file", str(tmp_path / "r")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"latency model '{bad}': missing 'decode'" in done.stderr, done.stderr
+    assert not (tmp_path / "r").exists()
