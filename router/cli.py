@@ -32,6 +32,8 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
     "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
+    "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
+               "disagg_tpot_guard_ms"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
@@ -251,6 +253,8 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
     g = p.add_argument_group("chat output (vLLM's flags)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["chat"]], ROUTER_DEST)
+    g = p.add_argument_group("conditional disaggregation (docs/slo.md)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["disagg"]], ROUTER_DEST)
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     return g
@@ -336,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p.add_argument_group("liveness"), [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)
+
+    from router import profile
+    p = sub.add_parser("profile", help="measure prefill, decode step and KV transfer times; write a latency model "
+                                       "(docs/slo.md)")
+    profile.add_arguments(p)
+    _add_engine_args(p)
+    p.set_defaults(func=lambda args: profile.main(args, resolve_model(args.model), engine_options(args)))
 
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")

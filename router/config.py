@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import CacheConfig, ConfigError, option
+from router.disagg_policy import MODES as DISAGG_MODES
 from router.policy import POLICIES
 from router.reasoning import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -22,6 +23,16 @@ class RouterConfig:
     zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")
     control_port: int = option(0, "the port workers register on (hello, heartbeats); 0 picks a free port")
     routing: str = option("prefix_load", f"how a request's workers are chosen: {', '.join(POLICIES)}")
+    # conditional disaggregation (router/disagg_policy.py, docs/slo.md)
+    disagg: str = option("always", f"which prompts go via a prefill worker ({', '.join(DISAGG_MODES)}); the rest "
+                                   "are prefilled on their decode worker")
+    disagg_threshold_tokens: int = option(256, "threshold mode: via a prefill worker when the decode worker lacks "
+                                               "at least this many of the prompt's tokens")
+    disagg_max_prefill_queue: int = option(0, "threshold mode: prefill on the decode worker when the prefill worker "
+                                              "has more prompt tokens than this queued (0: no limit)")
+    disagg_latency_model: str = option("", "cost mode: the latency model file that `pdserve profile` wrote")
+    disagg_tpot_guard_ms: float = option(0.0, "cost mode: via a prefill worker whenever a step of the decode worker "
+                                              "that prefills the prompt would last longer than this (0: no guard)")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
@@ -54,6 +65,12 @@ class RouterConfig:
                               f"got {self.dtype!r}")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
+        if self.disagg not in DISAGG_MODES:
+            raise ConfigError(f"disagg {self.disagg!r} is not one of {', '.join(DISAGG_MODES)}")
+        if self.disagg == "cost" and not self.disagg_latency_model:
+            raise ConfigError("disagg cost needs disagg_latency_model (a file from `pdserve profile`)")
+        if min(self.disagg_threshold_tokens, self.disagg_max_prefill_queue, self.disagg_tpot_guard_ms) < 0:
+            raise ConfigError("disagg_threshold_tokens, disagg_max_prefill_queue and disagg_tpot_guard_ms must be >= 0")
         if self.retries < 0:
             raise ConfigError(f"retries must be >= 0, got {self.retries}")
         if not self.stale_after_s > 0 or not self.client_timeout_s > 0:

@@ -30,6 +30,7 @@ from common.text.tokenizer import Tokenizer
 from common.validation import RequestError, check_chat, check_prompt_chars, check_sampling, check_text, check_token_ids
 from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
+from router.disagg_state import Decision, Disaggregation
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
@@ -57,6 +58,7 @@ class Router:
         self.registry = WorkerRegistry(config.stale_after_s)
         self.metrics = RouterMetrics(config.model_name)
         self.rng = random.Random(config.seed)
+        self.disagg = Disaggregation(config, self.metrics)  # per request: via a prefill worker or prefilled on D
         self._rr_prefill = itertools.count()  # one counter per choice, or with two workers
         self._rr_decode = itertools.count()   # per role each would only ever see even indices
         self.ctx = zmq.asyncio.Context()
@@ -289,27 +291,24 @@ class Router:
         except Exception as e:
             raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
 
-    def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()) -> tuple[WorkerEntry, WorkerEntry | None]:
-        """(decode-or-colocated worker, prefill worker or None); workers in `avoid` (that
-        just failed this request) only when no other is live."""
+    def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()
+              ) -> tuple[WorkerEntry, WorkerEntry | None, Decision | None]:
+        """(decode-or-colocated worker, prefill worker or None, a P + D pair's disaggregation
+        decision); workers in `avoid` (that just failed this request) only when no other is live."""
         reg, policy = self.registry, self.config.routing
         hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
-
-        def live(role: str) -> list[WorkerEntry]:
-            entries = reg.live((role,))
-            return [e for e in entries if e.worker_id not in avoid] or entries
-
-        prefills, decodes = live("prefill"), live("decode")
+        prefills, decodes = reg.live_except("prefill", avoid), reg.live_except("decode", avoid)
         if prefills and decodes:
-            p_id = choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))
-            d_id = choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))
-            self._note_routed(reg.workers[p_id], hashes)
-            return reg.workers[d_id], reg.workers[p_id]
-        colocated = live("colocated")
+            prefill = reg.workers[choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))]
+            decode = reg.workers[choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))]
+            choice = self.disagg.decide(len(prep.token_ids), hashes, decode, prefill, self.inflight.values())
+            self._note_routed(prefill if choice.disaggregate else decode, hashes)
+            return decode, prefill if choice.disaggregate else None, choice
+        colocated = reg.live_except("colocated", avoid)
         if colocated:
             c_id = choose_prefill(reg.views(colocated, hashes), policy, self.rng, next(self._rr_prefill))
             self._note_routed(reg.workers[c_id], hashes)
-            return reg.workers[c_id], None
+            return reg.workers[c_id], None, None
         raise RouteError("no live worker can serve this request (prefill+decode or colocated)", "unavailable")
 
     def _note_routed(self, entry: WorkerEntry, hashes: list[int]) -> None:
@@ -325,7 +324,7 @@ class Router:
         A SubmitRequest is prepared here; the HTTP front end prepares before it answers."""
         try:
             prep = request if isinstance(request, Prepared) else await self.prepare_async(request)
-            decode, prefill = self.route(prep)
+            decode, prefill, choice = self.route(prep)
         except RouteError as e:
             if e.code != "overloaded":  # admit() counted that one
                 self.metrics.request_done("error")
@@ -338,7 +337,7 @@ class Router:
             return
         req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
                        IncrementalDetokenizer.for_request(self.tokenizer, prep.params), len(prep.token_ids), self.clock.monotonic(),
-                       wire_id=sub.request_id)
+                       wire_id=sub.request_id, route=choice)
         self.inflight[req.request_id] = req
         self._by_wire[req.wire_id] = req
         self._take_load(req)
@@ -409,7 +408,8 @@ class Router:
                             params: SamplingParams) -> None:
         timeline: dict[str, float] = {}
         mark(timeline, Stamp.ARRIVAL, prep.arrival)
-        mark(timeline, Stamp.ROUTED, self.clock.time())
+        mark(timeline, Stamp.ROUTED, now := self.clock.time())
+        self.disagg.mark(timeline, req.route, now)
         prefill = req.prefill
         msg = GenerateRequest(req.wire_id, ids, params, prefill.hello.address if prefill else "",
                               prep.sub.return_timeline, timeline, hashes)
@@ -424,7 +424,7 @@ class Router:
         old_wire, old_decode = req.wire_id, req.decode
         ids, hashes = resume_prompt(prep.token_ids, req.output_ids, self.config.block_size)
         params = resume_params(prep.params, len(req.output_ids))
-        decode, prefill = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival), frozenset(failed))
+        decode, prefill, req.route = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival), frozenset(failed))
         self._give_load(req)
         req.attempts += 1
         req.decode, req.prefill, req.prefill_released = decode, prefill, False

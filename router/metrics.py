@@ -40,6 +40,9 @@ class RouterMetrics:
         self.recoveries = Counter("pdserve_request_recoveries", "Requests re-routed after a worker failed, by kind",
                                   ["kind"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Workers found dead, by how", ["how"], registry=r)
+        self.disagg_decisions = Counter("pdserve_disagg_decisions", "Prefill + decode routing: prompts sent via the "
+                                        "prefill worker (disagg) or prefilled on the decode worker (local), by reason",
+                                        ["decision", "reason"], registry=r)
         self._vllm(r, model_name)
         self._load: dict[str, WorkerStatus] = {}  # worker id -> its last status
 

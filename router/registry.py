@@ -91,6 +91,11 @@ class WorkerRegistry:
     def live(self, roles: tuple[str, ...]) -> list[WorkerEntry]:
         return [e for e in self.workers.values() if e.alive and e.role in roles]
 
+    def live_except(self, role: str, avoid: frozenset[str]) -> list[WorkerEntry]:
+        """The live workers of `role` not in `avoid`; all live ones if only those are left."""
+        entries = self.live((role,))
+        return [e for e in entries if e.worker_id not in avoid] or entries
+
     def views(self, entries: list[WorkerEntry], prompt_hashes: list[int] | None = None) -> list[WorkerView]:
         out = []
         for e in entries:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from common.wire.messages import ErrorReply, RequestOutput, SubmitRequest
 from common.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
+from router.disagg_policy import Decision
 from router.registry import WorkerEntry
 
 
@@ -55,6 +56,7 @@ strings belong to the client request, not to an attempt."""
     attempts: int = 0  # attempts after the first (re-routed after a worker failed)
     output_ids: list[int] = field(default_factory=list)  # every token the caller has been sent
     num_cached_tokens: int = 0  # the current attempt's, from its first output
+    route: Decision | None = None  # the current attempt's disaggregation decision (P + D pairs)
 
 
 def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> list[RequestOutput | ErrorReply]:

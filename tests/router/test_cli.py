@@ -85,11 +85,15 @@ def test_serve_router_flags_come_from_router_config():
                                       "--routing", "round_robin", "--max-prompt-chars", "100", "--max-body-bytes",
                                       "2048", "--retries", "0", "--stale-after", "2.5", "--client-timeout", "3",
                                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                      "--reasoning-parser", "qwen3"])
+                                      "--reasoning-parser", "qwen3",
+                                      "--disagg", "cost", "--disagg-threshold-tokens", "64", "--disagg-max-prefill-queue",
+                                      "900", "--disagg-latency-model", "lm.json", "--disagg-tpot-guard-ms", "50"])
     assert given(args, ROUTER_DEST) == {"host": "10.0.0.1", "http_port": -1, "zmq_port": 0, "routing": "round_robin",
                                         "max_prompt_chars": 100, "max_body_bytes": 2048, "retries": 0,
                                         "stale_after_s": 2.5, "client_timeout_s": 3.0, "enable_auto_tool_choice": True,
-                                        "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
+                                        "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "disagg": "cost",
+                                        "disagg_threshold_tokens": 64, "disagg_max_prefill_queue": 900,
+                                        "disagg_latency_model": "lm.json", "disagg_tpot_guard_ms": 50.0}
     assert sorted(given(args, ROUTER_DEST)) == sorted(names)
     for name in names:
         assert options[name].help, f"RouterConfig.{name} has no help text for its flag"
