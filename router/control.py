@@ -43,6 +43,7 @@ class Departed:
     role: str
     exit_code: int | None
     managed: bool
+    routed: int = 0  # requests it was routed while in the pool
 
 
 class ControlPlane:
@@ -146,7 +147,7 @@ class ControlPlane:
                           owns(e.worker_id)) for e in self.router.registry.workers.values()]
         out += [PoolWorker(w, role, "starting", managed=True) for w, (role, _) in self.starting.items()
                 if w not in self.router.registry.workers]
-        out += [PoolWorker(d.worker_id, d.role, "exited", managed=d.managed, exit_code=d.exit_code)
+        out += [PoolWorker(d.worker_id, d.role, "exited", routed=d.routed, managed=d.managed, exit_code=d.exit_code)
                 for d in self.departed.values() if d.worker_id not in self.router.registry.workers]
         return sorted(out, key=lambda w: (ROLES.index(w.role) if w.role in ROLES else 9, w.worker_id))
 
@@ -220,7 +221,7 @@ class ControlPlane:
         router.disconnect_worker(wid)
         router.metrics.forget_worker(wid, entry.role)
         managed = self.launcher is not None and self.launcher.owns(wid)
-        self.departed[wid] = Departed(wid, entry.role, code, managed)
+        self.departed[wid] = Departed(wid, entry.role, code, managed, entry.routed)
         print(f"router: {entry.role} worker {wid} left its pool (exit code {'?' if code is None else code})",
               file=sys.stderr, flush=True)
         if wid in self.next_role and self.launcher is not None:

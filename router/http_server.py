@@ -221,8 +221,8 @@ class OpenAIServer:
         live = {r: len(reg.live((r,))) for r in ("prefill", "decode", "colocated")}
         ok = (live["prefill"] and live["decode"]) or live["colocated"]
         dead = sorted(e.worker_id for e in reg.workers.values() if not e.alive)  # docs/reliability.md
-        pools = {e.worker_id: {"role": e.role, "state": e.state if e.alive else "dead", "inflight": e.inflight}
-                 for e in reg.workers.values()}  # docs/deploy.md "Growing and shrinking pools"
+        pools = {e.worker_id: {"role": e.role, "state": e.state if e.alive else "dead", "inflight": e.inflight,
+                               "routed": e.routed} for e in reg.workers.values()}  # docs/deploy.md
         return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead, "pools": pools},
                             status_code=200 if ok else 503)
 
