@@ -32,6 +32,7 @@ from router.registry import DRAINING, EXITING, PoolError, WorkerEntry
 ROLES = ("prefill", "decode", "colocated")
 TICK_S = 0.05  # how often drains are checked: bounds the delay between a drain's last request and the exit
 EXIT_GRACE_S = 60.0  # a started worker told to exit and still running after this is stopped by its launcher
+MAX_SPAWN = 16  # workers started per request (a typo such as +100 must not fork a hundred processes)
 PREFILL_SEND_LINGER_MS = 2000  # how long a one-off socket to a prefill worker may take to deliver WorkerDrain
 
 
@@ -88,6 +89,10 @@ class ControlPlane:
                 raise PoolError(f"not a control request: {type(msg).__name__}")
         except PoolError as e:
             reply = self.reply(False, str(e))
+        except Exception as e:  # a launcher that failed to start a process, a bug: the asker hears of it
+            print(f"router: pool request {type(msg).__name__} failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+            reply = self.reply(False, f"{type(msg).__name__} failed: {type(e).__name__}: {e}")
         self.router.reply_control(identity, reply)
 
     def scale(self, role: str, delta: int, device: str = "") -> ControlReply:
@@ -102,6 +107,8 @@ class ControlPlane:
         return self.reply(True, f"{role} pool unchanged")
 
     def grow(self, role: str, count: int, device: str = "") -> ControlReply:
+        if count > MAX_SPAWN:
+            raise PoolError(f"at most {MAX_SPAWN} workers are started per request, asked for {count}")
         if self.launcher is None:
             raise PoolError(f"this router starts no workers: it accepts whoever joins. Start a {role} worker "
                             f"on any host with: {self.join_hint.replace('{role}', role)}")

@@ -245,3 +245,39 @@ def test_launcher_grows_a_pool_and_restarts_a_worker_in_its_new_role(model_dirs)
             await h.close()
 
     run(scenario())
+
+
+def test_a_prefill_worker_is_drained_after_its_handoff_and_told_on_its_own_socket(model_dirs):
+    """The router has no socket to a prefill worker: the exit goes over a one-off
+    connection, once the request it prefills has its first token."""
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        plane = ControlPlane(h.router)
+        plane.start()
+        client = ControlClient(h.router.control_address, h.router.secret, timeout_s=5)
+        try:
+            await h.registered("c0")
+            d0 = h.worker("d0")
+            p0 = h.worker("p0")
+            await h.send(dataclasses.replace(d0.hello(), role="decode"))
+            await h.send(dataclasses.replace(p0.hello(), role="prefill"))
+            while len(h.router.registry.live(("prefill", "decode"))) < 2:
+                await asyncio.sleep(0.01)
+            job = asyncio.create_task(collect(h.router, submit("r1")))
+            identity, req = await d0.next_request()  # P/D pairs are preferred: d0 serves it through p0
+            assert req.prefill_addr == p0.address
+            with pytest.raises(ControlError, match="unknown role 'x'"):
+                await _call(client, "change_role", "p0", "x")
+            await _call(client, "scale", "prefill", -1)
+            assert await p0.next_request(timeout_s=0.3) is None  # its hand-off is pending
+            await d0.reply(identity, step(RequestOutput("r1", [5])))  # the first token: P's part is over
+            assert await _wait_drain_message(p0)
+            await d0.reply(identity, step(RequestOutput("r1", [6], finished=True, finish_reason="length")))
+            assert (await job)[-1].finished
+            assert plane.leaving("p0") and not plane.leaving("c0")
+        finally:
+            client.close()
+            plane.close()
+            await h.close()
+
+    run(scenario())
