@@ -57,7 +57,7 @@ class ControlPlane:
         self.launcher = launcher
         self.join_hint = join_hint  # said when asked to grow a pool without a launcher
         self.starting: dict[str, tuple[str, float]] = {}  # worker id -> (role, when started)
-        self.next_role: dict[str, tuple[str, str]] = {}  # worker id -> (role, device) to restart it in
+        self.next_role: dict[str, tuple[str, dict]] = {}  # worker id -> (role, engine options) to restart it with
         self.departed: dict[str, Departed] = {}
         self._task: asyncio.Task | None = None
         router.control_api = self.on_request
@@ -80,11 +80,11 @@ class ControlPlane:
             if isinstance(msg, PoolsRequest):
                 reply = self.reply(True, "pools")
             elif isinstance(msg, ScalePool):
-                reply = self.scale(msg.role, msg.delta, msg.device)
+                reply = self.scale(msg.role, msg.delta, msg.engine)
             elif isinstance(msg, DrainWorker):
                 reply = self.drain([msg.worker_id])
             elif isinstance(msg, ChangeRole):
-                reply = self.change_role(msg.worker_id, msg.role)
+                reply = self.change_role(msg.worker_id, msg.role, msg.engine)
             else:
                 raise PoolError(f"not a control request: {type(msg).__name__}")
         except PoolError as e:
@@ -95,10 +95,10 @@ class ControlPlane:
             reply = self.reply(False, f"{type(msg).__name__} failed: {type(e).__name__}: {e}")
         self.router.reply_control(identity, reply)
 
-    def scale(self, role: str, delta: int, device: str = "") -> ControlReply:
+    def scale(self, role: str, delta: int, engine: dict | None = None) -> ControlReply:
         _check_role(role)
         if delta > 0:
-            return self.grow(role, delta, device)
+            return self.grow(role, delta, engine)
         if delta < 0:
             serving = sorted(self.router.registry.live((role,)), key=lambda e: (e.inflight, e.worker_id))
             if -delta > len(serving):
@@ -106,7 +106,7 @@ class ControlPlane:
             return self.drain([e.worker_id for e in serving[:-delta]])
         return self.reply(True, f"{role} pool unchanged")
 
-    def grow(self, role: str, count: int, device: str = "") -> ControlReply:
+    def grow(self, role: str, count: int, engine: dict | None = None) -> ControlReply:
         if count > MAX_SPAWN:
             raise PoolError(f"at most {MAX_SPAWN} workers are started per request, asked for {count}")
         if self.launcher is None:
@@ -114,7 +114,7 @@ class ControlPlane:
                             f"on any host with: {self.join_hint.replace('{role}', role)}")
         started = []
         for _ in range(count):
-            wid = self.launcher.spawn(role, device)
+            wid = self.launcher.spawn(role, "", engine)
             self.starting[wid] = (role, self.clock.monotonic())
             self.departed.pop(wid, None)
             started.append(wid)
@@ -132,7 +132,7 @@ class ControlPlane:
         return self.reply(True, f"draining {', '.join(worker_ids)}: no new requests; each exits once its "
                                 f"requests are done", worker_ids)
 
-    def change_role(self, worker_id: str, role: str) -> ControlReply:
+    def change_role(self, worker_id: str, role: str, engine: dict | None = None) -> ControlReply:
         _check_role(role)
         entry = self.router.registry.workers.get(worker_id)
         if entry is not None and entry.role == role:
@@ -141,7 +141,7 @@ class ControlPlane:
             raise PoolError(f"worker {worker_id} joined on its own: the router cannot restart it. Drain it "
                             f"(pdserve scale --worker {worker_id} --drain) and start a {role} worker on its host")
         self.drain([worker_id])  # PoolError for an unknown one
-        self.next_role[worker_id] = (role, entry.hello.device)
+        self.next_role[worker_id] = (role, {"device": entry.hello.device, **(engine or {})})
         return self.reply(True, f"draining {worker_id}; it restarts as a {role} worker once drained", [worker_id])
 
     def reply(self, ok: bool, message: str, worker_ids: list[str] | None = None) -> ControlReply:
@@ -232,8 +232,8 @@ class ControlPlane:
         print(f"router: {entry.role} worker {wid} left its pool (exit code {'?' if code is None else code})",
               file=sys.stderr, flush=True)
         if wid in self.next_role and self.launcher is not None:
-            role, device = self.next_role.pop(wid)
-            self.launcher.spawn(role, device, wid)
+            role, engine = self.next_role.pop(wid)
+            self.launcher.spawn(role, wid, engine)
             self.starting[wid] = (role, self.clock.monotonic())
             self.departed.pop(wid, None)
 

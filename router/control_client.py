@@ -53,14 +53,14 @@ class ControlClient:
     def pools(self) -> list[PoolWorker]:
         return self.call(PoolsRequest()).workers
 
-    def scale(self, role: str, delta: int, device: str = "") -> ControlReply:
-        return self.call(ScalePool(role, delta, device))
+    def scale(self, role: str, delta: int, engine: dict | None = None) -> ControlReply:
+        return self.call(ScalePool(role, delta, dict(engine or {})))
 
     def drain(self, worker_id: str) -> ControlReply:
         return self.call(DrainWorker(worker_id))
 
-    def change_role(self, worker_id: str, role: str) -> ControlReply:
-        return self.call(ChangeRole(worker_id, role))
+    def change_role(self, worker_id: str, role: str, engine: dict | None = None) -> ControlReply:
+        return self.call(ChangeRole(worker_id, role, dict(engine or {})))
 
     def wait(self, serving: dict[str, str], gone: set[str], timeout_s: float) -> list[PoolWorker]:
         """Poll until every worker in `serving` (id -> role) serves in that role and every
@@ -114,6 +114,7 @@ def add_scale_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=_delta, default=0, metavar="+N|-N", help="grow or shrink the decode pool")
     p.add_argument("--colocated", type=_delta, default=0, metavar="+N|-N", help="grow or shrink the colocated pool")
     p.add_argument("--device", default="", help="where new workers run (default: where their role's workers run)")
+    p.add_argument("--num-threads", type=int, default=0, help="CPU threads of each new worker (default: as its role's)")
     p.add_argument("--worker", action="append", default=[], metavar="ID", help="with --drain: the worker(s) to drain")
     p.add_argument("--drain", action="store_true", help="drain the --worker(s): they finish their requests and exit")
     p.add_argument("--role-of", action="append", default=[], metavar="ID=ROLE",
@@ -172,7 +173,7 @@ def scale_main(args: argparse.Namespace) -> int:
     gone: set[str] = set()
     try:
         for role, delta in changes:
-            reply = client.scale(role, delta, args.device)
+            reply = client.scale(role, delta, _engine(args))
             if delta > 0:
                 serving.update(dict.fromkeys(reply.worker_ids, role))
             else:
@@ -181,7 +182,7 @@ def scale_main(args: argparse.Namespace) -> int:
         for wid in args.worker:
             gone.update(client.drain(wid).worker_ids)
         for wid, role in roles:
-            print(client.change_role(wid, role).message, file=sys.stderr)
+            print(client.change_role(wid, role, _engine(args)).message, file=sys.stderr)
             serving[wid] = role
         workers = client.pools() if args.no_wait else client.wait(serving, gone, args.wait)
         _print(workers, args.json)
@@ -191,6 +192,11 @@ def scale_main(args: argparse.Namespace) -> int:
     finally:
         client.close()
     return 0
+
+
+def _engine(args: argparse.Namespace) -> dict:
+    """The engine options new workers get that differ from their role's."""
+    return {k: v for k, v in (("device", args.device), ("num_threads", args.num_threads)) if v}
 
 
 def _role_of(text: str) -> tuple[str, str]:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from typing import Protocol
+from typing import Any, Protocol
 
+from common.config import ConfigError
+from common.worker.spec import WorkerSpec
+from kv_transfer import resolve_backend
 from router.deploy import DeploymentConfig
 from router.launch import Launcher
 from router.registry import PoolError
@@ -19,9 +22,10 @@ ELASTIC_BACKENDS = ("shm", "tcp", "cuda_ipc", "")  # gloo/nccl groups are fixed 
 class WorkerLauncher(Protocol):
     """Starts workers that register with the router on their own (a hello), and stops them."""
 
-    def spawn(self, role: str, device: str = "", worker_id: str = "") -> str:
-        """Start one worker of `role` (on `device`, or where the launcher places that role;
-        named `worker_id`, or a fresh name); returns its worker id. PoolError if it cannot."""
+    def spawn(self, role: str, worker_id: str = "", engine: dict[str, Any] | None = None) -> str:
+        """Start one worker of `role` (named `worker_id`, or a fresh name; with the engine
+        options in `engine` changed from the deployment's, "device" included); returns its
+        worker id. PoolError if it cannot."""
         ...
 
     def stop(self, worker_id: str) -> None:
@@ -44,14 +48,19 @@ class LocalLauncher:
         self.dep = dep
         self.control_address = control_address
 
-    def spawn(self, role: str, device: str = "", worker_id: str = "") -> str:
+    def spawn(self, role: str, worker_id: str = "", engine: dict[str, Any] | None = None) -> str:
         template = self._template(role)
+        try:
+            options = template.engine.replace(**engine) if engine else template.engine
+        except ConfigError as e:
+            raise PoolError(f"engine options {engine}: {e}") from None
         taken = {w.name for w in self.launcher.workers}
         name = worker_id or next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
         worker = dataclasses.replace(template.worker, role=role, worker_id=name, report_to=self.control_address,
                                      prefill_peers=())  # decode workers handshake on the first request naming a P
-        engine = template.engine.replace(device=device) if device else template.engine
-        self.launcher.start(dataclasses.replace(template, engine=engine, worker=worker))
+        if role != "colocated" and not self.dep.kv_transfer:  # the first P/D worker of a colocated deployment
+            worker = dataclasses.replace(worker, kv_transfer=resolve_backend("auto", options.device.device))
+        self.launcher.start(dataclasses.replace(template, engine=options, worker=worker))
         return name
 
     def stop(self, worker_id: str) -> None:
@@ -62,15 +71,12 @@ class LocalLauncher:
     def owns(self, worker_id: str) -> bool:
         return any(w.name == worker_id for w in self.launcher.workers)
 
-    def _template(self, role: str):
-        """The deployment's spec for a new worker of `role`; PoolError where the
-        deployment cannot take one."""
+    def _template(self, role: str) -> WorkerSpec:
+        """The deployment's spec for a new worker of `role` (one of that role's, else any:
+        a colocated deployment can grow P/D pools and the other way round; the router
+        routes to P/D pairs while there are both). PoolError where it cannot take one."""
         if self.dep.kv_transfer not in ELASTIC_BACKENDS:
             raise PoolError(f"this deployment's kv transfer is {self.dep.kv_transfer}: its group is fixed at "
                             f"start, so its pools cannot grow (use shm, tcp or cuda_ipc for elastic pools)")
-        colocated = bool(self.dep.role("colocated"))
-        if colocated != (role == "colocated"):
-            kind = "colocated" if colocated else "prefill/decode"
-            raise PoolError(f"this deployment is {kind}: it cannot start a {role} worker")
         same = self.dep.role(role)
         return same[0] if same else self.dep.workers[0]

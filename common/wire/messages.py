@@ -283,12 +283,13 @@ class PoolsRequest:
 
 @message("scale_pool", since=3)
 class ScalePool:
-    """Grow (`delta` > 0: spawn that many workers of `role`, on `device` or the role's
-    device) or shrink (`delta` < 0: drain that many of its serving workers, least loaded
-    first) one pool."""
+    """Grow (`delta` > 0: start that many workers of `role`) or shrink (`delta` < 0:
+    drain that many of its serving workers, least loaded first) one pool. `engine`:
+    engine options of the new workers that differ from the deployment's (e.g. "device",
+    "num_threads"); checked as the engine flags are."""
     role: str
     delta: int
-    device: str = ""
+    engine: dict[str, Any] = field(default_factory=dict)
 
 
 @message("drain_worker", since=3)
@@ -299,9 +300,11 @@ class DrainWorker:
 
 @message("change_role", since=3)
 class ChangeRole:
-    """Drain one worker, then start it again (same id, same device) in `role`."""
+    """Drain one worker, then start it again (same id, same device) in `role`, with
+    `engine` options changed as in `scale_pool`."""
     worker_id: str
     role: str
+    engine: dict[str, Any] = field(default_factory=dict)
 
 
 @message("control_reply", since=3)

@@ -1,8 +1,9 @@
 """Elastic pools under a steady stream (docs/deploy.md "Growing and shrinking pools"):
-`pdserve scale --prefill +1 --decode -1` against `pdserve serve --prefill 1 --decode 2`.
-No request fails or is cut (none resumed or re-prefilled), every output equals
-transformers' greedy one, the new prefill worker serves, the removed decode worker exits
-with code 0, /health and /metrics show the new pools, and blocks are back to baseline."""
+`pdserve scale --prefill +1 --decode -1` against `pdserve serve --prefill 1 --decode 2`,
+then `--role-of prefill-1=decode`. No request fails or is cut (none resumed or
+re-prefilled), every output equals transformers' greedy one, the new prefill worker
+serves, the removed decode worker exits with code 0, the re-roled worker serves as a
+decode worker, /health and /metrics show the pools, and blocks are back to baseline."""
 from __future__ import annotations
 
 import json
@@ -56,32 +57,36 @@ def test_scale_prefill_up_and_decode_down_under_a_steady_stream(tmp_path, prompt
             assert gone["role"] == "decode" and gone["exit_code"] == 0 and gone["managed"], pools
             assert gone["routed"] > 0, "the removed worker served nothing before its drain"
             assert new["state"] == "serving"
-            deadline = time.monotonic() + 30
-            while _pools(served)[new["worker_id"]]["routed"] == 0:  # it takes traffic once registered
-                assert time.monotonic() < deadline, f"the new worker served nothing:\n{served.log_tail()}"
-                time.sleep(0.2)
+            _wait_routed(served, new["worker_id"])  # it takes traffic once registered
+            mid = len(results)
+            pools = {w["worker_id"]: w for w in _scale(served, "--role-of", f"{new['worker_id']}=decode")}
+            assert (pools[new["worker_id"]]["role"], pools[new["worker_id"]]["state"]) == ("decode", "serving")
+            _wait_routed(served, new["worker_id"])
             time.sleep(0.5)
         finally:
             halt.set()
             for c in clients:
                 c.join(120)
-        assert len(results) > before > 0, "the stream did not run across the scaling"
+        assert len(results) > mid > before > 0, "the stream did not run across the scaling"
         for ids, res in results:
             assert res["error"] is None, res
             assert res["token_ids"] == greedy(ids, MAX_NEW)
         assert recoveries(served) == {}, "a request was cut and re-routed instead of drained"
         wait_gone([served.info["workers"][gone["worker_id"]]["pid"]], 5)
         h = health(served)
-        assert h["workers"] == {"prefill": 2, "decode": 1, "colocated": 0}, h
-        assert gone["worker_id"] not in h["pools"] and h["pools"][new["worker_id"]]["state"] == "serving"
+        assert h["workers"] == {"prefill": 1, "decode": 2, "colocated": 0}, h
+        assert gone["worker_id"] not in h["pools"] and h["pools"][new["worker_id"]]["role"] == "decode"
         text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
-        assert re.search(r'^pdserve_pool_workers\{role="prefill",state="serving"\} 2\.0$', text, re.M), text
-        assert re.search(r'^pdserve_pool_workers\{role="decode",state="serving"\} 1\.0$', text, re.M)
-        kept = [w for w, v in _pools(served).items() if v["state"] == "serving"]
+        assert re.search(r'^pdserve_pool_workers\{role="prefill",state="serving"\} 1\.0$', text, re.M), text
+        assert re.search(r'^pdserve_pool_workers\{role="decode",state="serving"\} 2\.0$', text, re.M)
+        kept = [w for w, v in h["pools"].items() if v["state"] == "serving"]
         wait_blocks_baseline(served, kept)
     finally:
         stop(served)
 
 
-def _pools(served) -> dict[str, dict]:
-    return health(served)["pools"]
+def _wait_routed(served, worker_id: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while health(served)["pools"][worker_id]["routed"] == 0:
+        assert time.monotonic() < deadline, f"{worker_id} served nothing:\n{served.log_tail()}"
+        time.sleep(0.2)

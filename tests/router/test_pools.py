@@ -100,9 +100,9 @@ class FakeLauncher:
         self.stopped: list[str] = []
         self.names: set[str] = set()
 
-    def spawn(self, role: str, device: str = "", worker_id: str = "") -> str:
+    def spawn(self, role: str, worker_id: str = "", engine: dict | None = None) -> str:
         wid = worker_id or f"{role}-new{len(self.spawned)}"
-        self.spawned.append((role, device, wid))
+        self.spawned.append((role, engine, wid))
         self.names.add(wid)
         return wid
 
@@ -221,20 +221,20 @@ def test_launcher_grows_a_pool_and_restarts_a_worker_in_its_new_role(model_dirs)
         client = ControlClient(h.router.control_address, h.router.secret, timeout_s=5)
         try:
             await h.registered("c0")
-            reply = await _call(client, "scale", "colocated", 1, "cpu:1")
+            reply = await _call(client, "scale", "colocated", 1, {"num_threads": 2})
             (wid,) = reply.worker_ids
-            assert reply.can_spawn and launcher.spawned == [("colocated", "cpu:1", wid)]
+            assert reply.can_spawn and launcher.spawned == [("colocated", {"num_threads": 2}, wid)]
             assert (await _states(client))[wid] == "starting"
             new = h.worker(wid)
             await h.send(new.hello())  # it registers on its own, as a started process does
             while (await _states(client))[wid] != "serving":
                 await asyncio.sleep(0.02)
             assert {e.worker_id for e in h.router.registry.live(("colocated",))} == {"c0", wid}
-            reply = await _call(client, "change_role", wid, "prefill")
+            reply = await _call(client, "change_role", wid, "prefill", {"num_threads": 1})
             assert "restarts as a prefill worker" in reply.message
             assert await _wait_drain_message(new)  # nothing was routed to it: told at once
             assert plane.leaving(wid) and plane.worker_exited(wid, 0)  # the launcher saw it exit 0
-            assert launcher.spawned[-1] == ("prefill", "cpu", wid)  # same id, same device, new role
+            assert launcher.spawned[-1] == ("prefill", {"device": "cpu", "num_threads": 1}, wid)  # same id and device
             pools = {w.worker_id: w for w in await _call(client, "pools")}
             assert (pools[wid].state, pools[wid].role) == ("starting", "prefill")
             with pytest.raises(ControlError, match="refused to drain c0"):  # a lone prefill worker cannot serve
@@ -281,3 +281,21 @@ def test_a_prefill_worker_is_drained_after_its_handoff_and_told_on_its_own_socke
             await h.close()
 
     run(scenario())
+
+
+def test_local_launcher_refuses_fixed_groups_and_bad_engine_options(model_dirs, tmp_path):
+    from common.config import EngineOptions
+    from router.config import RouterConfig
+    from router.deploy import plan_deployment
+    from router.launch import Launcher
+    from router.pool_launch import LocalLauncher
+    router = RouterConfig(model_dir=model_dirs["qwen3"])
+    gloo = plan_deployment(router, EngineOptions.of(), prefill_devices=("cpu",), decode_devices=("cpu",),
+                           kv_transfer="gloo")
+    launcher = Launcher(tmp_path)
+    with pytest.raises(PoolError, match="kv transfer is gloo: its group is fixed at start"):
+        LocalLauncher(launcher, gloo, "tcp://127.0.0.1:1").spawn("prefill")
+    shm = plan_deployment(router, EngineOptions.of(), prefill_devices=("cpu",), decode_devices=("cpu",))
+    with pytest.raises(PoolError, match="engine options {'num_threads': -1}"):
+        LocalLauncher(launcher, shm, "tcp://127.0.0.1:1").spawn("decode", "", {"num_threads": -1})
+    assert launcher.workers == []  # nothing started
