@@ -32,6 +32,7 @@ from router.registry import DRAINING, EXITING, PoolError, WorkerEntry
 ROLES = ("prefill", "decode", "colocated")
 TICK_S = 0.05  # how often drains are checked: bounds the delay between a drain's last request and the exit
 EXIT_GRACE_S = 60.0  # a started worker told to exit and still running after this is stopped by its launcher
+MAX_DEPARTED = 64  # departed workers `pools` remembers (the oldest are forgotten first)
 MAX_SPAWN = 16  # workers started per request (a typo such as +100 must not fork a hundred processes)
 PREFILL_SEND_LINGER_MS = 2000  # how long a one-off socket to a prefill worker may take to deliver WorkerDrain
 
@@ -229,6 +230,8 @@ class ControlPlane:
         router.metrics.forget_worker(wid, entry.role)
         managed = self.launcher is not None and self.launcher.owns(wid)
         self.departed[wid] = Departed(wid, entry.role, code, managed, entry.routed)
+        for old in list(self.departed)[:-MAX_DEPARTED]:
+            del self.departed[old]
         print(f"router: {entry.role} worker {wid} left its pool (exit code {'?' if code is None else code})",
               file=sys.stderr, flush=True)
         if wid in self.next_role and self.launcher is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Callable
 
 import zmq
 
@@ -147,15 +148,7 @@ def _print(workers: list[PoolWorker], as_json: bool) -> None:
 
 
 def pools_main(args: argparse.Namespace) -> int:
-    client = _client(args)
-    try:
-        _print(client.pools(), args.json)
-    except ControlError as e:
-        print(f"pdserve pools: {e}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    return 0
+    return _run(args, "pdserve pools", lambda client: client.pools())
 
 
 def scale_main(args: argparse.Namespace) -> int:
@@ -168,10 +161,10 @@ def scale_main(args: argparse.Namespace) -> int:
     if not (changes or args.worker or roles):
         raise ConfigError("nothing to do: give --prefill/--decode/--colocated +N|-N, --worker ID --drain, "
                           "or --role-of ID=ROLE")
-    client = _client(args)
-    serving: dict[str, str] = {}
-    gone: set[str] = set()
-    try:
+
+    def scale(client: ControlClient) -> list[PoolWorker]:
+        serving: dict[str, str] = {}  # id -> the role it must serve in
+        gone: set[str] = set()
         for role, delta in changes:
             reply = client.scale(role, delta, _engine(args))
             if delta > 0:
@@ -184,10 +177,17 @@ def scale_main(args: argparse.Namespace) -> int:
         for wid, role in roles:
             print(client.change_role(wid, role, _engine(args)).message, file=sys.stderr)
             serving[wid] = role
-        workers = client.pools() if args.no_wait else client.wait(serving, gone, args.wait)
-        _print(workers, args.json)
+        return client.pools() if args.no_wait else client.wait(serving, gone, args.wait)
+    return _run(args, "pdserve scale", scale)
+
+
+def _run(args: argparse.Namespace, prog: str, body: Callable[[ControlClient], list[PoolWorker]]) -> int:
+    """Run `body(client)` and print the pools it returns; 1 with the reason when the router refused."""
+    client = _client(args)
+    try:
+        _print(body(client), args.json)
     except ControlError as e:
-        print(f"pdserve scale: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     finally:
         client.close()

@@ -299,3 +299,35 @@ def test_local_launcher_refuses_fixed_groups_and_bad_engine_options(model_dirs, 
     with pytest.raises(PoolError, match="engine options {'num_threads': -1}"):
         LocalLauncher(launcher, shm, "tcp://127.0.0.1:1").spawn("decode", "", {"num_threads": -1})
     assert launcher.workers == []  # nothing started
+
+
+def test_an_exiting_worker_that_keeps_running_is_stopped_by_its_launcher(model_dirs):
+    """ManualClock time: told to exit, still heartbeating EXIT_GRACE_S later -> stop()."""
+    from router.control import EXIT_GRACE_S
+
+    async def scenario():
+        clock = ManualClock()
+        h = Harness(model_dirs["qwen3"], stale_after_s=5.0, clock=clock)
+        launcher = FakeLauncher()
+        launcher.names.add("c1")
+        plane = ControlPlane(h.router, launcher)  # not started: the test turns its crank
+        try:
+            for w in (h.worker("c0"), c1 := h.worker("c1")):
+                await h.send(w.hello())
+            while len(h.router.registry.workers) < 2:  # not wait_for_workers: it sleeps on the ManualClock
+                await asyncio.sleep(0.01)
+            plane.drain(["c1"])
+            await plane.tick()
+            assert await _wait_drain_message(c1) and h.router.registry.workers["c1"].state == EXITING
+            for _ in range(2):
+                clock.now += EXIT_GRACE_S / 2 + 1
+                for wid in ("c0", "c1"):  # both still heartbeat
+                    h.router.registry.heartbeat(messages.WorkerStatus(wid, "colocated", 0, 0, 64, 64), clock.now)
+                await plane.tick()
+            assert launcher.stopped == ["c1"]
+            assert plane.worker_exited("c1", -15) and plane.departed["c1"].exit_code == -15
+            assert [w.state for w in plane.pools()] == ["serving", "exited"]
+        finally:
+            await h.close()
+
+    run(scenario())
