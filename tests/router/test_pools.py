@@ -126,12 +126,22 @@ async def _wait_drain_message(w, timeout_s: float = 5.0) -> bool:
     return got is not None and isinstance(got[1], WorkerDrain)
 
 
+async def _heartbeats(h: Harness, ids: set[str]) -> None:
+    """Fake workers' heartbeats every 0.1 s for as long as their ids are in `ids`."""
+    while True:
+        for wid in list(ids):
+            await h.send(messages.WorkerStatus(wid, "colocated", 0, 0, 64, 64))
+        await asyncio.sleep(0.1)
+
+
 def test_drain_waits_for_the_inflight_request_then_tells_the_worker_to_exit(model_dirs):
     async def scenario():
-        h = Harness(model_dirs["qwen3"], stale_after_s=0.5)
+        h = Harness(model_dirs["qwen3"], stale_after_s=1.0)
         plane = ControlPlane(h.router, None, "pdserve worker --role {role} --join X")
         plane.start()
         client = ControlClient(h.router.control_address, h.router.secret, timeout_s=5)
+        beating = {"c0", "c1"}
+        beats = asyncio.create_task(_heartbeats(h, beating))
         try:
             c0 = await h.registered("c0")
             c1 = h.worker("c1")
@@ -153,9 +163,9 @@ def test_drain_waits_for_the_inflight_request_then_tells_the_worker_to_exit(mode
             await c1.reply(identity, step(RequestOutput("r1", [5], finished=True, finish_reason="length")))
             assert (await job)[-1].finished  # the drained worker's request completed
             assert await _wait_drain_message(c1)
+            beating.discard("c1")  # it exits
             assert (await _states(client))["c1"] == "exiting"
-            for _ in range(10):  # c1 silent past stale_after_s (it left), c0 heartbeating
-                await h.send(messages.WorkerStatus("c0", "colocated", 0, 0, 64, 64))
+            while (await _states(client))["c1"] == "exiting":  # silent past stale_after_s: it left
                 await asyncio.sleep(0.1)
             pools = await _call(client, "pools")
             assert [(w.worker_id, w.state) for w in pools] == [("c0", "serving"), ("c1", "exited")]
@@ -166,6 +176,7 @@ def test_drain_waits_for_the_inflight_request_then_tells_the_worker_to_exit(mode
             job2.cancel()
             await asyncio.gather(job2, return_exceptions=True)
         finally:
+            beats.cancel()
             client.close()
             plane.close()
             await h.close()
