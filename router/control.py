@@ -60,6 +60,7 @@ class ControlPlane:
         self.starting: dict[str, tuple[str, float]] = {}  # worker id -> (role, when started)
         self.next_role: dict[str, tuple[str, dict]] = {}  # worker id -> (role, engine options) to restart it with
         self.departed: dict[str, Departed] = {}
+        self._stopped: set[str] = set()  # exiting workers whose launcher was asked to stop them
         self._task: asyncio.Task | None = None
         router.control_api = self.on_request
 
@@ -138,7 +139,7 @@ class ControlPlane:
         entry = self.router.registry.workers.get(worker_id)
         if entry is not None and entry.role == role:
             raise PoolError(f"worker {worker_id} is already a {role} worker")
-        if entry is not None and (self.launcher is None or not self.launcher.owns(worker_id)):
+        if entry is not None and not self._owns(worker_id):
             raise PoolError(f"worker {worker_id} joined on its own: the router cannot restart it. Drain it "
                             f"(pdserve scale --worker {worker_id} --drain) and start a {role} worker on its host")
         self.drain([worker_id])  # PoolError for an unknown one
@@ -150,9 +151,8 @@ class ControlPlane:
 
     def pools(self) -> list[PoolWorker]:
         """Every worker the router knows: registered, starting, and departed."""
-        owns = self.launcher.owns if self.launcher is not None else (lambda _: False)
         out = [PoolWorker(e.worker_id, e.role, e.state if e.alive else "dead", e.hello.address, e.inflight, e.routed,
-                          owns(e.worker_id)) for e in self.router.registry.workers.values()]
+                          self._owns(e.worker_id)) for e in self.router.registry.workers.values()]
         out += [PoolWorker(w, role, "starting", managed=True) for w, (role, _) in self.starting.items()
                 if w not in self.router.registry.workers]
         out += [PoolWorker(d.worker_id, d.role, "exited", routed=d.routed, managed=d.managed, exit_code=d.exit_code)
@@ -169,8 +169,10 @@ class ControlPlane:
                 print(f"router: pool control: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     async def tick(self) -> None:
-        """Tell drained workers to exit; retire exiting ones that fell silent; stop
-        started ones that ignore the request; forget starts that registered."""
+        """Tell drained workers to exit; retire exiting ones that fell silent (joined
+        ones: a started one is retired when its launcher reports its exit, so its exit
+        code is known and a restart under the same id never races the old process);
+        stop started ones that ignore the request; forget starts that registered."""
         reg, now = self.router.registry, self.clock.monotonic()
         for w in [w for w in self.starting if w in reg.workers]:
             del self.starting[w]
@@ -179,11 +181,16 @@ class ControlPlane:
                   f"telling it to exit", file=sys.stderr, flush=True)
             await self._tell_exit(entry)
         for entry in reg.exited_silently(now):
-            self.retire(entry, None)
-        if self.launcher is not None:
-            for e in reg.workers.values():
-                if e.state == EXITING and now - e.state_since > EXIT_GRACE_S and self.launcher.owns(e.worker_id):
-                    self.launcher.stop(e.worker_id)
+            if not self._owns(entry.worker_id):  # a started one leaves when its launcher sees it exit
+                self.retire(entry, None)
+        for e in reg.workers.values():
+            if e.state == EXITING and now - e.state_since > EXIT_GRACE_S and self._owns(e.worker_id) and \
+                    e.worker_id not in self._stopped:
+                self._stopped.add(e.worker_id)
+                self.launcher.stop(e.worker_id)
+
+    def _owns(self, worker_id: str) -> bool:
+        return self.launcher is not None and self.launcher.owns(worker_id)
 
     async def _tell_exit(self, entry: WorkerEntry) -> None:
         router = self.router
@@ -228,8 +235,8 @@ class ControlPlane:
         router.registry.retire(entry, self.clock.monotonic())
         router.disconnect_worker(wid)
         router.metrics.forget_worker(wid, entry.role)
-        managed = self.launcher is not None and self.launcher.owns(wid)
-        self.departed[wid] = Departed(wid, entry.role, code, managed, entry.routed)
+        self._stopped.discard(wid)
+        self.departed[wid] = Departed(wid, entry.role, code, self._owns(wid), entry.routed)
         for old in list(self.departed)[:-MAX_DEPARTED]:
             del self.departed[old]
         print(f"router: {entry.role} worker {wid} left its pool (exit code {'?' if code is None else code})",

@@ -330,7 +330,7 @@ def test_an_exiting_worker_that_keeps_running_is_stopped_by_its_launcher(model_d
             plane.drain(["c1"])
             await plane.tick()
             assert await _wait_drain_message(c1) and h.router.registry.workers["c1"].state == EXITING
-            for _ in range(2):
+            for _ in range(3):  # past the grace on the 2nd and 3rd turn: stopped once
                 clock.now += EXIT_GRACE_S / 2 + 1
                 for wid in ("c0", "c1"):  # both still heartbeat
                     h.router.registry.heartbeat(messages.WorkerStatus(wid, "colocated", 0, 0, 64, 64), clock.now)
