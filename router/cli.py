@@ -348,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.set_defaults(func=lambda args: profile.main(args, resolve_model(args.model), engine_options(args)))
 
+    from router import control_client
+    p = sub.add_parser("scale", help="grow, shrink or drain a running deployment's pools (docs/deploy.md)")
+    control_client.add_scale_arguments(p)
+    p.set_defaults(func=control_client.scale_main)
+    p = sub.add_parser("pools", help="list a running deployment's workers by pool and state")
+    control_client.add_common_arguments(p)
+    p.set_defaults(func=control_client.pools_main)
+
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")
     bench_cli.add_arguments(p)

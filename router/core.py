@@ -10,7 +10,7 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 import random
 import sys
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -22,6 +22,7 @@ from common.hashing import block_hashes
 from common.engine.kv_layout import model_fingerprint
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, RequestOutput,
                                   StepOutputs, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus)
+from common.wire.messages import ChangeRole, DrainWorker, PoolsRequest, ScalePool
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
 from common.text.chat_template import ChatTemplateError
@@ -35,7 +36,7 @@ from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
-from router.requests import InFlight, Prepared, RouteError, drain_outputs
+from router.requests import InFlight, Prepared, RouteError, drain_outputs, last_timeline
 
 
 ABORT_REPLY_WAIT_S = 2.0  # how long a stop-string finish waits for its worker's timeline (asked for only)
@@ -74,6 +75,7 @@ class Router:
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._by_wire: dict[str, InFlight] = {}  # attempt id -> request (router/recovery.py)
         self._tasks: list[asyncio.Task] = []
+        self.control_api: Callable[[bytes, object], None] | None = None  # router/control.py: pool requests
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -119,6 +121,8 @@ class Router:
             if why is not None:
                 print(f"router: {why}", file=sys.stderr, flush=True)
                 return
+            if self.registry.ignores(msg, now):
+                return  # a retired worker's late hello
             if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
                 self._connect_worker(msg)  # new, or restarted at a new address
             self.registry.hello(msg, now)
@@ -126,6 +130,8 @@ class Router:
             entry = self.registry.heartbeat(msg, now)
             if entry:
                 self.metrics.worker_status(msg)
+        elif isinstance(msg, (PoolsRequest, ScalePool, DrainWorker, ChangeRole)) and self.control_api is not None:
+            self.control_api(parts[0], msg)
         else:
             print(f"router: dropped a {msg.TYPE!r} message on the control socket", file=sys.stderr, flush=True)
 
@@ -140,13 +146,25 @@ class Router:
         except zmq.ZMQError:
             sock.close(0)
             raise
-        old = self._worker_tasks.pop(wid, None)
-        if old is not None:
-            old.cancel()
-            self.worker_socks.pop(wid).close(0)
+        self.disconnect_worker(wid)
         self.worker_socks[wid] = sock
         self._worker_addr[wid] = hello.address
         self._worker_tasks[wid] = asyncio.create_task(self._worker_loop(wid, sock))
+
+    def disconnect_worker(self, worker_id: str) -> None:
+        """Close the socket to a decode/colocated worker (a retired or restarted one)."""
+        if (task := self._worker_tasks.pop(worker_id, None)) is not None:
+            task.cancel()
+            self.worker_socks.pop(worker_id).close(0)
+            self._worker_addr.pop(worker_id, None)
+
+    def reply_control(self, identity: bytes, msg: object) -> None:
+        """Answer a control-socket peer (signed with the deployment secret)."""
+        self.control.send_multipart([identity, self._control_auth.seal(msg)])
+
+    def seal(self, msg: object) -> bytes:
+        """`msg` as a frame for a worker's server socket."""
+        return self._worker_auth.seal(msg)
 
     async def _worker_loop(self, worker_id: str, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -365,7 +383,7 @@ class Router:
                     if finished and not out.finished:  # a stop string: the worker is still decoding it
                         await self._abort_attempt(req)
                         if sub.return_timeline:  # the worker's stamps come with its answer to the abort
-                            reply.timeline = await self._last_timeline(req)
+                            reply.timeline = await last_timeline(req, self.clock, ABORT_REPLY_WAIT_S)
                     if finished:
                         reply.num_prompt_tokens = len(prep.token_ids)
                         if reply.timeline is not None:
@@ -378,24 +396,6 @@ class Router:
             if not finished:  # the caller went away: stop the work
                 self.metrics.request_done("aborted")
                 await self._abort_attempt(req)
-
-    async def _last_timeline(self, req: InFlight) -> dict[str, float] | None:
-        """The timeline of the current attempt's last entry (its worker answers an abort
-        with one), waited for at most ABORT_REPLY_WAIT_S of the router's clock; None if
-        none comes. Only a request that asked for its timeline waits."""
-        deadline = self.clock.monotonic() + ABORT_REPLY_WAIT_S
-        while (left := deadline - self.clock.monotonic()) > 0:
-            get = asyncio.ensure_future(req.queue.get())
-            timer = asyncio.ensure_future(self.clock.sleep_async(left))
-            done, _ = await asyncio.wait({get, timer}, return_when=asyncio.FIRST_COMPLETED)
-            timer.cancel()
-            if get not in done:
-                get.cancel()
-                return None
-            out = get.result()
-            if out.request_id == req.wire_id and (isinstance(out, ErrorReply) or out.finished):
-                return None if isinstance(out, ErrorReply) else out.timeline
-        return None
 
     async def _abort_attempt(self, req: InFlight) -> None:
         """Tell the current attempt's worker to stop and free the request (its replies
@@ -442,9 +442,9 @@ class Router:
         await self._send_attempt(req, prep, ids, hashes, params)
 
     def _take_load(self, req: InFlight) -> None:
-        req.decode.inflight += 1
+        req.decode.take()
         if req.prefill is not None and not req.prefill_released:
-            req.prefill.inflight += 1
+            req.prefill.take()
 
     def _give_load(self, req: InFlight) -> None:
         req.decode.inflight -= 1

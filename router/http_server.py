@@ -270,10 +270,13 @@ class OpenAIServer:
         live = {r: len(reg.live((r,))) for r in ("prefill", "decode", "colocated")}
         ok = (live["prefill"] and live["decode"]) or live["colocated"]
         dead = sorted(e.worker_id for e in reg.workers.values() if not e.alive)  # docs/reliability.md
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead},
+        pools = {e.worker_id: {"role": e.role, "state": e.state if e.alive else "dead", "inflight": e.inflight,
+                               "routed": e.routed} for e in reg.workers.values()}  # docs/deploy.md
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead, "pools": pools},
                             status_code=200 if ok else 503)
 
     async def metrics(self) -> Response:
+        self.router.metrics.pools(self.router.registry.pool_counts())
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- one request -----------------------------------------------------------------------
