@@ -1,17 +1,20 @@
 """`pdserve serve`: the router (ZeroMQ + HTTP front ends) in this process, workers as
-child processes. Waits until every worker has registered, prints where to connect, and on
-Ctrl-C / SIGTERM stops every process it started. `pdserve router` is the same with no
+child processes (`--ray`: Ray actors on the cluster's nodes, router/ray_launch.py). Waits
+until every worker has registered, prints where to connect, and on Ctrl-C / SIGTERM stops
+every process it started. `pdserve router` is the same with no
 workers of its own: they join it (`pdserve worker --join`, docs/deploy.md)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import uvicorn
 
@@ -23,6 +26,9 @@ from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
+
+if TYPE_CHECKING:
+    from router.ray_launch import RayLauncher
 
 
 class _QuietServer(uvicorn.Server):
@@ -65,17 +71,18 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
-    launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
-    supervisor = Supervisor(router, launcher, config.restart_workers)
+    launcher, start, stop_all = _launcher(dep, router)
+    supervisor = Supervisor(router, launcher, config.restart_workers) if dep.ray is None else None  # Ray restarts its own
     http = http_task = None
     try:
-        launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
+        launch = asyncio.ensure_future(asyncio.to_thread(start))
         await _until(launch, stop)
         if stop.is_set():
             return
         launch.result()  # raises LaunchError with the worker's log tail
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
-        supervisor.start()
+        if supervisor is not None:
+            supervisor.start()
         http_url = "(disabled)"
         if config.enable_http:
             http = _QuietServer(uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port,
@@ -102,14 +109,27 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         await stop.wait()
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
-        supervisor.close()
+        if supervisor is not None:
+            supervisor.close()
         if http is not None:
             http.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(http_task, 5)
         front.close()
-        await asyncio.to_thread(launcher.stop)
+        await asyncio.to_thread(stop_all)
         await router.close()
+
+
+def _launcher(dep: DeploymentConfig, router: Router) -> tuple[Launcher | RayLauncher, Callable[[], None],
+                                                             Callable[[], None]]:
+    """(launcher, start every worker, stop every worker): this machine's processes, or
+    Ray's actors when Ray places the workers (router/ray_launch.py)."""
+    if dep.ray is not None:
+        from router.ray_launch import RayLauncher
+        ray_launcher = RayLauncher(dep, router.control_address)
+        return ray_launcher, ray_launcher.start_all, ray_launcher.close
+    launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
+    return launcher, functools.partial(start_workers, launcher, dep, router.control_address), launcher.stop
 
 
 async def _until(fut: asyncio.Future, stop: asyncio.Event) -> None:

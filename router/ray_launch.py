@@ -1,0 +1,277 @@
+"""Ray as the placement and lifecycle layer (`pdserve serve --ray auto|ADDRESS`,
+docs/deploy.md "A Ray cluster").
+
+Each worker is one Ray actor (`WorkerActor`), placed on a node that has its role's
+resources (`--prefill-resources '{"prefill_pool": 1}'`; a GPU worker also takes one GPU)
+and restarted by Ray whenever it dies -- on another node that fits when its own is gone.
+The actor runs the worker as its child process, the same `python -m prefill_node|
+decode_node --config FILE` the local launcher runs, which binds the node's address, calls
+itself host `ray:<node id>` (two Ray nodes are two hosts, common/worker/host.py, so a P/D
+pair across them never takes a shared-memory path) and registers with the router at the
+control address the actor is given. The router's registry is how workers find each
+other: a restarted worker says hello from its new address and takes traffic again, and a
+decode worker meets a prefill worker's address in the first request that names it. Ray
+carries no KV and no tokens; the router and the KV transports do, as without Ray.
+
+The secret never travels through Ray: actor arguments are kept in Ray's control store and
+sent in the clear unless Ray's own TLS is on. Each actor is given the path of the secret
+file instead, which must be present on every node (as a mounted Kubernetes secret is),
+reads it there, and hands it to its worker in a 0600 config file that is deleted as soon
+as the worker is up.
+
+The worker watches its actor as its parent (WorkerConfig.router_pid): when Ray kills the
+actor, or loses its node, the worker stops; when the worker exits on its own, the actor
+exits too, so that Ray restarts both."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError
+from common.wire.auth import read_secret_file
+from common.worker.spec import WorkerSpec
+from router.deploy import DeploymentConfig, RayPlacement
+from router.launch import LaunchError, worker_argv
+
+READY_TIMEOUT_S = 300.0  # placement (a node may still be joining) plus the model's load
+
+
+def import_ray() -> Any:
+    """The `ray` module, or a ConfigError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray on this machine and every node: pip install 'pdserve[ray]'") from None
+    return ray
+
+
+def parse_resources(text: str, flag: str) -> dict[str, float]:
+    """`--prefill-resources '{"prefill_pool": 1, "CPU": 2}'`: the Ray resources one worker
+    needs, each a number >= 0."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} must be a JSON object of Ray resources, e.g. '{{\"prefill_pool\": 1}}': {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} must be a JSON object of Ray resources, e.g. '{{\"prefill_pool\": 1}}', got {text!r}")
+    for name, amount in data.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount) or amount < 0:
+            raise ConfigError(f"{flag}: resource {name!r} must be a number >= 0, got {amount!r}")
+    return {name: float(amount) for name, amount in data.items()}
+
+
+def actor_options(resources: dict[str, float], device: str, threads: int) -> dict[str, Any]:
+    """Ray's options for one worker's actor: its role's custom resources; CPUs: its thread
+    count, GPUs: one for a GPU worker (Ray then shows it that GPU alone), unless the
+    resources name "CPU" or "GPU"; restarted whenever it dies, its calls never retried."""
+    custom = dict(resources)
+    num_cpus = custom.pop("CPU", float(threads))
+    num_gpus = custom.pop("GPU", 1.0 if device.startswith("cuda") else 0.0)
+    if device.startswith("cuda") and num_gpus <= 0:
+        raise ConfigError(f"a worker on {device} needs a GPU from Ray: its resources give it GPU {num_gpus:g}")
+    options: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_task_retries=0)
+    if "memory" in custom:
+        options["memory"] = custom.pop("memory")
+    return dict(options, resources=custom)
+
+
+def connect(placement: RayPlacement) -> str:
+    """Join the Ray cluster at `placement.address` as its driver; returns this node's
+    address (the router binds it unless --host says otherwise). A role's custom resource
+    that no node has is reported: its workers wait until a node with it joins."""
+    ray = import_ray()
+    try:
+        ray.init(address=placement.address, namespace=placement.namespace, log_to_driver=True)
+    except ConnectionError as e:
+        raise ConfigError(f"--ray {placement.address}: no Ray cluster there ({e}); start one with "
+                          f"`ray start --head`, or name its head as HOST:PORT") from None
+    have = ray.cluster_resources()
+    for role, resources in placement.resources.items():
+        missing = sorted(set(resources) - set(have) - {"CPU", "GPU", "memory"})
+        if missing:
+            print(f"pdserve: no Ray node has {', '.join(missing)} yet: {role} workers wait for one",
+                  file=sys.stderr, flush=True)
+    return ray.util.get_node_ip_address()
+
+
+class WorkerActor:
+    """One worker on the node Ray placed it on (run as a Ray actor by RayLauncher): owns
+    the worker's process, reports where it is, and exits when the worker does."""
+
+    def __init__(self, spec: dict, secret_file: str, control: str, ready_timeout_s: float) -> None:
+        import ray
+        self.node_id = ray.get_runtime_context().get_node_id()
+        try:
+            secret = read_secret_file(secret_file)
+        except ValueError as e:
+            raise ConfigError(f"{e} (the secret file must be present at this path on every Ray node)") from None
+        workdir = Path(tempfile.mkdtemp(prefix="pdserve-ray-"))  # 0700
+        template = WorkerSpec.from_dict(spec)
+        worker = dataclasses.replace(
+            template.worker, bind=f"tcp://{ray.util.get_node_ip_address()}:0", host_id=f"ray:{self.node_id}",
+            report_to=control, secret=secret, router_pid=os.getpid(), ready_file=str(workdir / "ready.json"))
+        self.spec = dataclasses.replace(template, worker=worker)
+        self._stopping = False
+        try:
+            config = self.spec.write(workdir / "worker.json")
+            # its output goes where this actor's goes: Ray's logs, streamed to the driver
+            self.proc = subprocess.Popen(worker_argv(worker.role, config), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            self.ready = self._wait_ready(Path(worker.ready_file), ready_timeout_s)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)  # the config file holds the secret
+        threading.Thread(target=self._watch, name="watch-worker", daemon=True).start()
+
+    def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
+        return f"PdserveWorker({self.spec.worker.worker_id})"
+
+    def _wait_ready(self, ready: Path, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise LaunchError(f"worker {self.spec.worker.worker_id} exited with code {self.proc.returncode} "
+                                  f"before it was ready (its output is in this actor's Ray log)")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.wait()
+                raise LaunchError(f"worker {self.spec.worker.worker_id} not ready after {timeout:.0f} s")
+            time.sleep(0.05)
+        return json.loads(ready.read_text())
+
+    def _watch(self) -> None:
+        code = self.proc.wait()
+        if not self._stopping:
+            print(f"pdserve: worker {self.spec.worker.worker_id} exited with code {code}: its actor exits, "
+                  f"and Ray starts both again", file=sys.stderr, flush=True)
+            os._exit(1)  # an actor's unexpected exit is what Ray restarts
+
+    def info(self) -> dict:
+        """The worker's ready info (address, pid, blocks) and where it runs."""
+        return dict(self.ready, node_id=self.node_id, host_id=self.spec.worker.host_id,
+                    kv_transfer=self.spec.worker.kv_transfer, actor_pid=os.getpid())
+
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM the worker (it drains, WorkerConfig.drain_s), SIGKILL after `timeout_s`;
+        its exit code."""
+        self._stopping = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@dataclass
+class RayWorker:
+    """A worker's actor: its name (the actor's, in the deployment's namespace), role and,
+    once ready, what its worker reported (WorkerActor.info)."""
+
+    name: str
+    role: str
+    actor: Any
+    info: dict = field(default_factory=dict)
+
+
+class RayLauncher:
+    """Owns one deployment's worker actors, one per worker, each placed by its role's
+    resources and restarted by Ray (the launcher shape: `spawn(role)` -> handle,
+    `stop(handle)`). The driver must be connected (`connect`) first."""
+
+    def __init__(self, dep: DeploymentConfig, control: str, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        if dep.ray is None:
+            raise ValueError("RayLauncher needs a deployment placed by Ray (DeploymentConfig.ray)")
+        self.ray = import_ray()
+        self.dep, self.placement, self.control = dep, dep.ray, control
+        self.ready_timeout_s = ready_timeout_s
+        self.templates = {spec.worker.role: spec for spec in dep.workers}  # what `spawn` starts more of
+        self.spawned = {role: len(dep.role(role)) for role in self.templates}
+        self.workers: list[RayWorker] = []
+        self._actor_class = self.ray.remote(WorkerActor)
+
+    def start_all(self) -> None:
+        """Start every worker of the deployment; return once each is ready."""
+        self.wait_ready([self._start(spec) for spec in self.dep.workers])
+
+    def spawn(self, role: str) -> RayWorker:
+        """One more worker of `role`, like the deployment's others, named ROLE-N; it is
+        ready when `wait_ready` returns."""
+        if role not in self.templates:
+            raise ConfigError(f"this deployment has no {role} workers to add to")
+        template, n = self.templates[role], self.spawned[role]
+        self.spawned[role] = n + 1
+        return self._start(dataclasses.replace(template, worker=dataclasses.replace(template.worker,
+                                                                                   worker_id=f"{role}-{n}")))
+
+    def _start(self, spec: WorkerSpec) -> RayWorker:
+        if spec.worker.secret:
+            raise ValueError("a worker spec sent to Ray must not carry the secret: the actor reads the secret file")
+        role, name = spec.worker.role, spec.worker.worker_id
+        options = actor_options(self.placement.resources.get(role, {}), spec.engine.device.device,
+                                spec.engine.device.num_threads or 1)
+        try:
+            actor = self._actor_class.options(name=name, namespace=self.placement.namespace, **options).remote(
+                spec.to_dict(), self.placement.secret_file, self.control, self.ready_timeout_s)
+        except ValueError as e:  # the name is taken in this namespace
+            raise ConfigError(f"cannot start worker actor {name}: {e} (another deployment in Ray namespace "
+                              f"{self.placement.namespace!r}? give this one --ray-namespace)") from None
+        handle = RayWorker(name, role, actor)
+        self.workers.append(handle)
+        return handle
+
+    def wait_ready(self, handles: list[RayWorker]) -> None:
+        """Wait until each worker is placed and ready; LaunchError names one that failed
+        to start or was not placed in time (no node with its resources)."""
+        ray = self.ray
+        deadline = time.monotonic() + self.ready_timeout_s
+        refs = {h.name: h.actor.info.remote() for h in handles}
+        for h in handles:
+            try:
+                h.info = ray.get(refs[h.name], timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise LaunchError(f"worker {h.name} not ready after {self.ready_timeout_s:.0f} s: does a Ray node "
+                                  f"have what it needs ({self.placement.resources.get(h.role, {}) or 'no custom resources'})?"
+                                  f" `ray status` shows the cluster's resources") from None
+            except ray.exceptions.RayActorError as e:
+                raise LaunchError(f"worker {h.name} failed to start: {e}") from None
+
+    def locate(self, handle: RayWorker, timeout: float = 60.0) -> dict:
+        """What the worker's actor reports now (WorkerActor.info): after a restart, its
+        new node and address."""
+        handle.info = self.ray.get(handle.actor.info.remote(), timeout=timeout)
+        return handle.info
+
+    def stop(self, handle: RayWorker, timeout: float = 15.0) -> None:
+        """Drain the worker (SIGTERM), then end its actor for good (Ray does not restart it)."""
+        self._stop_all([handle], timeout)
+
+    def _stop_all(self, handles: list[RayWorker], timeout: float) -> None:
+        ray = self.ray
+        refs = [h.actor.stop.remote(timeout) for h in handles]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=timeout + 5)
+            except ray.exceptions.RayError:
+                pass  # already gone, or not answering: killed below either way
+        for h in handles:
+            ray.kill(h.actor, no_restart=True)
+            self.workers.remove(h)
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop every worker and leave the cluster."""
+        try:
+            self._stop_all(list(self.workers), timeout)
+        finally:
+            self.ray.shutdown()
