@@ -32,12 +32,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_argv(role: str, config_path: str | Path) -> list[str]:
-    """The command that runs one worker of `role` from its config file."""
-    package = "prefill_node" if role == "prefill" else "decode_node"
-    return [sys.executable, "-m", package, "--config", str(config_path)]
-
-
 @dataclass
 class WorkerProcess:
     """A started worker: its process, its log file and (once ready) its ready info."""
@@ -84,7 +78,8 @@ class Launcher:
             spec.worker, ready_file=str(ready), secret=self.secret,
             router_pid=spec.worker.router_pid or os.getpid()))
         config_path = spec.write(self.workdir / f"{name}.json")
-        cmd = worker_argv(spec.worker.role, config_path)
+        package = "prefill_node" if spec.worker.role == "prefill" else "decode_node"
+        cmd = [sys.executable, "-m", package, "--config", str(config_path)]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,

@@ -1,49 +1,35 @@
 """Ray as the placement and lifecycle layer (`pdserve serve --ray auto|ADDRESS`,
-docs/deploy.md "A Ray cluster").
+docs/deploy.md "A Ray cluster"): the driver's side.
 
-Each worker is one Ray actor (`WorkerActor`), placed on a node that has its role's
+Each worker is one Ray actor (router/ray_actor.py), placed on a node that has its role's
 resources (`--prefill-resources '{"prefill_pool": 1}'`; a GPU worker also takes one GPU)
 and restarted by Ray whenever it dies -- on another node that fits when its own is gone.
-The actor runs the worker as its child process, the same `python -m prefill_node|
-decode_node --config FILE` the local launcher runs, which binds the node's address, calls
-itself host `ray:<node id>` (two Ray nodes are two hosts, common/worker/host.py, so a P/D
-pair across them never takes a shared-memory path) and registers with the router at the
-control address the actor is given. The router's registry is how workers find each
-other: a restarted worker says hello from its new address and takes traffic again, and a
-decode worker meets a prefill worker's address in the first request that names it. Ray
-carries no KV and no tokens; the router and the KV transports do, as without Ray.
+The actor runs the worker as its child process, bound to the node's address, with host id
+`ray:<node id>` (two Ray nodes are two hosts, common/worker/host.py, so a P/D pair across
+them never takes a shared-memory path), registered with the router at the control
+address it is given. The router's registry is how workers find each other: a restarted
+worker says hello from its new address and takes traffic again, and a decode worker meets
+a prefill worker's address in the first request that names it. Ray carries no KV and no
+tokens; the router and the KV transports do, as without Ray.
 
 The secret never travels through Ray: actor arguments are kept in Ray's control store and
 sent in the clear unless Ray's own TLS is on. Each actor is given the path of the secret
-file instead, which must be present on every node (as a mounted Kubernetes secret is),
-reads it there, and hands it to its worker in a 0600 config file that is deleted as soon
-as the worker is up.
-
-The worker watches its actor as its parent (WorkerConfig.router_pid): when Ray kills the
-actor, or loses its node, the worker stops; when the worker exits on its own, the actor
-exits too, so that Ray restarts both."""
+file instead, which must be present on every node (as a mounted Kubernetes secret is)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
-from common.wire.auth import read_secret_file
 from common.worker.spec import WorkerSpec
 from router.deploy import DeploymentConfig, RayPlacement
-from router.launch import LaunchError, worker_argv
+from router.launch import LaunchError
+from router.ray_actor import WorkerActor
 
 READY_TIMEOUT_S = 300.0  # placement (a node may still be joining) plus the model's load
 
@@ -104,74 +90,6 @@ def connect(placement: RayPlacement) -> str:
             print(f"pdserve: no Ray node has {', '.join(missing)} yet: {role} workers wait for one",
                   file=sys.stderr, flush=True)
     return ray.util.get_node_ip_address()
-
-
-class WorkerActor:
-    """One worker on the node Ray placed it on (run as a Ray actor by RayLauncher): owns
-    the worker's process, reports where it is, and exits when the worker does."""
-
-    def __init__(self, spec: dict, secret_file: str, control: str, ready_timeout_s: float) -> None:
-        import ray
-        self.node_id = ray.get_runtime_context().get_node_id()
-        try:
-            secret = read_secret_file(secret_file)
-        except ValueError as e:
-            raise ConfigError(f"{e} (the secret file must be present at this path on every Ray node)") from None
-        workdir = Path(tempfile.mkdtemp(prefix="pdserve-ray-"))  # 0700
-        template = WorkerSpec.from_dict(spec)
-        worker = dataclasses.replace(
-            template.worker, bind=f"tcp://{ray.util.get_node_ip_address()}:0", host_id=f"ray:{self.node_id}",
-            report_to=control, secret=secret, router_pid=os.getpid(), ready_file=str(workdir / "ready.json"))
-        self.spec = dataclasses.replace(template, worker=worker)
-        self._stopping = False
-        try:
-            config = self.spec.write(workdir / "worker.json")
-            # its output goes where this actor's goes: Ray's logs, streamed to the driver
-            self.proc = subprocess.Popen(worker_argv(worker.role, config), env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            self.ready = self._wait_ready(Path(worker.ready_file), ready_timeout_s)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)  # the config file holds the secret
-        threading.Thread(target=self._watch, name="watch-worker", daemon=True).start()
-
-    def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
-        return f"PdserveWorker({self.spec.worker.worker_id})"
-
-    def _wait_ready(self, ready: Path, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise LaunchError(f"worker {self.spec.worker.worker_id} exited with code {self.proc.returncode} "
-                                  f"before it was ready (its output is in this actor's Ray log)")
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                self.proc.wait()
-                raise LaunchError(f"worker {self.spec.worker.worker_id} not ready after {timeout:.0f} s")
-            time.sleep(0.05)
-        return json.loads(ready.read_text())
-
-    def _watch(self) -> None:
-        code = self.proc.wait()
-        if not self._stopping:
-            print(f"pdserve: worker {self.spec.worker.worker_id} exited with code {code}: its actor exits, "
-                  f"and Ray starts both again", file=sys.stderr, flush=True)
-            os._exit(1)  # an actor's unexpected exit is what Ray restarts
-
-    def info(self) -> dict:
-        """The worker's ready info (address, pid, blocks) and where it runs."""
-        return dict(self.ready, node_id=self.node_id, host_id=self.spec.worker.host_id,
-                    kv_transfer=self.spec.worker.kv_transfer, actor_pid=os.getpid())
-
-    def stop(self, timeout_s: float) -> int:
-        """SIGTERM the worker (it drains, WorkerConfig.drain_s), SIGKILL after `timeout_s`;
-        its exit code."""
-        self._stopping = True
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 @dataclass

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -28,7 +30,7 @@ from tests.helpers import one_torch_thread
 
 MAX_TOKENS = 8
 TEXTS = ["The router sends each request to", "Hello, my name is", "A prefill worker computes the prompt",
-         "Decode workers stream tokens", "Nothing is lost and nothing leaked", "Leases free blocks"]
+         "Nothing is lost and nothing leaked"]
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}  # Ray's smallest object store: it carries nothing here
 # a lost node is noticed in ~1 s, not Ray's default 30 s
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 250, "health_check_failure_threshold": 4,
@@ -111,23 +113,23 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
     model = model_dirs["qwen3"]
     tok = Tokenizer(model)
     prompts = [tok.encode(t) for t in TEXTS]
-    with one_torch_thread():
-        want = [hf_greedy(model, ids, MAX_TOKENS) for ids in prompts]
     secret = tmp_path / "secret"  # every simulated node sees this path, as every real node must
     secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node and driver on 127.0.0.1
     monkeypatch.setenv("PYTHONPATH", os.getcwd())  # the nodes' actors import pdserve from this checkout
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # Ray's OOM killer judges the whole shared machine
+    ray_tmp = tempfile.mkdtemp(prefix="pdray-")  # Ray's session files, removed at the end (short: socket paths)
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, _system_config=FAST_HEALTH_CHECKS))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, resources={"decode_pool": 1}, include_dashboard=False,
+                                                                _system_config=FAST_HEALTH_CHECKS))
     serve = None
     worker_pids: list[int] = []
     try:
         p_nodes = [cluster.add_node(**NODE, resources={"prefill_pool": 1}) for _ in range(2)]
-        d_node = cluster.add_node(**NODE, resources={"decode_pool": 1})
         ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
         with open(log, "wb") as f:
             serve = subprocess.Popen(
@@ -136,12 +138,14 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
                  '{"decode_pool": 1}', "--secret-file", str(secret), "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "128", "--max-model-len", "256",
                  "--http-port", "0", "--zmq-port", "0", "--routing", "round_robin", "--ready-file", str(ready),
                  "--stale-after", "2", "--peer-timeout", "2"], stdout=f, stderr=subprocess.STDOUT)
+        with one_torch_thread():  # while the workers start
+            want = [hf_greedy(model, ids, MAX_TOKENS) for ids in prompts]
         info = _wait_ready_file(ready, serve, log, 120)
         workers = info["workers"]
         worker_pids += [w["pid"] for w in workers.values()]
         # placed by resources: each prefill worker on a prefill_pool node, the decode worker on the decode_pool one
         assert {workers[f"prefill-{i}"]["node_id"] for i in range(2)} == {n.node_id for n in p_nodes}, workers
-        assert workers["decode-0"]["node_id"] == d_node.node_id, workers
+        assert workers["decode-0"]["node_id"] == cluster.head_node.node_id, workers
         for w in workers.values():  # two node ids are two hosts: the pairs use tcp
             assert w["host_id"] == f"ray:{w['node_id']}" and w["kv_transfer"] == "tcp", w
         base = info["http"].removesuffix("/v1")
@@ -179,6 +183,7 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         _stop(serve)
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     deadline = time.monotonic() + 10  # the workers (the lost node's too) go with their actors
     while any(process_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
         time.sleep(0.2)
