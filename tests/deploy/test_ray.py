@@ -10,6 +10,7 @@ Ray starts only inside this test (imported in it, never at collection), and the 
 stops every Ray process and worker it started, whatever happens."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -24,8 +25,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from common.config import EngineOptions
 from common.text.tokenizer import Tokenizer
 from common.worker.liveness import process_alive
+from router.config import RouterConfig
+from router.deploy import DeploymentConfig, RayPlacement, plan_deployment
+from router.ray_launch import RayLauncher
 from tests.helpers import one_torch_thread
 
 MAX_TOKENS = 8
@@ -124,7 +129,8 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, resources={"decode_pool": 1}, include_dashboard=False,
+    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, resources={"decode_pool": 1},
+                                                                include_dashboard=False,
                                                                 _system_config=FAST_HEALTH_CHECKS))
     serve = None
     worker_pids: list[int] = []
@@ -135,8 +141,8 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
             serve = subprocess.Popen(
                 [sys.executable, "-m", "router.cli", "serve", model, "--ray", cluster.address, "--prefill", "2",
                  "--decode", "1", "--prefill-resources", '{"prefill_pool": 1}', "--decode-resources",
-                 '{"decode_pool": 1}', "--secret-file", str(secret), "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "128", "--max-model-len", "256",
-                 "--http-port", "0", "--zmq-port", "0", "--routing", "round_robin", "--ready-file", str(ready),
+                 '{"decode_pool": 1}', "--secret-file", str(secret), "--dtype", "float32", "--num-threads", "1",
+                 "--num-kv-blocks", "128", "--max-model-len", "256", "--http-port", "0", "--zmq-port", "0", "--routing", "round_robin", "--ready-file", str(ready),
                  "--stale-after", "2", "--peer-timeout", "2"], stdout=f, stderr=subprocess.STDOUT)
         with one_torch_thread():  # while the workers start
             want = [hf_greedy(model, ids, MAX_TOKENS) for ids in prompts]
@@ -154,7 +160,7 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         traffic.wait_for(4, 60)
         lost = next(n for n in p_nodes if n.node_id == workers["prefill-0"]["node_id"])
         cluster.remove_node(lost, allow_graceful=False)  # the host dies: its raylet, actor and worker
-        new_node = cluster.add_node(**NODE, resources={"prefill_pool": 1})
+        new_node = cluster.add_node(**dict(NODE, num_cpus=2), resources={"prefill_pool": 2})  # and one spawned below
 
         ray.init(address=cluster.address, namespace="pdserve")
         actor = ray.get_actor("prefill-0")
@@ -163,11 +169,21 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
             assert time.monotonic() < deadline, f"prefill-0 not back on the new node: {moved}"
             time.sleep(0.5)
         worker_pids.append(moved["pid"])
-        while json.loads(_get(base + "/health")[1])["workers"]["prefill"] < 2:
-            assert time.monotonic() < deadline, _get(base + "/health")
-            time.sleep(0.2)
-        served_before = len(traffic.results)
-        traffic.wait_for(served_before + 8, 60)  # the restarted worker takes its share
+        _wait_until(lambda: not process_alive(workers["prefill-0"]["pid"]), 10, "the lost node's worker still runs")
+        _wait_health(base, 2)
+        traffic.wait_for(len(traffic.results) + 6, 60)  # the restarted worker takes its share
+
+        # the launcher's own calls, under the same traffic: one more prefill worker, then stopped
+        launcher = RayLauncher(_same_deployment(model, cluster.address, str(secret)), info["control"], 60)
+        extra = launcher.spawn("prefill")
+        launcher.wait_ready([extra])
+        assert (extra.name, extra.info["node_id"]) == ("prefill-2", new_node.node_id)
+        _wait_health(base, 3)
+        traffic.wait_for(len(traffic.results) + 4, 60)
+        launcher.stop(extra)
+        _wait_until(lambda: not process_alive(extra.info["pid"]), 10, "a stopped worker still runs")
+        _wait_health(base, 2)
+        traffic.wait_for(len(traffic.results) + 2, 60)
         traffic.stop()
 
         errors = [r for r in traffic.results if isinstance(r[1], str)]
@@ -188,6 +204,27 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
     while any(process_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in worker_pids if process_alive(pid)], "a worker outlived its actor"
+
+
+def _wait_until(done, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _wait_health(base: str, prefill: int) -> None:
+    """Until the router has `prefill` live prefill workers."""
+    _wait_until(lambda: json.loads(_get(base + "/health")[1])["workers"]["prefill"] == prefill, 60,
+                f"never {prefill} live prefill workers: {_get(base + '/health')}")
+
+
+def _same_deployment(model: str, address: str, secret_file: str) -> DeploymentConfig:
+    """The deployment `serve` runs in the test, as data (what RayLauncher spawns more of)."""
+    options = EngineOptions.of(dtype="float32", num_threads=1, num_kv_blocks=128, max_model_len=256)
+    dep = plan_deployment(RouterConfig(model_dir=model, max_model_len=256), options, kv_transfer="tcp",
+                          prefill_devices=("cpu", "cpu"), decode_devices=("cpu",))
+    return dataclasses.replace(dep, ray=RayPlacement(address, {"prefill": {"prefill_pool": 1}}, secret_file))
 
 
 def _info(ray, actor) -> dict | None:
