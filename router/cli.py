@@ -204,7 +204,8 @@ def _serve_on_ray(args: argparse.Namespace, placement: "RayPlacement", model: st
     if device.startswith("cuda:"):
         raise ConfigError(f"--device {device}: under --ray, Ray picks each worker's GPU; give --device cuda")
     secret = _secret(args.secret_file)  # checked here too: the router authenticates with it
-    vars(args).setdefault(ROUTER_DEST + "host", connect(placement))
+    node_address = connect(placement)
+    vars(args).setdefault(ROUTER_DEST + "host", node_address)  # a --host given wins
     model = str(Path(model).resolve())  # the same path on every node
     max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * args.decode
     router = _router_config(args, model, options, max_inflight)

@@ -129,12 +129,12 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, resources={"decode_pool": 1},
-                                                                include_dashboard=False,
-                                                                _system_config=FAST_HEALTH_CHECKS))
-    serve = None
+    cluster = serve = None
     worker_pids: list[int] = []
     try:
+        cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, resources={"decode_pool": 1},
+                                                                    include_dashboard=False,
+                                                                    _system_config=FAST_HEALTH_CHECKS))
         p_nodes = [cluster.add_node(**NODE, resources={"prefill_pool": 1}) for _ in range(2)]
         ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
         with open(log, "wb") as f:
@@ -198,7 +198,8 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
     finally:
         _stop(serve)
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     deadline = time.monotonic() + 10  # the workers (the lost node's too) go with their actors
     while any(process_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
