@@ -1,8 +1,8 @@
 """`pdserve serve`: the router (ZeroMQ + HTTP front ends) in this process, workers as
 child processes (`--ray`: Ray actors on the cluster's nodes, router/ray_launch.py). Waits
 until every worker has registered, prints where to connect, and on Ctrl-C / SIGTERM stops
-every process it started. `pdserve router` is the same with no
-workers of its own: they join it (`pdserve worker --join`, docs/deploy.md)."""
+every process it started. `pdserve router` is the same with no workers of its own: they
+join it (`pdserve worker --join`, docs/deploy.md)."""
 from __future__ import annotations
 
 import asyncio
