@@ -165,12 +165,6 @@ class RayLauncher:
             except ray.exceptions.RayActorError as e:
                 raise LaunchError(f"worker {h.name} failed to start: {e}") from None
 
-    def locate(self, handle: RayWorker, timeout: float = 60.0) -> dict:
-        """What the worker's actor reports now (WorkerActor.info): after a restart, its
-        new node and address."""
-        handle.info = self.ray.get(handle.actor.info.remote(), timeout=timeout)
-        return handle.info
-
     def stop(self, handle: RayWorker, timeout: float = 15.0) -> None:
         """Drain the worker (SIGTERM), then end its actor for good (Ray does not restart it)."""
         self._stop_all([handle], timeout)
