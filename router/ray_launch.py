@@ -92,6 +92,15 @@ def connect(placement: RayPlacement) -> str:
     return ray.util.get_node_ip_address()
 
 
+def dialable(address: str, node_address: str) -> str:
+    """The router's control address as the other nodes dial it: a wildcard bind
+    (`--host 0.0.0.0`) is reached at this node's address."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    if host in ("0.0.0.0", "*", "::", "[::]"):
+        return f"tcp://{node_address}:{port}"
+    return address
+
+
 @dataclass
 class RayWorker:
     """A worker's actor: its name (the actor's, in the deployment's namespace), role and,
@@ -112,7 +121,8 @@ class RayLauncher:
         if dep.ray is None:
             raise ValueError("RayLauncher needs a deployment placed by Ray (DeploymentConfig.ray)")
         self.ray = import_ray()
-        self.dep, self.placement, self.control = dep, dep.ray, control
+        self.dep, self.placement = dep, dep.ray
+        self.control = dialable(control, self.ray.util.get_node_ip_address())
         self.ready_timeout_s = ready_timeout_s
         self.templates = {spec.worker.role: spec for spec in dep.workers}  # what `spawn` starts more of
         self.spawned = {role: len(dep.role(role)) for role in self.templates}

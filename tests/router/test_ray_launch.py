@@ -7,7 +7,7 @@ import pytest
 
 from common.config import ConfigError
 from router.cli import main
-from router.ray_launch import actor_options, parse_resources
+from router.ray_launch import actor_options, dialable, parse_resources
 
 
 def test_resources_are_a_json_object_of_numbers():
@@ -30,6 +30,12 @@ def test_actor_options_take_cpus_per_thread_and_one_gpu_per_gpu_worker():
     assert (gpu["num_cpus"], gpu["num_gpus"], gpu["memory"], gpu["resources"]) == (2.0, 1.0, 1e9, {"decode_pool": 1.0})
     with pytest.raises(ConfigError, match="needs a GPU"):
         actor_options({"GPU": 0.0}, "cuda", threads=1)
+
+
+def test_a_wildcard_control_address_is_dialed_at_the_node_address():
+    assert dialable("tcp://0.0.0.0:7000", "10.0.0.5") == "tcp://10.0.0.5:7000"
+    assert dialable("tcp://[::]:7000", "10.0.0.5") == "tcp://10.0.0.5:7000"
+    assert dialable("tcp://10.0.0.1:7000", "10.0.0.5") == "tcp://10.0.0.1:7000"
 
 
 @pytest.mark.parametrize("argv, why", [
