@@ -88,6 +88,8 @@ class Scheduler:
         """A sequence holding no blocks goes first in the queue, to be computed (a forked
         choice that found no block for its copy is recomputed, as a preempted one is)."""
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def start_running(self, seq: Sequence) -> None:
