@@ -65,8 +65,9 @@ class DecodeRequest:
     outcome: State | None = None  # DRAINING: the terminal state it ends in
     lease_until: float = 0.0  # RESERVED: monotonic time its KV must have landed by (WorkerConfig.lease_s)
     # every choice (n > 1): `seq` (choice 0, which the prompt is computed for) and its forks, which
-    # take the prompt's blocks once it is computed; the request is finished when all of them are
+    # take the prompt's blocks once it is computed; the request is finished when all are answered
     choices: list[Sequence] = field(default_factory=list)
+    answered: set[int] = field(default_factory=set)  # choices whose last entry has been queued
 
     def __post_init__(self) -> None:
         if not self.choices:

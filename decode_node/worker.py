@@ -308,13 +308,14 @@ class DecodeWorker(WorkerBase):
         self.finish_if_done(req)
 
     def finish_if_done(self, req: DecodeRequest) -> None:
-        if all(c.is_finished for c in req.choices):
+        if len(req.answered) == len(req.choices):
             self.requests.move(req, State.FINISHED)
             self.counters["finished"] += 1
 
     def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int],
                      logprobs: list[TokenLogprobs] | None = None, index: int = 0) -> None:
         seq = req.seq
+        req.answered.add(index)
         mark(req.timeline, Stamp.FINISH, self.clock.time())
         self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
@@ -353,7 +354,7 @@ class DecodeWorker(WorkerBase):
         if req.state == State.DRAINING:
             return
         for choice in req.choices:
-            if not choice.is_finished:
+            if choice.index not in req.answered:
                 self.finish_reply(req, "abort", [], index=choice.index)
         self.counters["finished"] += 1
         writing = req.state in (State.RESERVED, State.RECEIVING)
@@ -364,7 +365,7 @@ class DecodeWorker(WorkerBase):
     def abort_choice(self, req: DecodeRequest, index: int) -> None:
         """One choice of a running request ends (the router matched a stop string in it):
         its sequence is released; the request goes on while other choices do."""
-        if req.state != State.RUNNING or not 0 <= index < len(req.choices) or req.choices[index].is_finished:
+        if req.state != State.RUNNING or not 0 <= index < len(req.choices) or index in req.answered:
             return
         self.engine.release(req.choices[index], "abort")
         self.finish_reply(req, "abort", [], index=index)
