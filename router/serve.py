@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
@@ -74,12 +74,13 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
     launcher, start, stop_all = _launcher(dep, router)
-    local = LocalLauncher(launcher, dep, router.control_address) if dep.workers and dep.ray is None else None
-    control = ControlPlane(router, local, f"pdserve worker --role {{role}} --join {router.control_address} "
+    pool = _pool_launcher(dep, launcher, router)
+    control = ControlPlane(router, pool, f"pdserve worker --role {{role}} --join {router.control_address} "
                                           f"--secret-file FILE {config.model_dir}")
     control.start()
     secret_file = _secret_file(launcher, dep.secret) if dep.ray is None else dep.ray.secret_file
-    supervisor = Supervisor(router, launcher, config.restart_workers, control) if dep.ray is None else None  # Ray restarts its own
+    supervisor = (Supervisor(router, launcher, config.restart_workers, control) if dep.ray is None
+                  else pool.watching(control))  # Ray restarts failed workers; RayPool ends drained ones
     http = http_task = None
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start))
@@ -154,6 +155,15 @@ def _launcher(dep: DeploymentConfig, router: Router) -> tuple[Launcher | RayLaun
         return ray_launcher, ray_launcher.start_all, ray_launcher.close
     launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
     return launcher, functools.partial(start_workers, launcher, dep, router.control_address), launcher.stop
+
+
+def _pool_launcher(dep: DeploymentConfig, launcher: Launcher | RayLauncher, router: Router) -> Any:
+    """Who starts and stops workers for the pool control API: Ray's actors
+    (router/ray_launch.py's RayPool), this machine's processes, or none (`pdserve router`)."""
+    if dep.ray is not None:
+        from router.ray_launch import RayPool
+        return RayPool(launcher)
+    return LocalLauncher(launcher, dep, router.control_address) if dep.workers else None
 
 
 async def _until(fut: asyncio.Future, stop: asyncio.Event) -> None:
