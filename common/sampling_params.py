@@ -92,6 +92,9 @@ class SamplingParams:
     # None: no log-probabilities; n: the sampled token's and the n most likely (common/logprobs.py)
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    # None: none; n: each prompt token's logprob (the first has none) and the n most likely
+    # there (vLLM's prompt_logprobs). Every prompt position is computed: no prefix-cache reuse
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,8 +127,9 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k must be -1 or 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens} (0 only with "
+                                      f"prompt_logprobs: score the prompt, generate nothing)")
         if self.max_tokens > MAX_TOKENS_LIMIT:
             raise SamplingParamsError(f"max_tokens must be <= {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
         if self.stop is not None:
@@ -141,6 +145,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self._validate_stops()
         self._validate_penalties()
         if self.structured is not None:

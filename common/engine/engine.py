@@ -29,13 +29,16 @@ __all__ = ["KVProgress", "KVWriter", "LLMEngine", "RequestError", "StepOutput"]
 @dataclass
 class StepOutput:
     """What one step produced for one sequence. `error` set: the step failed for this
-    sequence alone (new_token is -1); the engine has released it, its caller answers it."""
+    sequence alone (new_token is -1); the engine has released it, its caller answers it.
+    new_token -1 without an error: the prompt is computed and nothing is sampled
+    (max_tokens 0). `prompt_logprobs` ride on the output that ends the prompt."""
 
     seq: Sequence
     new_token: int
     finished: bool
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request asks (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
 
 
 @dataclass
@@ -137,12 +140,16 @@ class LLMEngine:
                        logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Decode role: `seq`'s prompt KV has landed in its reserved blocks and a prefill
         worker sampled `first_token` (with its generator left at `sampler_state`, and its
-        `logprobs` when the request asks).
+        `logprobs` when the request asks); -1: it sampled nothing (max_tokens 0), and the
+        sequence ends here ("length"), its blocks kept in the prefix cache.
         Raises ValueError if the sampler state does not fit this engine (the seed alone
         then goes on) after the sequence is running."""
         assert seq.status == SequenceStatus.RESERVED, seq.status
         seq.num_computed_tokens = len(seq)
         self.block_manager.cache_full_blocks(seq)
+        if first_token < 0:
+            self.release(seq, "length")
+            return StepOutput(seq, -1, True)
         seq.token_ids.append(first_token)
         self.scheduler.start_running(seq)
         out = self._finish_if_stopped(seq, first_token, logprobs)
@@ -205,13 +212,28 @@ class LLMEngine:
             s = sampled.get(seq.seq_id)
             if s is None:
                 continue
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # None unless asked; sent once
+            if seq.sampling_params.max_tokens == 0:  # the prompt is scored: nothing is sampled
+                outputs.append(self._unsampled(seq, prompt_lps))
+                continue
             seq.token_ids.append(s.token)
             if self.prefill_only:
                 self.scheduler.detach(seq)
-                outputs.append(StepOutput(seq, s.token, True, logprobs=s.logprobs))
+                out = StepOutput(seq, s.token, True, logprobs=s.logprobs)
             else:
-                outputs.append(self._finish_if_stopped(seq, s.token, s.logprobs))
+                out = self._finish_if_stopped(seq, s.token, s.logprobs)
+            out.prompt_logprobs = prompt_lps
+            outputs.append(out)
         return outputs
+
+    def _unsampled(self, seq: Sequence, prompt_logprobs: list[TokenLogprobs | None] | None) -> StepOutput:
+        """A max_tokens 0 sequence whose prompt is computed: it ends ("length"), or, prefill
+        only, is PREFILLED for its KV's hand-off."""
+        if self.prefill_only:
+            self.scheduler.detach(seq)
+        else:
+            self.release(seq, "length")
+        return StepOutput(seq, -1, True, prompt_logprobs=prompt_logprobs)
 
     def _isolate(self, batch: ScheduledBatch, error: Exception, generators: dict[int, bytes]
                  ) -> tuple[dict[int, Sampled], dict[int, str]]:

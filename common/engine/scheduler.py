@@ -106,7 +106,8 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
+            # prompt logprobs need every prompt position's logits: no prefix-cache reuse
+            cached = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
             n = len(seq) - len(cached) * bm.block_size
             if n > budget:
                 if not self.config.enable_chunked_prefill:

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams
 
 
@@ -44,6 +45,9 @@ class Sequence:
     # structured output: the grammar matcher (common/engine/grammar.py), made on first use and
     # advanced only through appended tokens, so it survives preemption; dropped on release
     grammar: Any = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first stays None), written
+    # by position as the prompt's chunks are computed (a recomputed chunk overwrites its own)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -63,6 +67,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not yet delivered (they go out with the
+        prompt's end): every prompt position must be computed, none reused from a cache."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def is_finished(self) -> bool:
