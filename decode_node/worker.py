@@ -223,6 +223,7 @@ class DecodeWorker(WorkerBase):
         except ValueError as e:  # a P on another kind of device: the seed alone still works
             self.log(f"request {req.request_id}: {e}; sampling goes on from the seed alone")
             out = StepOutput(req.seq, ready.first_token, False, logprobs=ready.first_logprobs)
+        out.prompt_logprobs = ready.prompt_logprobs
         self.emit(req, out)
 
     # ---- the step --------------------------------------------------------------------------
@@ -289,26 +290,28 @@ class DecodeWorker(WorkerBase):
 
     # ---- replies and exits -----------------------------------------------------------------
     def emit(self, req: DecodeRequest, out: StepOutput) -> None:
-        """Queue a step's token for this turn's message; a finished sequence has released
-        its blocks in the engine."""
+        """Queue a step's token (none: max_tokens 0) for this turn's message; a finished
+        sequence has released its blocks in the engine."""
+        tokens = [out.new_token] if out.new_token >= 0 else []
         if not out.finished:
-            entry = RequestOutput(req.request_id, [out.new_token], logprobs=_logprobs(out))
+            entry = RequestOutput(req.request_id, tokens, logprobs=_logprobs(out), prompt_logprobs=out.prompt_logprobs)
             if out.seq.num_output_tokens == 1:  # the first: a request ended by a stop string gets no last entry
                 entry.num_prompt_tokens, entry.num_cached_tokens = out.seq.num_prompt_tokens, out.seq.num_cached_tokens
             self.outbox.add(req.identity, entry)
             return
-        self.finish_reply(req, out.seq.finish_reason or "stop", [out.new_token], _logprobs(out))
+        self.finish_reply(req, out.seq.finish_reason or "stop", tokens, _logprobs(out), out.prompt_logprobs)
         self.requests.move(req, State.FINISHED)
         self.counters["finished"] += 1
 
     def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int],
-                     logprobs: list[TokenLogprobs] | None = None) -> None:
+                     logprobs: list[TokenLogprobs] | None = None,
+                     prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
         seq = req.seq
         mark(req.timeline, Stamp.FINISH, self.clock.time())
         self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            timeline=req.timeline if req.return_timeline else None, logprobs=logprobs))
+            timeline=req.timeline if req.return_timeline else None, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
     def flush(self) -> None:
         """End of a loop turn: one StepOutputs per router connection with every entry of

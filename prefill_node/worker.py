@@ -154,7 +154,8 @@ class PrefillWorker(WorkerBase):
         mark(job.timeline, Stamp.PREFILL_END, prefill_end)
         mark(job.timeline, Stamp.TRANSFER_START, self.clock.time())
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
-                        sampler_state=self.engine.sampler_state(seq), first_logprobs=out.logprobs)
+                        sampler_state=self.engine.sampler_state(seq), first_logprobs=out.logprobs,
+                        prompt_logprobs=out.prompt_logprobs)
         src = seq.block_table[job.skip_blocks:]
         try:
             frames = [] if sender.layerwise else sender.send(ready, src, job.dst_block_ids)

@@ -466,7 +466,8 @@ class Router:
             ids, finished, reason = ids[:len(req.detok.token_ids) - before], True, "stop"
         # the counts go to the client on its last message only (docs/protocol.md)
         reply = TokenOutput(req.request_id, ids, text, finished, reason, 0, req.num_cached_tokens if finished else 0,
-                            out.timeline, out.logprobs[:len(ids)] if out.logprobs is not None else None)
+                            out.timeline, out.logprobs[:len(ids)] if out.logprobs is not None else None,
+                            out.prompt_logprobs)
         self._account(req, reply)
         req.output_ids += ids
         return reply

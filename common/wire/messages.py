@@ -18,7 +18,7 @@ from common import schema
 from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams, StructuredOutput
 
-PROTOCOL_VERSION = 2  # 2: workers send one `step_outputs` per step instead of a `token_output` per token
+PROTOCOL_VERSION = 3  # 2: one `step_outputs` per step; 3: prompt logprobs (docs/protocol.md)
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
@@ -136,6 +136,8 @@ class TokenOutput:
     num_cached_tokens: int = 0
     timeline: dict[str, float] | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
+    # since 3: one per prompt token (the first None), on the request's first entry, when it asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("request_output", since=2)
@@ -151,6 +153,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     timeline: dict[str, float] | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
+    # since 3: one per prompt token (the first None), on the request's first entry, when it asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("step_outputs", since=2)
@@ -238,6 +242,9 @@ class KVReady:
     sampler_state: bytes = b""
     checksum: int = -1  # kv_transfer.integrity.kv_checksum of the sent blocks; -1: not computed
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asks
+    # since 3: one per prompt token (the first None), when the request asks; first_token is -1
+    # when it samples none (max_tokens 0): D then ends it ("length") without decoding
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("prefill_failed")
@@ -292,7 +299,7 @@ def _to_wire(msg: Any) -> dict[str, Any]:
         v = getattr(msg, f.name)
         if dataclasses.is_dataclass(v):
             v = _to_wire(v)
-        elif type(v) is list and v and dataclasses.is_dataclass(v[0]):  # a list of nested structures
-            v = [_to_wire(x) for x in v]
+        elif type(v) is list and v and (dataclasses.is_dataclass(v[-1]) or dataclasses.is_dataclass(v[0])):
+            v = [None if x is None else _to_wire(x) for x in v]  # nested structures (prompt logprobs: first None)
         out[f.name] = v
     return out
