@@ -82,3 +82,16 @@ def test_max_tokens_zero_scores_the_prompt(model_dirs):
 def test_bad_prompt_logprobs_values_are_refused(bad, field):
     with pytest.raises(SamplingParamsError, match=field):
         SamplingParams(**bad)
+
+
+def test_one_token_prompt_chunks_through_the_graph_runner(model_dirs):
+    """A 2-token step beside a decoding request leaves the prompt 1-token chunks: a batch of
+    single rows, which the graph runner would run as a decode step without prompt rows."""
+    model_dir = model_dirs["qwen3"]
+    llm = LLM(model_dir, num_kv_blocks=64, max_model_len=128, dtype="float32", decode_graphs=True,
+              max_num_batched_tokens=2)
+    a, b = mixed_prompts(llm.engine.config.model.vocab_size, seed=4)[:2]
+    outs = llm.generate([a[:3], b[:8]], [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)],
+                        use_tqdm=False)
+    check_prompt_logprobs(model_dir, b[:8], outs[1]["prompt_logprobs"], 1)
