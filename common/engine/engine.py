@@ -146,6 +146,7 @@ class LLMEngine:
         then goes on) after the sequence is running."""
         assert seq.status == SequenceStatus.RESERVED, seq.status
         seq.num_computed_tokens = len(seq)
+        seq.prompt_logprobs = None  # computed, and sent, by the prefill worker
         self.block_manager.cache_full_blocks(seq)
         if first_token < 0:
             self.release(seq, "length")

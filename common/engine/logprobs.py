@@ -59,13 +59,11 @@ def prompt_spans(seqs: list[Sequence], counts: list[int]) -> list[PromptSpan]:
     spans = []
     offset = 0
     for seq, n in zip(seqs, counts):
-        if seq.needs_prompt_logprobs:
+        if seq.prompt_logprobs is not None:  # asked for and not yet sent
             start = seq.num_computed_tokens
             count = min(start + n, seq.num_prompt_tokens - 1) - start
             if count > 0:
                 spans.append(PromptSpan(seq, offset, start, count))
-            if seq.prompt_logprobs is None:
-                seq.prompt_logprobs = [None] * seq.num_prompt_tokens
         offset += n
     return spans
 

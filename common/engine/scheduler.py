@@ -107,7 +107,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # prompt logprobs need every prompt position's logits: no prefix-cache reuse
-            cached = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
+            cached = [] if seq.prompt_logprobs is not None else bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
             n = len(seq) - len(cached) * bm.block_size
             if n > budget:
                 if not self.config.enable_chunked_prefill:

@@ -46,12 +46,16 @@ class Sequence:
     # advanced only through appended tokens, so it survives preemption; dropped on release
     grammar: Any = None
     # SamplingParams.prompt_logprobs: one entry per prompt token (the first stays None), written
-    # by position as the prompt's chunks are computed (a recomputed chunk overwrites its own)
+    # by position as the prompt's chunks are computed (a recomputed chunk overwrites its own);
+    # None once they are sent (with the first output) or when not asked: a plain attribute, so
+    # the per-step checks of every sequence cost one read
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -67,12 +71,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Its prompt's logprobs are asked for and not yet delivered (they go out with the
-        prompt's end): every prompt position must be computed, none reused from a cache."""
-        return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def is_finished(self) -> bool:
