@@ -175,6 +175,9 @@ class DecodeWorker(WorkerBase):
             self.log(f"KVReady for unknown request {ready.request_id!r} ignored")
             return
         assert self.receiver is not None
+        if ready.first_token < 0:  # scored (max_tokens 0): P sent no KV, only the prompt's logprobs
+            self.kv_landed(req, ready)
+            return
         try:
             pending = self.receiver.receive(ready, event.incoming.frames, req.dst_blocks, event.peer.info)
         except TransferError as e:
@@ -213,7 +216,7 @@ class DecodeWorker(WorkerBase):
             self.counters["transfers_rejected"] += 1
             self.fail(req, "KV transfer corrupt: checksum mismatch", code="transfer_error")  # never decoded
             return
-        self.counters["blocks_received"] += len(req.dst_blocks)
+        self.counters["blocks_received"] += 0 if ready.first_token < 0 else len(req.dst_blocks)
         now = self.clock.time()
         mark(req.timeline, Stamp.KV_READY, now)
         mark(req.timeline, Stamp.FIRST_TOKEN, now)

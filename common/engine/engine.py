@@ -140,17 +140,17 @@ class LLMEngine:
                        logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Decode role: `seq`'s prompt KV has landed in its reserved blocks and a prefill
         worker sampled `first_token` (with its generator left at `sampler_state`, and its
-        `logprobs` when the request asks); -1: it sampled nothing (max_tokens 0), and the
-        sequence ends here ("length"), its blocks kept in the prefix cache.
+        `logprobs` when the request asks); -1: it sampled nothing (max_tokens 0) and sent
+        no KV, and the sequence ends here ("length"), its blocks freed uncached.
         Raises ValueError if the sampler state does not fit this engine (the seed alone
         then goes on) after the sequence is running."""
         assert seq.status == SequenceStatus.RESERVED, seq.status
-        seq.num_computed_tokens = len(seq)
         seq.prompt_logprobs = None  # computed, and sent, by the prefill worker
-        self.block_manager.cache_full_blocks(seq)
         if first_token < 0:
             self.release(seq, "length")
             return StepOutput(seq, -1, True)
+        seq.num_computed_tokens = len(seq)
+        self.block_manager.cache_full_blocks(seq)
         seq.token_ids.append(first_token)
         self.scheduler.start_running(seq)
         out = self._finish_if_stopped(seq, first_token, logprobs)
