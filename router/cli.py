@@ -25,12 +25,15 @@ from router.config import RouterConfig
 ENGINE_DEST = "engine_"
 WORKER_DEST = "worker_"
 ROUTER_DEST = "router_"
-FLAGS = {"seed": "--engine-seed"}  # where the rule in config_flag() does not fit
+FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice"}  # where config_flag()'s rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
     "": ("host", "http_port", "zmq_port", "routing"),
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
+    "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
+    "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
+               "disagg_tpot_guard_ms"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
@@ -81,7 +84,7 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     from common.loading.model_factory import make_model
-    out = make_model(args.dir, args.arch, args.size, args.seed)
+    out = make_model(args.dir, args.arch, args.size, args.seed, chat_template=args.chat_template)
     print(f"wrote {args.arch}/{args.size} model (seed {args.seed}) to {out}")
     return 0
 
@@ -113,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
-    print(f"model {model}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    print(f"model {model} in {llm.engine.config.device.dtype}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -248,6 +251,10 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["limits"]], ROUTER_DEST)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
+    g = p.add_argument_group("chat output (vLLM's flags)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["chat"]], ROUTER_DEST)
+    g = p.add_argument_group("conditional disaggregation (docs/slo.md)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["disagg"]], ROUTER_DEST)
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     return g
@@ -262,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=SUPPORTED_ARCHS, default="qwen3")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", choices=["simple", "qwen3"], default="simple",
+                   help="simple: role and content only; qwen3: Qwen3's own (tools, <think>), with its added tokens")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("convert-gguf", help="convert a llama/qwen2/qwen3 GGUF file to a HuggingFace-format folder")
@@ -331,6 +340,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p.add_argument_group("liveness"), [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)
+
+    from router import profile
+    p = sub.add_parser("profile", help="measure prefill, decode step and KV transfer times; write a latency model "
+                                       "(docs/slo.md)")
+    profile.add_arguments(p)
+    _add_engine_args(p)
+    p.set_defaults(func=lambda args: profile.main(args, resolve_model(args.model), engine_options(args)))
+
+    from router import control_client
+    p = sub.add_parser("scale", help="grow, shrink or drain a running deployment's pools (docs/deploy.md)")
+    control_client.add_scale_arguments(p)
+    p.set_defaults(func=control_client.scale_main)
+    p = sub.add_parser("pools", help="list a running deployment's workers by pool and state")
+    control_client.add_common_arguments(p)
+    p.set_defaults(func=control_client.pools_main)
 
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")

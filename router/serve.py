@@ -17,10 +17,12 @@ import uvicorn
 
 from common.gc_tuning import freeze_startup_heap
 from common.worker.spec import WorkerSpec
+from router.control import ControlPlane
 from router.core import Router
 from router.deploy import DeploymentConfig
 from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
+from router.pool_launch import LocalLauncher
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
 
@@ -66,7 +68,12 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
     launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
-    supervisor = Supervisor(router, launcher, config.restart_workers)
+    control = ControlPlane(router, LocalLauncher(launcher, dep, router.control_address) if dep.workers else None,
+                           f"pdserve worker --role {{role}} --join {router.control_address} --secret-file FILE "
+                           f"{config.model_dir}")
+    control.start()
+    secret_file = _secret_file(launcher, dep.secret)
+    supervisor = Supervisor(router, launcher, config.restart_workers, control)
     http = http_task = None
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
@@ -90,12 +97,16 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
-        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir}\n"
+        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
+              f"in {config.dtype}\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n"
-              f"  Workers join: {router.control_address}\n  Ctrl-C stops everything.", flush=True)
+              f"  Workers join: {router.control_address}\n"
+              f"  Pools:       pdserve pools --router {router.control_address} --secret-file {secret_file}\n"
+              f"  Ctrl-C stops everything.", flush=True)
         freeze_startup_heap()
         if ready_file:
             info = {"http": http_url, "zmq": front.address, "control": router.control_address, "pid": os.getpid(),
+                    "secret_file": secret_file,
                     "workers": {w.name: w.info for w in launcher.workers}}
             Path(ready_file).with_suffix(".tmp").write_text(json.dumps(info))
             Path(ready_file).with_suffix(".tmp").rename(ready_file)
@@ -103,6 +114,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
         supervisor.close()
+        control.close()
         if http is not None:
             http.should_exit = True
             with contextlib.suppress(Exception):
@@ -110,6 +122,18 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         front.close()
         await asyncio.to_thread(launcher.stop)
         await router.close()
+
+
+def _secret_file(launcher: Launcher, given: str) -> str:
+    """Where `pdserve scale` reads the deployment secret: a fresh one is written (0600) in
+    the launcher's private workdir; a given one stays in the file it came from (SECRET_FILE)."""
+    if given:
+        return "SECRET_FILE"
+    path = launcher.workdir / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(launcher.secret)
+    return str(path)
 
 
 async def _until(fut: asyncio.Future, stop: asyncio.Event) -> None:
