@@ -70,7 +70,8 @@ def test_max_tokens_zero_scores_the_prompt(model_dirs):
         if sp.max_tokens == 0:
             assert o["token_ids"] == [] and o["finish_reason"] == "length" and o["text"] == ""
             check_prompt_logprobs(model_dir, p, o["prompt_logprobs"], sp.prompt_logprobs)
-    assert len(outs[1]["token_ids"]) == 4
+    alone = llm.generate(prompts[1], params[1], use_tqdm=False)[0]
+    assert outs[1]["token_ids"] == alone["token_ids"] and len(alone["token_ids"]) == 4  # the plain one, untouched
     assert not llm.engine.has_work() and not llm.engine.scheduler.running
     assert bm.num_free_blocks == free
     bm.check_invariants()
