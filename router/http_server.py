@@ -10,14 +10,14 @@ import importlib.metadata
 import json
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_N, SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError
 from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, StructuredOutputError, TokenizeBody, sampling_fields,
@@ -80,17 +80,27 @@ COMPLETION = Shape("cmpl", "text_completion", "text_completion", _completion_con
 CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_content, _chat_logprobs, False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PromptEcho:
-    """What a response shows of the prompts (one per choice): with `echo`, each prompt's
-    text (and its tokens' logprobs, when `logprobs` are asked) before the choice's own;
-    with `show_logprobs`, vLLM's `prompt_logprobs`."""
+    """What a response shows of the prompts (one per prompt; choice i * n + j is prompt
+    i's choice j): with `echo`, each prompt's text (and its tokens' logprobs, when
+    `logprobs` are asked) before each of its choices' own; with `show_logprobs`, vLLM's
+    `prompt_logprobs`. The workers send a prompt's logprobs once, with its choice 0; the
+    envelope keeps them for the others (`seen`)."""
 
     texts: list[str]
     token_ids: list[list[int]]
     echo: bool
     logprobs_asked: bool
     show_logprobs: bool
+    n: int = 1
+    seen: dict[int, list] = field(default_factory=dict)  # prompt -> its logprobs, once they came
+
+    def logprobs_of(self, out: TokenOutput, index: int) -> list | None:
+        """The prompt logprobs of choice `index` (from `out`, or from its prompt's choice 0)."""
+        if out.prompt_logprobs is not None:
+            self.seen[index // self.n] = out.prompt_logprobs
+        return self.seen.get(index // self.n)
 
 
 class Envelope:
@@ -119,9 +129,9 @@ class Envelope:
         ids, lps = out.token_ids, out.logprobs
         p = self.prompts
         if first and p is not None and p.echo and p.logprobs_asked:
-            prompt_ids = p.token_ids[index]
+            prompt_ids = p.token_ids[index // p.n]
             ids = prompt_ids + ids
-            lps = (out.prompt_logprobs or [None] * len(prompt_ids)) + (lps or [])
+            lps = (p.logprobs_of(out, index) or [None] * len(prompt_ids)) + (lps or [])
         if lps is None:
             return None
         form = self.shape.logprobs(ids, lps, self.token_text, self.offsets.get(index, 0))
@@ -131,14 +141,15 @@ class Envelope:
     def text(self, out: TokenOutput, index: int, first: bool) -> str:
         """The choice's text of `out`: the prompt's before its first output, with echo."""
         p = self.prompts
-        return p.texts[index] + out.text if first and p is not None and p.echo else out.text
+        return p.texts[index // p.n] + out.text if first and p is not None and p.echo else out.text
 
     def prompt_logprobs(self, out: TokenOutput, index: int) -> dict:
         """{"prompt_logprobs": vLLM's form} when the request shows them, else {}."""
         p = self.prompts
-        if p is None or not p.show_logprobs or out.prompt_logprobs is None:
+        lps = None if p is None or not p.show_logprobs else p.logprobs_of(out, index)
+        if lps is None:
             return {}
-        return {"prompt_logprobs": prompt_logprobs(p.token_ids[index], out.prompt_logprobs, self.token_text)}
+        return {"prompt_logprobs": prompt_logprobs(p.token_ids[index // p.n], lps, self.token_text)}
 
     def wrap(self, kind: str, choices: list, usage: dict | None, timeline: dict | None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
@@ -348,8 +359,8 @@ class OpenAIServer:
         self.log_unknown(body)
         if (wrong := self.wrong_model(body.model)) is not None:
             return wrong
-        if body.n != 1:
-            return error(400, f"n={body.n} is not supported; only n=1", param="n")
+        if not 1 <= body.n <= MAX_N:
+            return error(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
         if (name := unsupported(body)) is not None:
             return error(400, f"{name} is not supported by this server; leave it out", param=name,
                          code="unsupported_parameter")
@@ -375,7 +386,7 @@ class OpenAIServer:
                                             stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
                                             logprobs=body.num_logprobs(), structured=structured_output(body),
                                             prompt_logprobs=body.num_prompt_logprobs(),
-                                            **sampling_fields(body))
+                                            n=body.n, **sampling_fields(body))
         return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                              return_timeline=body.return_timeline, **prompt)
 
@@ -393,7 +404,7 @@ class OpenAIServer:
 
     async def respond(self, body: Body, subs: list[SubmitRequest], shape: Shape,
                       shaping: ChoiceOutputs | None = None) -> Response | dict:
-        """One OpenAI response, streamed (SSE) or whole, with a choice per request."""
+        """One OpenAI response, streamed (SSE) or whole, with n choices per request."""
         preps = await self.admitted(subs)
         if isinstance(preps, JSONResponse):
             return preps
@@ -402,7 +413,7 @@ class OpenAIServer:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.sse(preps, envelope, include_usage), media_type="text/event-stream")
-        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        outs: list[list[TokenOutput]] = [[] for _ in range(len(preps) * body.n)]
         async with contextlib.aclosing(self.outputs(preps)) as stream:
             async for i, out in stream:
                 if isinstance(out, ErrorReply):
@@ -420,14 +431,16 @@ class OpenAIServer:
         texts = [p.sub.prompt if p.sub.prompt is not None
                  else self.router.tokenizer.decode(p.token_ids, skip_special_tokens=False) if echo else ""
                  for p in preps]
-        return PromptEcho(texts, [p.token_ids for p in preps], echo, body.num_logprobs() is not None, show)
+        return PromptEcho(texts, [p.token_ids for p in preps], echo, body.num_logprobs() is not None, show, body.n)
 
     async def outputs(self, preps: list[Prepared]) -> AsyncIterator[tuple[int, TokenOutput | ErrorReply]]:
         """(choice index, output) of every request as they come; closing this generator
-        cancels (aborts) those still running."""
+        cancels (aborts) those still running. Request i's choice j (of n) is choice
+        i * n + j, vLLM's order."""
+        n = preps[0].params.n
         if len(preps) == 1:
             async for out in self.router.generate(preps[0]):
-                yield 0, out
+                yield getattr(out, "index", 0), out
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -450,7 +463,7 @@ class OpenAIServer:
                 elif isinstance(out, Exception):
                     raise out
                 else:
-                    yield i, out
+                    yield i * n + getattr(out, "index", 0), out
         finally:
             for t in tasks:
                 t.cancel()
@@ -458,7 +471,7 @@ class OpenAIServer:
     async def sse(self, preps: list[Prepared], envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
         """The event stream; an error after the 200 is one `data: {"error": ...}` event, and
         `data: [DONE]` always ends the stream."""
-        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        outs: list[list[TokenOutput]] = [[] for _ in range(len(preps) * preps[0].params.n)]
         finished = 0
         try:
             async with contextlib.aclosing(self.outputs(preps)) as stream:
@@ -469,7 +482,7 @@ class OpenAIServer:
                     outs[i].append(out)
                     yield f"data: {json.dumps(envelope.chunk(out, index=i))}\n\n"
                     finished += out.finished
-                    if finished == len(preps) and include_usage:
+                    if finished == len(outs) and include_usage:
                         use = openai_usage(merge_outputs(o) for o in outs)
                         yield f"data: {json.dumps(envelope.chunk(None, usage=use))}\n\n"
         except Exception as e:  # the headers are out: say it in the stream

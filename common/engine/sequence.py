@@ -50,6 +50,11 @@ class Sequence:
     # None once they are sent (with the first output) or when not asked: a plain attribute, so
     # the per-step checks of every sequence cost one read
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # n > 1: which choice this is (0: the sequence that computes the prompt), and, until the
+    # prompt is computed, the other choices: they sample their first tokens from the same
+    # logits, then take the prompt's KV blocks (LLMEngine.fork) and go on on their own
+    index: int = 0
+    forks: list["Sequence"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
