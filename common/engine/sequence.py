@@ -59,7 +59,8 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
-        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None and self.index == 0:
+            # the request's prompt logprobs: computed and sent once, by the choice that computes the prompt
             self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:

@@ -165,3 +165,19 @@ def test_bad_values_are_refused_naming_the_field(colocated_f32, path, body, fiel
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert field in err["message"] and err.get("param") == field
+
+
+def test_echo_and_prompt_logprobs_with_n_choices(served, tok, reference):
+    """n > 1: the prompt is computed once; each choice echoes it with its logprobs and
+    carries vLLM's prompt_logprobs."""
+    ids = tok.encode(PROMPT)
+    ref = reference(ids)
+    res = _client(served).completions.create(model="qwen3", prompt=PROMPT, echo=True, logprobs=1, max_tokens=2,
+                                             n=2, temperature=0.8, seed=5)
+    assert len(res.choices) == 2
+    for choice in res.choices:
+        assert choice.text.startswith(PROMPT) and len(choice.logprobs.tokens) == len(ids) + 2
+        assert choice.logprobs.token_logprobs[0] is None
+        for j in range(1, len(ids)):
+            assert choice.logprobs.token_logprobs[j] == pytest.approx(ref[j - 1, ids[j]].item(), abs=1e-4)
+        _check_vllm_form(choice.model_extra["prompt_logprobs"], ids, ref, 1, tok)
