@@ -96,6 +96,9 @@ class SamplingParams:
     # choices: one prefill, then n sequences that share the prompt's KV blocks; choice i of a
     # seeded request samples from a generator seeded with seed + i (choice 0: the seed's own stream)
     n: int = 1
+    # None: none; n: each prompt token's logprob (the first has none) and the n most likely
+    # there (vLLM's prompt_logprobs). Every prompt position is computed: no prefix-cache reuse
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,8 +133,9 @@ class SamplingParams:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n must be in [1, {MAX_N}], got {self.n}")
-        if self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None and self.n == 1 else 1):
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens} (0 only with "
+                                      f"prompt_logprobs and n 1: score the prompt, generate nothing)")
         if self.max_tokens > MAX_TOKENS_LIMIT:
             raise SamplingParamsError(f"max_tokens must be <= {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
         if self.stop is not None:
@@ -147,6 +151,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self._validate_stops()
         self._validate_penalties()
         if self.structured is not None:

@@ -31,6 +31,8 @@ class Outbox:
         last.finished, last.finish_reason, last.timeline = entry.finished, entry.finish_reason, entry.timeline
         if entry.num_prompt_tokens:
             last.num_prompt_tokens, last.num_cached_tokens = entry.num_prompt_tokens, entry.num_cached_tokens
+        if entry.prompt_logprobs is not None:  # on a request's first entry only
+            last.prompt_logprobs = entry.prompt_logprobs
 
     def take(self, identity: bytes) -> list[RequestOutput]:
         """One connection's entries, removed (an error for a request must follow its tokens)."""

@@ -177,6 +177,9 @@ class DecodeWorker(WorkerBase):
             self.log(f"KVReady for unknown request {ready.request_id!r} ignored")
             return
         assert self.receiver is not None
+        if ready.first_token < 0:  # scored (max_tokens 0): P sent no KV, only the prompt's logprobs
+            self.kv_landed(req, ready)
+            return
         try:
             pending = self.receiver.receive(ready, event.incoming.frames, req.dst_blocks, event.peer.info)
         except TransferError as e:
@@ -221,13 +224,14 @@ class DecodeWorker(WorkerBase):
                       f"{len(ready.fork_sampler_states)} sampler states, {len(ready.fork_logprobs)} logprobs) "
                       f"for {len(req.choices)} choices", code="transfer_error")
             return
-        self.counters["blocks_received"] += len(req.dst_blocks)
+        self.counters["blocks_received"] += 0 if ready.first_token < 0 else len(req.dst_blocks)
         now = self.clock.time()
         mark(req.timeline, Stamp.KV_READY, now)
         mark(req.timeline, Stamp.FIRST_TOKEN, now)
         self.requests.move(req, State.RUNNING)
-        for out in self.engine.start_decoding(req.seq, ready.first_token, ready.sampler_state, ready.first_logprobs,
-                                              forks):
+        outs = self.engine.start_decoding(req.seq, ready.first_token, ready.sampler_state, ready.first_logprobs, forks)
+        outs[0].prompt_logprobs = ready.prompt_logprobs  # choice 0's first output carries the request's
+        for out in outs:
             self.emit(req, out)
 
     # ---- the step --------------------------------------------------------------------------
@@ -296,15 +300,19 @@ class DecodeWorker(WorkerBase):
 
     # ---- replies and exits -----------------------------------------------------------------
     def emit(self, req: DecodeRequest, out: StepOutput) -> None:
-        """Queue a step's token for this turn's message; a finished sequence has released
-        its blocks in the engine, and a request whose every choice finished leaves."""
+        """Queue a step's token (none: max_tokens 0) for this turn's message; a finished
+        sequence has released its blocks in the engine, and a request whose every choice
+        finished leaves."""
+        tokens = [out.new_token] if out.new_token >= 0 else []
         if not out.finished:
-            entry = RequestOutput(req.request_id, [out.new_token], logprobs=_logprobs(out), index=out.seq.index)
+            entry = RequestOutput(req.request_id, tokens, logprobs=_logprobs(out), index=out.seq.index,
+                                  prompt_logprobs=out.prompt_logprobs)
             if out.seq.num_output_tokens == 1:  # the first: a request ended by a stop string gets no last entry
                 entry.num_prompt_tokens, entry.num_cached_tokens = out.seq.num_prompt_tokens, out.seq.num_cached_tokens
             self.outbox.add(req.identity, entry)
             return
-        self.finish_reply(req, out.seq.finish_reason or "stop", [out.new_token], _logprobs(out), out.seq.index)
+        self.finish_reply(req, out.seq.finish_reason or "stop", tokens, _logprobs(out), out.seq.index,
+                          out.prompt_logprobs)
         self.finish_if_done(req)
 
     def finish_if_done(self, req: DecodeRequest) -> None:
@@ -313,14 +321,16 @@ class DecodeWorker(WorkerBase):
             self.counters["finished"] += 1
 
     def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int],
-                     logprobs: list[TokenLogprobs] | None = None, index: int = 0) -> None:
+                     logprobs: list[TokenLogprobs] | None = None, index: int = 0,
+                     prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
         seq = req.seq
         req.answered.add(index)
         mark(req.timeline, Stamp.FINISH, self.clock.time())
         self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            timeline=req.timeline if req.return_timeline else None, logprobs=logprobs, index=index))
+            timeline=req.timeline if req.return_timeline else None, logprobs=logprobs, index=index,
+            prompt_logprobs=prompt_logprobs))
 
     def flush(self) -> None:
         """End of a loop turn: one StepOutputs per router connection with every entry of

@@ -55,6 +55,7 @@ class Completion:
     token_times: list[float] = field(default_factory=list)  # client clock, one per token
     logprobs: list[TokenLogprobs] | None = None  # one per token, when asked (`logprobs=n`)
     index: int = 0  # the choice, of the request's n
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, when asked (`prompt_logprobs=n`)
 
 
 PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
@@ -76,7 +77,8 @@ def _submit(prompt: str | list[int] | None, messages_: list[dict[str, str]] | No
 def _merge(request_id: str, outs: list[TokenOutput], times: list[float]) -> Completion:
     res = merge_outputs(outs)
     return Completion(request_id, res.text, res.token_ids, res.finish_reason, res.num_prompt_tokens,
-                      res.num_cached_tokens, res.timeline, times, res.logprobs, res.index)
+                      res.num_cached_tokens, res.timeline, times, res.logprobs, res.index,
+                      res.prompt_logprobs)
 
 
 def _choices(outs: list[TokenOutput], times: list[float]) -> list[Completion]:

@@ -468,7 +468,8 @@ class Router:
             ids, finished, reason = ids[:len(choice.detok.token_ids) - before], True, "stop"
         # the counts go to the client on its last message only (docs/protocol.md)
         reply = TokenOutput(req.request_id, ids, text, finished, reason, 0, req.num_cached_tokens if finished else 0,
-                            out.timeline, out.logprobs[:len(ids)] if out.logprobs is not None else None, out.index)
+                            out.timeline, out.logprobs[:len(ids)] if out.logprobs is not None else None, out.index,
+                            prompt_logprobs=out.prompt_logprobs)
         choice.output_ids += ids
         choice.finished = finished
         self._account(req, reply)

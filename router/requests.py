@@ -92,6 +92,8 @@ def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> li
             if nxt.num_prompt_tokens:  # counts ride on an attempt's first and last entries only
                 last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens
             last.timeline = nxt.timeline
+            if nxt.prompt_logprobs is not None:  # an attempt's first entry carries them
+                last.prompt_logprobs = nxt.prompt_logprobs
         else:
             outs.append(nxt)
     return outs

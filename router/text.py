@@ -21,7 +21,8 @@ def merge_outputs(outs: Iterable[TokenOutput]) -> TokenOutput:
                        finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
                        num_cached_tokens=last.num_cached_tokens, timeline=last.timeline,
                        logprobs=[lp for o in outs for lp in o.logprobs or ()] if any(o.logprobs for o in outs) else None,
-                       index=last.index)
+                       index=last.index,
+                       prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None))
 
 
 def usage(out: TokenOutput) -> dict[str, int]:

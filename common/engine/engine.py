@@ -29,13 +29,16 @@ __all__ = ["KVProgress", "KVWriter", "LLMEngine", "RequestError", "StepOutput"]
 @dataclass
 class StepOutput:
     """What one step produced for one sequence. `error` set: the step failed for this
-    sequence alone (new_token is -1); the engine has released it, its caller answers it."""
+    sequence alone (new_token is -1); the engine has released it, its caller answers it.
+    new_token -1 without an error: the prompt is computed and nothing is sampled
+    (max_tokens 0). `prompt_logprobs` ride on the output that ends the prompt."""
 
     seq: Sequence
     new_token: int
     finished: bool
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request asks (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
     # prefill-only engine, n > 1: the first tokens of the other choices, sampled from the same logits
     forks: list["StepOutput"] = field(default_factory=list)
 
@@ -145,8 +148,14 @@ class LLMEngine:
         worker sampled `first_token` (with its generator left at `sampler_state`, and its
         `logprobs` when the request asks); `forks` are the same for each of `seq.forks`
         (n > 1), which take the prompt's blocks here. One output per choice, in order. A
-        sampler state that does not fit this engine is logged; the seed alone goes on."""
+        sampler state that does not fit this engine is logged; the seed alone goes on.
+        first_token -1: it sampled nothing (max_tokens 0, n 1) and sent no KV; the sequence
+        ends here ("length"), its blocks freed uncached."""
         assert seq.status == SequenceStatus.RESERVED, seq.status
+        seq.prompt_logprobs = None  # computed, and sent, by the prefill worker
+        if first_token < 0:
+            self.release(seq, "length")
+            return [StepOutput(seq, -1, True)]
         assert len(forks) == len(seq.forks), "one first token per fork"
         seq.num_computed_tokens = len(seq)
         self.block_manager.cache_full_blocks(seq)
@@ -244,6 +253,10 @@ class LLMEngine:
             s = sampled.get(seq.seq_id)
             if s is None:
                 continue
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # None unless asked; sent once
+            if seq.sampling_params.max_tokens == 0:  # the prompt is scored: nothing is sampled
+                outputs.append(self._unsampled(seq, prompt_lps))
+                continue
             seq.token_ids.append(s.token)
             choices = [seq, *seq.forks]
             for child in seq.forks:
@@ -251,12 +264,24 @@ class LLMEngine:
             if self.prefill_only:
                 self.scheduler.detach(seq)
                 forks = [StepOutput(c, c.token_ids[-1], True, logprobs=sampled[c.seq_id].logprobs) for c in seq.forks]
-                outputs.append(StepOutput(seq, s.token, True, logprobs=s.logprobs, forks=forks))
+                outputs.append(StepOutput(seq, s.token, True, logprobs=s.logprobs, forks=forks,
+                                          prompt_logprobs=prompt_lps))
                 continue
             if seq.forks:
                 self.fork(seq)
-            outputs += [self._finish_if_stopped(c, c.token_ids[-1], sampled[c.seq_id].logprobs) for c in choices]
+            outs = [self._finish_if_stopped(c, c.token_ids[-1], sampled[c.seq_id].logprobs) for c in choices]
+            outs[0].prompt_logprobs = prompt_lps  # once per request: on choice 0's first output
+            outputs += outs
         return outputs
+
+    def _unsampled(self, seq: Sequence, prompt_logprobs: list[TokenLogprobs | None] | None) -> StepOutput:
+        """A max_tokens 0 sequence whose prompt is computed: it ends ("length"), or, prefill
+        only, is PREFILLED for its KV's hand-off."""
+        if self.prefill_only:
+            self.scheduler.detach(seq)
+        else:
+            self.release(seq, "length")
+        return StepOutput(seq, -1, True, prompt_logprobs=prompt_logprobs)
 
     def _isolate(self, batch: ScheduledBatch, error: Exception, generators: dict[int, bytes]
                  ) -> tuple[dict[int, Sampled], dict[int, str]]:

@@ -16,7 +16,7 @@ from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
 from common.models.precision import cast_model, kv_cache_dtype
 from common.engine.grammar import Grammars
-from common.engine.logprobs import raw_logprobs, token_logprobs
+from common.engine.logprobs import fill_prompt_logprobs, prompt_spans, raw_logprobs, token_logprobs
 from common.engine.sampler import Sampler, make_generator
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
@@ -128,7 +128,14 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_tokens[i] for i in order]
         input_ids, positions, meta, sample_idx, sample_seqs = self.prepare(seqs, counts)
-        hidden = self.model(input_ids, positions, meta, layer_hook, keep=sample_idx)  # [S, hidden]
+        spans = prompt_spans(seqs, counts)  # [] unless a sequence asks for its prompt's logprobs
+        if spans:
+            rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]).to(self.device)
+            hidden = self.model(input_ids, positions, meta, layer_hook, keep=torch.cat([rows, sample_idx]))
+            fill_prompt_logprobs(self.model.compute_logits, hidden[:len(rows)], spans)
+            hidden = hidden[len(rows):]  # [S, hidden]
+        else:
+            hidden = self.model(input_ids, positions, meta, layer_hook, keep=sample_idx)  # [S, hidden]
         if not sample_seqs:
             return {}
         return self.sample(hidden, sample_seqs)

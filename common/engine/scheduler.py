@@ -131,7 +131,8 @@ class Scheduler:
         taken = self._seats_taken() if self.waiting else 0
         while self.waiting and budget > 0 and self._has_seats(self.waiting[0], taken):
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
+            # prompt logprobs need every prompt position's logits: no prefix-cache reuse
+            cached = [] if seq.prompt_logprobs is not None else bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
             n = len(seq) - len(cached) * bm.block_size
             if n > budget:
                 if not self.config.enable_chunked_prefill:

@@ -21,7 +21,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 PROTOCOL_VERSION = 3  # 2: workers send one `step_outputs` per step instead of a `token_output` per token;
 # 3: `submit` carries `tools` and chat messages their tool calls and replies; the pool control API
 # (`pools_request` ... `worker_drain`); n > 1 (sampling `n`; `index` on outputs and abort; kv_ready's
-# fork_* fields)
+# fork_* fields); prompt logprobs
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
@@ -147,6 +147,8 @@ class TokenOutput:
     timeline: dict[str, float] | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
     index: int = 0  # the choice these tokens belong to (n > 1); each choice has its own last message
+    # since 3: one per prompt token (the first None), on the request's first entry, when it asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("request_output", since=2)
@@ -163,6 +165,8 @@ class RequestOutput:
     timeline: dict[str, float] | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
     index: int = 0  # the choice (n > 1); each choice ends with its own finished entry
+    # since 3: one per prompt token (the first None), on the request's first entry, when it asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("step_outputs", since=2)
@@ -254,6 +258,9 @@ class KVReady:
     fork_tokens: list[int] = field(default_factory=list)
     fork_sampler_states: list[bytes] = field(default_factory=list)  # one per fork of a seeded request, else none
     fork_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per fork when the request asks, else none
+    # since 3: one per prompt token (the first None), when the request asks; first_token is -1
+    # when it samples none (max_tokens 0): D then ends it ("length") without decoding
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("prefill_failed")
@@ -374,7 +381,7 @@ def _to_wire(msg: Any) -> dict[str, Any]:
         v = getattr(msg, f.name)
         if dataclasses.is_dataclass(v):
             v = _to_wire(v)
-        elif type(v) is list and v and dataclasses.is_dataclass(v[0]):  # a list of nested structures
-            v = [_to_wire(x) for x in v]
+        elif type(v) is list and v and (dataclasses.is_dataclass(v[-1]) or dataclasses.is_dataclass(v[0])):
+            v = [None if x is None else _to_wire(x) for x in v]  # nested structures (prompt logprobs: first None)
         out[f.name] = v
     return out
