@@ -22,6 +22,8 @@ from router.core import Router
 from router.deploy import DeploymentConfig
 from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
+from router.planner import PlannerConfig
+from router.planner_loop import Planner
 from router.pool_launch import LocalLauncher
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
@@ -74,7 +76,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     control.start()
     secret_file = _secret_file(launcher, dep.secret)
     supervisor = Supervisor(router, launcher, config.restart_workers, control)
-    http = http_task = None
+    http = http_task = planner = None
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
         await _until(launch, stop)
@@ -83,6 +85,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         launch.result()  # raises LaunchError with the worker's log tail
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
         supervisor.start()
+        planner = start_planner(control)
         http_url = "(disabled)"
         if config.enable_http:
             http = _QuietServer(uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port,
@@ -114,6 +117,8 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
         supervisor.close()
+        if planner is not None:
+            planner.close()
         control.close()
         if http is not None:
             http.should_exit = True
@@ -122,6 +127,19 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         front.close()
         await asyncio.to_thread(launcher.stop)
         await router.close()
+
+
+def start_planner(control: ControlPlane) -> Planner | None:
+    """The SLO planner the router's config asks for (docs/slo.md "Planner"), started; None if none."""
+    c = control.router.config
+    if c.planner != "slo":
+        return None
+    cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
+                        cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
+                        host_cores=c.planner_host_cores)
+    planner = Planner(control, cfg, c.planner_interval_s)
+    planner.start()
+    return planner
 
 
 def _secret_file(launcher: Launcher, given: str) -> str:
