@@ -7,14 +7,16 @@ import pytest
 from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, PlannerConfig, PlannerState, Pools, Snapshot, decide
 
 CFG = PlannerConfig(ttft_slo_s=0.5, tpot_slo_s=0.05, sustain=3, cooldown_s=30.0, max_workers=4)
+P1_D2 = Pools(1, 2)
+START = PlannerState()
 
 
 def snap(now: float, ttft: float | None = 1.0, tpot: float | None = 1.0, pq: int = 0, dq: int = 0, kv: float = 0.2,
-         pools: Pools = Pools(1, 2), finished: int = 20) -> Snapshot:
+         pools: Pools = P1_D2, finished: int = 20) -> Snapshot:
     return Snapshot(now, finished, ttft, tpot, pq, dq, kv, pools)
 
 
-def run(snaps: list[Snapshot], cfg: PlannerConfig = CFG, state: PlannerState = PlannerState()):
+def run(snaps: list[Snapshot], cfg: PlannerConfig = CFG, state: PlannerState = START):
     plans = []
     for s in snaps:
         plan, state = decide(s, state, cfg)

@@ -1,0 +1,82 @@
+"""The SLO planner in a real deployment (docs/slo.md "Planner"): `pdserve serve
+--prefill 1 --decode 1 --planner slo` with a TTFT SLO no request can meet and a stream of
+long prompts with short outputs. The only decode worker cannot be spared, so the planner
+adds a prefill worker (up to --planner-max-workers 3) and then holds still at that size;
+the new worker serves, every request completes with transformers' greedy output, the
+decision is in /metrics, and blocks are back to baseline."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+
+from tests.reliability.harness import complete, health, recoveries, serve, stop, wait_blocks_baseline
+
+MAX_NEW = 3
+STREAMS = 2
+PAUSE_S = 0.1  # between a client's requests: enough to keep TTFT over its SLO, few to check against transformers
+PLANNER = ["--planner", "slo", "--slo-ttft-ms", "1", "--slo-tpot-ms", "100000", "--planner-interval-s", "0.5",
+           "--planner-sustain", "2", "--planner-cooldown-s", "1", "--planner-max-workers", "3"]
+
+
+def _stream(served, prompt, results: list, halt: threading.Event, offset: int) -> None:
+    i = offset
+    while not halt.is_set():
+        ids = prompt(i)
+        try:
+            results.append((ids, complete(served, ids, MAX_NEW, timeout=60)))
+        except Exception as e:  # an HTTP error is a failed request: recorded, checked below
+            results.append((ids, {"token_ids": [], "error": f"{type(e).__name__}: {e}"}))
+        i += STREAMS
+        halt.wait(PAUSE_S)
+
+
+def _wait_for(cond, what: str, served, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while not (h := health(served)) or not cond(h):
+        assert time.monotonic() < deadline, f"{what}:\n{h}\n{served.log_tail()}"
+        time.sleep(0.2)
+    return h
+
+
+def test_planner_adds_a_prefill_worker_for_a_ttft_bound_stream(tmp_path, tok, prompts, greedy):
+    body = [t for p in prompts for t in p][:100]
+
+    def prompt(i: int) -> list[int]:  # prompt-heavy (~100 tokens, 3 out), each its own first block
+        return tok.encode(f"Request {i}:") + body
+
+    served = serve(tmp_path, ["--prefill", "1", "--decode", "1"], extra=tuple(PLANNER))
+    try:
+        results: list = []
+        halt = threading.Event()
+        clients = [threading.Thread(target=_stream, args=(served, prompt, results, halt, k))
+                   for k in range(STREAMS)]
+        for c in clients:
+            c.start()
+        try:
+            h = _wait_for(lambda h: sum(v["role"] == "prefill" and v["state"] == "serving"
+                                        for v in h["pools"].values()) == 2, "no second prefill worker", served)
+            (new,) = [w for w, v in h["pools"].items() if v["role"] == "prefill" and w != "prefill-0"]
+            _wait_for(lambda h: h["pools"][new]["routed"] > 0, f"{new} served nothing", served)
+            time.sleep(1.5)  # windows at the maximum size: the planner holds still
+            text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
+        finally:
+            halt.set()
+            for c in clients:
+                c.join(120)
+        assert results, "the stream did not run"
+        for ids, res in results:
+            assert res["error"] is None, res
+            assert res["token_ids"] == greedy(ids, MAX_NEW)
+        assert recoveries(served) == {}
+        h = health(served)
+        assert h["workers"] == {"prefill": 2, "decode": 1, "colocated": 0}, h
+        assert re.search(r'^pdserve_planner_decisions_total\{action="add",reason="ttft_low"\} 1\.0$', text, re.M), text
+        assert re.search(r'^pdserve_planner_decisions_total\{action="none",reason="ttft_low_at_max_workers"\} '
+                         r'[1-9]', text, re.M), text
+        assert re.search(r"^pdserve_planner_ttft_attainment 0\.0$", text, re.M), text
+        assert "planner: add 1 prefill worker(s) (ttft_low): " in served.log.read_text(errors="replace")
+        wait_blocks_baseline(served, ["prefill-0", new, "decode-0"])
+    finally:
+        stop(served)
