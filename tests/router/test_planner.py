@@ -130,3 +130,14 @@ def test_config_is_checked():
         PlannerConfig(0.0, 0.05)
     with pytest.raises(ValueError):
         PlannerConfig(0.5, 0.05, sustain=0)
+
+
+def test_router_config_checks_the_planner_flags():
+    from common.config import ConfigError
+    from router.config import RouterConfig
+    assert RouterConfig("m", planner="slo", slo_ttft_ms=200, slo_tpot_ms=40).planner == "slo"
+    for bad, field in ((dict(planner="slo"), "slo_ttft_ms"), (dict(planner="fast"), "planner"),
+                       (dict(planner_interval_s=0.0), "planner_interval_s"),
+                       (dict(planner_target=1.5), "planner_target")):
+        with pytest.raises(ConfigError, match=field):
+            RouterConfig("m", **bad)
