@@ -170,10 +170,13 @@ class Planner:
         if all(w in reg.workers and reg.workers[w].alive and reg.workers[w].state == SERVING for w in swap.new):
             self.swap = None
             old = [w for w in swap.old if w in reg.workers and reg.workers[w].state == SERVING]
-            if old:
-                self.control.drain(old)
-            print(f"planner: new workers {', '.join(swap.new)} serve; draining {', '.join(old) or 'none'}",
-                  file=sys.stderr, flush=True)
+            try:
+                if old:
+                    self.control.drain(old)
+                said = f"draining {', '.join(old) or 'none'}"
+            except PoolError as e:
+                said = f"keeping {', '.join(old)}: {e}"
+            print(f"planner: new workers {', '.join(swap.new)} serve; {said}", file=sys.stderr, flush=True)
         elif any(states.get(w) in ("exited", None) for w in swap.new) or \
                 self.clock.monotonic() - swap.started_at > self.swap_timeout_s:
             self.swap = None

@@ -3,7 +3,8 @@
 long prompts with short outputs. The only decode worker cannot be spared, so the planner
 adds a prefill worker (up to --planner-max-workers 3) and then holds still at that size;
 the new worker serves, every request completes with transformers' greedy output, the
-decision is in /metrics, and blocks are back to baseline."""
+decision is in /metrics, and blocks are back to baseline. And on one host, a colocated
+worker is split into 1P + 1D on one core each when TPOT is out of reach."""
 from __future__ import annotations
 
 import re
@@ -78,5 +79,50 @@ def test_planner_adds_a_prefill_worker_for_a_ttft_bound_stream(tmp_path, tok, pr
         assert re.search(r"^pdserve_planner_ttft_attainment 0\.0$", text, re.M), text
         assert "planner: add 1 prefill worker(s) (ttft_low): " in served.log.read_text(errors="replace")
         wait_blocks_baseline(served, ["prefill-0", new, "decode-0"])
+    finally:
+        stop(served)
+
+
+def test_planner_splits_a_colocated_worker_into_p_and_d_on_one_core_each(tmp_path, tok, prompts, greedy):
+    """One host, two cores: a TPOT SLO no request meets under colocation makes the planner
+    start 1P + 1D with one thread each, then drain the colocated worker (exit code 0)."""
+    body = [t for p in prompts for t in p][:100]
+
+    def prompt(i: int) -> list[int]:
+        return tok.encode(f"Request {i}:") + body
+
+    split = [a for a in PLANNER if a != "--planner-max-workers" and a != "3"]
+    split[split.index("--slo-ttft-ms") + 1], split[split.index("--slo-tpot-ms") + 1] = "100000", "0.001"
+    served = serve(tmp_path, ["--colocated", "1"], extra=(*split, "--planner-host-cores", "2"))
+    try:
+        results: list = []
+        halt = threading.Event()
+        clients = [threading.Thread(target=_stream, args=(served, prompt, results, halt, k)) for k in range(STREAMS)]
+        for c in clients:
+            c.start()
+        try:
+            h = _wait_for(lambda h: h["workers"] == {"prefill": 1, "decode": 1, "colocated": 0} and
+                          "colocated-0" not in h["pools"], "no split into 1P + 1D", served, timeout=90)
+            (p,) = [w for w, v in h["pools"].items() if v["role"] == "prefill"]
+            (d,) = [w for w, v in h["pools"].items() if v["role"] == "decode"]
+            _wait_for(lambda h: h["pools"][p]["routed"] > 0 and h["pools"][d]["routed"] > 0, "P/D serve nothing",
+                      served)
+            time.sleep(1.5)
+            text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
+        finally:
+            halt.set()
+            for c in clients:
+                c.join(120)
+        assert results, "the stream did not run"
+        for ids, res in results:
+            assert res["error"] is None, res
+            assert res["token_ids"] == greedy(ids, MAX_NEW)
+        assert recoveries(served) == {}
+        assert re.search(r'^pdserve_planner_decisions_total\{action="split",reason="tpot_interference"\} 1\.0$',
+                         text, re.M), text
+        log = served.log.read_text(errors="replace")
+        assert "planner: split colocated into 1 prefill + 1 decode worker with 1 thread(s) each" in log
+        assert re.search(r"colocated worker colocated-0 left its pool \(exit code 0\)", log), log
+        wait_blocks_baseline(served, [p, d])
     finally:
         stop(served)
