@@ -13,9 +13,10 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.clock import Clock
+from router.control import ControlPlane
 from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Plan, PlannerConfig, PlannerState, Pools, Snapshot, \
     decide
 from router.registry import SERVING, PoolError
@@ -40,7 +41,7 @@ class PlannerMetrics:
     gauges: dict[str, Gauge] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, registry) -> PlannerMetrics:
+    def create(cls, registry: CollectorRegistry) -> PlannerMetrics:
         decisions = Counter("pdserve_planner_decisions", "SLO planner decisions, one per window, by action "
                             "(none, add, re_role, split, merge) and reason", ["action", "reason"], registry=registry)
         gauges = {name: Gauge(f"pdserve_planner_{name}", doc, registry=registry) for name, doc in (
@@ -62,7 +63,7 @@ class Planner:
     """Samples the router owned by `control`, decides, applies. `step()` is one window
     (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
 
-    def __init__(self, control, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0) -> None:
+    def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0) -> None:
         if not interval_s > 0:
             raise ValueError(f"planner interval must be > 0 s, got {interval_s}")
         self.control = control
@@ -101,11 +102,13 @@ class Planner:
         self._advance_swap()
         snap = self.snapshot()
         plan, self.state = decide(snap, self.state, self.cfg)
-        if plan.action != NONE:
-            plan = self._apply(plan)
+        refusal = self._apply(plan) if plan.action != NONE else None
+        logged = plan.line() + (f": refused: {refusal}" if refusal else "")
+        if refusal:
+            plan = Plan(plan.action, "refused", plan.role, plan.from_role, plan.count, plan.num_threads, plan.figures)
         self.metrics.export(snap, plan)
         if plan.action != NONE or plan.reason != self._last_reason:
-            print(plan.line(), file=sys.stderr, flush=True)
+            print(logged, file=sys.stderr, flush=True)
         self._last_reason = plan.reason
         self.last = (snap, plan)
         return plan
@@ -134,8 +137,9 @@ class Planner:
         return Pools(counts["prefill"], counts["decode"], counts["colocated"], changing)
 
     # ---- applying ------------------------------------------------------------------------
-    def _apply(self, plan: Plan) -> Plan:
-        """Start `plan`; a refusal of the control API is logged and counted as reason `refused`."""
+    def _apply(self, plan: Plan) -> str | None:
+        """Start `plan`; the control API's refusal, if it refused (the plan is counted
+        under reason `refused`)."""
         try:
             if plan.action == ADD:
                 self.control.scale(plan.role, plan.count)
@@ -145,9 +149,8 @@ class Planner:
             elif plan.action in (SPLIT, MERGE):
                 self._start_swap(plan)
         except PoolError as e:
-            print(f"{plan.line()}: refused: {e}", file=sys.stderr, flush=True)
-            return Plan(plan.action, "refused", plan.role, plan.from_role, plan.count, plan.num_threads, plan.figures)
-        return plan
+            return str(e)
+        return None
 
     def _start_swap(self, plan: Plan) -> None:
         engine = {"num_threads": plan.num_threads}

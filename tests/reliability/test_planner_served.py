@@ -7,10 +7,12 @@ decision is in /metrics, and blocks are back to baseline. And on one host, a col
 worker is split into 1P + 1D on one core each when TPOT is out of reach."""
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
 import urllib.request
+from typing import Iterator
 
 from tests.reliability.harness import complete, health, recoveries, serve, stop, wait_blocks_baseline
 
@@ -21,16 +23,44 @@ PLANNER = ["--planner", "slo", "--slo-ttft-ms", "1", "--slo-tpot-ms", "100000", 
            "--planner-sustain", "2", "--planner-cooldown-s", "1", "--planner-max-workers", "3"]
 
 
-def _stream(served, prompt, results: list, halt: threading.Event, offset: int) -> None:
-    i = offset
-    while not halt.is_set():
-        ids = prompt(i)
-        try:
-            results.append((ids, complete(served, ids, MAX_NEW, timeout=60)))
-        except Exception as e:  # an HTTP error is a failed request: recorded, checked below
-            results.append((ids, {"token_ids": [], "error": f"{type(e).__name__}: {e}"}))
-        i += STREAMS
-        halt.wait(PAUSE_S)
+@contextlib.contextmanager
+def streaming(served, tok, prompts) -> Iterator[list]:
+    """STREAMS clients sending prompt-heavy requests (~100 prompt tokens, 3 out, each its
+    own first block so no prefix cache ties them to one worker) until the block ends;
+    yields the list their (prompt ids, result) pairs are appended to."""
+    body = [t for p in prompts for t in p][:100]
+    results: list = []
+    halt = threading.Event()
+
+    def client(offset: int) -> None:
+        i = offset
+        while not halt.is_set():
+            ids = tok.encode(f"Request {i}:") + body
+            try:
+                results.append((ids, complete(served, ids, MAX_NEW, timeout=60)))
+            except Exception as e:  # an HTTP error is a failed request: recorded, checked below
+                results.append((ids, {"token_ids": [], "error": f"{type(e).__name__}: {e}"}))
+            i += STREAMS
+            halt.wait(PAUSE_S)
+
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(STREAMS)]
+    for c in clients:
+        c.start()
+    try:
+        yield results
+    finally:
+        halt.set()
+        for c in clients:
+            c.join(120)
+
+
+def check_outputs(served, results: list, greedy) -> None:
+    """Every request completed, with transformers' greedy output, none re-routed."""
+    assert results, "the stream did not run"
+    for ids, res in results:
+        assert res["error"] is None, res
+        assert res["token_ids"] == greedy(ids, MAX_NEW)
+    assert recoveries(served) == {}
 
 
 def _wait_for(cond, what: str, served, timeout: float = 60) -> dict:
@@ -42,35 +72,16 @@ def _wait_for(cond, what: str, served, timeout: float = 60) -> dict:
 
 
 def test_planner_adds_a_prefill_worker_for_a_ttft_bound_stream(tmp_path, tok, prompts, greedy):
-    body = [t for p in prompts for t in p][:100]
-
-    def prompt(i: int) -> list[int]:  # prompt-heavy (~100 tokens, 3 out), each its own first block
-        return tok.encode(f"Request {i}:") + body
-
     served = serve(tmp_path, ["--prefill", "1", "--decode", "1"], extra=tuple(PLANNER))
     try:
-        results: list = []
-        halt = threading.Event()
-        clients = [threading.Thread(target=_stream, args=(served, prompt, results, halt, k))
-                   for k in range(STREAMS)]
-        for c in clients:
-            c.start()
-        try:
+        with streaming(served, tok, prompts) as results:
             h = _wait_for(lambda h: sum(v["role"] == "prefill" and v["state"] == "serving"
                                         for v in h["pools"].values()) == 2, "no second prefill worker", served)
             (new,) = [w for w, v in h["pools"].items() if v["role"] == "prefill" and w != "prefill-0"]
             _wait_for(lambda h: h["pools"][new]["routed"] > 0, f"{new} served nothing", served)
             time.sleep(1.5)  # windows at the maximum size: the planner holds still
             text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
-        finally:
-            halt.set()
-            for c in clients:
-                c.join(120)
-        assert results, "the stream did not run"
-        for ids, res in results:
-            assert res["error"] is None, res
-            assert res["token_ids"] == greedy(ids, MAX_NEW)
-        assert recoveries(served) == {}
+        check_outputs(served, results, greedy)
         h = health(served)
         assert h["workers"] == {"prefill": 2, "decode": 1, "colocated": 0}, h
         assert re.search(r'^pdserve_planner_decisions_total\{action="add",reason="ttft_low"\} 1\.0$', text, re.M), text
@@ -86,21 +97,11 @@ def test_planner_adds_a_prefill_worker_for_a_ttft_bound_stream(tmp_path, tok, pr
 def test_planner_splits_a_colocated_worker_into_p_and_d_on_one_core_each(tmp_path, tok, prompts, greedy):
     """One host, two cores: a TPOT SLO no request meets under colocation makes the planner
     start 1P + 1D with one thread each, then drain the colocated worker (exit code 0)."""
-    body = [t for p in prompts for t in p][:100]
-
-    def prompt(i: int) -> list[int]:
-        return tok.encode(f"Request {i}:") + body
-
     split = [a for a in PLANNER if a != "--planner-max-workers" and a != "3"]
     split[split.index("--slo-ttft-ms") + 1], split[split.index("--slo-tpot-ms") + 1] = "100000", "0.001"
     served = serve(tmp_path, ["--colocated", "1"], extra=(*split, "--planner-host-cores", "2"))
     try:
-        results: list = []
-        halt = threading.Event()
-        clients = [threading.Thread(target=_stream, args=(served, prompt, results, halt, k)) for k in range(STREAMS)]
-        for c in clients:
-            c.start()
-        try:
+        with streaming(served, tok, prompts) as results:
             h = _wait_for(lambda h: h["workers"] == {"prefill": 1, "decode": 1, "colocated": 0} and
                           "colocated-0" not in h["pools"], "no split into 1P + 1D", served, timeout=90)
             (p,) = [w for w, v in h["pools"].items() if v["role"] == "prefill"]
@@ -109,15 +110,7 @@ def test_planner_splits_a_colocated_worker_into_p_and_d_on_one_core_each(tmp_pat
                       served)
             time.sleep(1.5)
             text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
-        finally:
-            halt.set()
-            for c in clients:
-                c.join(120)
-        assert results, "the stream did not run"
-        for ids, res in results:
-            assert res["error"] is None, res
-            assert res["token_ids"] == greedy(ids, MAX_NEW)
-        assert recoveries(served) == {}
+        check_outputs(served, results, greedy)
         assert re.search(r'^pdserve_planner_decisions_total\{action="split",reason="tpot_interference"\} 1\.0$',
                          text, re.M), text
         log = served.log.read_text(errors="replace")

@@ -138,3 +138,22 @@ def test_one_host_split_starts_p_and_d_first_then_drains_the_colocated_worker():
                              ("drain", "colocated-0")]
     assert (control.serving("prefill"), control.serving("decode"), control.serving("colocated")) == (1, 1, 0)
     assert {p.reason for p in plans[10:]} == {"within_slo"}
+
+
+def test_a_refused_change_is_logged_and_counted_and_planning_goes_on(capsys):
+    from router.registry import PoolError
+
+    class Refusing(FakeControl):
+        def scale(self, role: str, delta: int, engine: dict | None = None):
+            raise PoolError("this router starts no workers")
+
+    clock = ManualClock()
+    control = Refusing(clock, {"prefill-0": "prefill", "decode-0": "decode"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=1, cooldown_s=10.0, max_workers=4), INTERVAL)
+    plans = asyncio.run(drive(planner, control, 6, demand=2))
+    assert [(p.action, p.reason) for p in plans] == [("add", "refused"), (NONE, "cooldown")] * 3  # tried again
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("planner: add 1 prefill worker(s) (ttft_low): finished=20 ")
+    assert err[0].endswith(": refused: this router starts no workers") and len(err) == 6, err
+    text = control.router.metrics.render().decode()
+    assert re.search(r'^pdserve_planner_decisions_total\{action="add",reason="refused"\} 3\.0$', text, re.M), text
