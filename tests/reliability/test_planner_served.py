@@ -4,7 +4,8 @@ long prompts with short outputs. The only decode worker cannot be spared, so the
 adds a prefill worker (up to --planner-max-workers 3) and then holds still at that size;
 the new worker serves, every request completes with transformers' greedy output, the
 decision is in /metrics, and blocks are back to baseline. And on one host, a colocated
-worker is split into 1P + 1D on one core each when TPOT is out of reach."""
+worker is split into 1P + 1D on one core each when TPOT is out of reach; and with no new
+workers allowed, a spare decode worker is re-roled to prefill."""
 from __future__ import annotations
 
 import contextlib
@@ -90,6 +91,29 @@ def test_planner_adds_a_prefill_worker_for_a_ttft_bound_stream(tmp_path, tok, pr
         assert re.search(r"^pdserve_planner_ttft_attainment 0\.0$", text, re.M), text
         assert "planner: add 1 prefill worker(s) (ttft_low): " in served.log.read_text(errors="replace")
         wait_blocks_baseline(served, ["prefill-0", new, "decode-0"])
+    finally:
+        stop(served)
+
+
+def test_planner_re_roles_a_spare_decode_worker_to_prefill(tmp_path, tok, prompts, greedy):
+    """No new workers allowed (--planner-max-workers 0): a decode worker with slack is
+    drained and restarted as a prefill worker under the same id; no request is lost."""
+    roles = [a for a in PLANNER if a != "--planner-max-workers" and a != "3"]
+    served = serve(tmp_path, ["--prefill", "1", "--decode", "2"], extra=tuple(roles))
+    try:
+        with streaming(served, tok, prompts) as results:
+            h = _wait_for(lambda h: h["workers"] == {"prefill": 2, "decode": 1, "colocated": 0},
+                          "no decode worker re-roled", served, timeout=90)
+            (moved,) = [w for w, v in h["pools"].items() if v["role"] == "prefill" and w.startswith("decode-")]
+            _wait_for(lambda h: h["pools"][moved]["routed"] > 0, f"{moved} served nothing as prefill", served)
+            time.sleep(1.0)
+            text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
+        check_outputs(served, results, greedy)
+        assert re.search(r'^pdserve_planner_decisions_total\{action="re_role",reason="ttft_low"\} 1\.0$', text,
+                         re.M), text
+        assert re.search(rf"decode worker {moved} left its pool \(exit code 0\)", served.log.read_text()), moved
+        (kept,) = [w for w, v in health(served)["pools"].items() if v["role"] == "decode"]
+        wait_blocks_baseline(served, ["prefill-0", moved, kept])
     finally:
         stop(served)
 
