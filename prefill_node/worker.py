@@ -154,7 +154,12 @@ class PrefillWorker(WorkerBase):
         mark(job.timeline, Stamp.PREFILL_END, prefill_end)
         mark(job.timeline, Stamp.TRANSFER_START, self.clock.time())
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
-                        sampler_state=self.engine.sampler_state(seq), first_logprobs=out.logprobs)
+                        sampler_state=self.engine.sampler_state(seq), first_logprobs=out.logprobs,
+                        fork_tokens=[f.new_token for f in out.forks])
+        if out.forks and ready.sampler_state:  # n > 1: each choice's first token and generator, one KV
+            ready.fork_sampler_states = [self.engine.sampler_state(f.seq) for f in out.forks]
+        if out.forks and out.logprobs is not None:
+            ready.fork_logprobs = [f.logprobs for f in out.forks if f.logprobs is not None]
         src = seq.block_table[job.skip_blocks:]
         try:
             frames = [] if sender.layerwise else sender.send(ready, src, job.dst_block_ids)

@@ -16,6 +16,9 @@ from common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, En
 from common.loading.default_model import resolve_model
 from router.config import RouterConfig
 
+if typing.TYPE_CHECKING:
+    from router.deploy import RayPlacement
+
 
 # The engine flags, and serve's worker liveness flags, are generated from the configs'
 # fields (common/config.py: each field's type, default and help written once there);
@@ -137,7 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Fill the DeploymentConfig once from the flags, then run it."""
     from router.deploy import plan_deployment
     from router.serve import run
-    model, options = _resolved_options(args)
+    placement = _ray_placement(args)  # None: every worker on this machine
+    model, options = _resolved_options(args, here=placement is None)
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
     if not args.colocated:
@@ -147,6 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
+    if placement is not None:
+        return _serve_on_ray(args, placement, model, options)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
     max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * (args.colocated or args.decode)
     router = _router_config(args, model, options, max_inflight, restart_workers=args.restart)
@@ -162,6 +168,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.secret_file:  # multi-host: every host's workers are given the same secret this way
         dep = dataclasses.replace(dep, secret=_secret(args.secret_file))
     run(dep, args.ready_file)
+    return 0
+
+
+def _ray_placement(args: argparse.Namespace) -> "RayPlacement | None":
+    """`serve --ray` and its flags, checked; None without --ray."""
+    from router.deploy import RayPlacement
+    from router.ray_launch import parse_resources
+    resources = {"prefill": args.prefill_resources, "decode": args.decode_resources}
+    if not args.ray:
+        if any(v is not None for v in resources.values()):
+            raise ConfigError("--prefill-resources / --decode-resources place workers with Ray: give --ray auto|ADDRESS")
+        return None
+    if args.colocated:
+        raise ConfigError("--ray places prefill and decode workers (--prefill N --decode M), not colocated ones")
+    if args.prefill_devices or args.decode_devices:
+        raise ConfigError("--prefill-devices / --decode-devices do not apply under --ray: Ray gives each GPU "
+                          "worker one GPU of its node (--device cuda)")
+    if args.restart:
+        raise ConfigError("--restart is for workers on this machine: under --ray, Ray restarts them")
+    if args.kv_transfer in ("gloo", "nccl"):
+        raise ConfigError(f"--kv-transfer {args.kv_transfer} needs a group fixed at start, which a worker Ray "
+                          f"restarts cannot rejoin: under --ray use tcp (auto)")
+    if not args.secret_file:
+        raise ConfigError("--ray needs --secret-file: a file (mode 0600) at that path on every Ray node "
+                          "(the secret never travels through Ray)")
+    return RayPlacement(args.ray, {role: parse_resources(text or "{}", f"--{role}-resources")
+                                   for role, text in resources.items()},
+                        str(Path(args.secret_file).resolve()), args.ray_namespace)
+
+
+def _serve_on_ray(args: argparse.Namespace, placement: "RayPlacement", model: str, options: EngineOptions) -> int:
+    """`serve --ray`: the router here, bound to this node's address unless --host says
+    otherwise; each worker a Ray actor on a node with its role's resources, its KV
+    transfer tcp unless another is asked for (its peers may be on any node)."""
+    from common.worker.host import pair_transport
+    from router.deploy import plan_deployment
+    from router.ray_launch import connect
+    from router.serve import run
+    device = options.device.device
+    if device.startswith("cuda:"):
+        raise ConfigError(f"--device {device}: under --ray, Ray picks each worker's GPU; give --device cuda")
+    secret = _secret(args.secret_file)  # checked here too: the router authenticates with it
+    node_address = connect(placement)
+    vars(args).setdefault(ROUTER_DEST + "host", node_address)  # a --host given wins
+    model = str(Path(model).resolve())  # the same path on every node
+    max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * args.decode
+    router = _router_config(args, model, options, max_inflight)
+    dep = plan_deployment(router, options, kv_transfer=pair_transport(args.kv_transfer, device, None),
+                          threads_per_worker=options.device.num_threads or 1, worker_timeouts=given(args, WORKER_DEST),
+                          prefill_devices=(device,) * args.prefill, decode_devices=(device,) * args.decode)
+    run(dataclasses.replace(dep, secret=secret, ray=placement), args.ready_file)
     return 0
 
 
@@ -188,13 +245,17 @@ def _router_config(args: argparse.Namespace, model: str, options: EngineOptions,
                         api_key=api_key, **router_fields, **fields)
 
 
-def _resolved_options(args: argparse.Namespace) -> tuple[str, EngineOptions]:
+def _resolved_options(args: argparse.Namespace, here: bool = True) -> tuple[str, EngineOptions]:
     """The model and the engine options of the flags, with max_model_len and dtype
     resolved from the model: a router and its workers must agree on them (the model
-    fingerprint covers the dtype)."""
+    fingerprint covers the dtype). `here`: the workers run on this machine, so their
+    device is checked here too; a Ray driver plans GPU workers it may not have itself."""
     options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
-    engine = options.engine_config(model)
+    if not here:
+        from common.checkpoint_dtype import resolve_dtype
+        options = options.replace(dtype=resolve_dtype(options.device.dtype, model, options.device.device))
+    engine = (options if here else options.replace(device="cpu")).engine_config(model)
     return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
 
 
@@ -310,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES)
     g = _add_router_args(p, SERVE_ROUTER_FIELDS[""], "a fresh one per run")
     g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
+    g = p.add_argument_group("Ray: place and restart the workers on a Ray cluster (docs/deploy.md)")
+    g.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="run each worker as a Ray actor on the cluster (auto: the one this machine belongs to)")
+    g.add_argument("--prefill-resources", default=None, metavar="JSON",
+                   help='Ray resources one prefill worker needs, e.g. \'{"prefill_pool": 1}\' (custom ones too; '
+                        "default: CPU = its threads, GPU = 1 with --device cuda)")
+    g.add_argument("--decode-resources", default=None, metavar="JSON", help="the same for one decode worker")
+    g.add_argument("--ray-namespace", default="pdserve", help="the Ray namespace the worker actors are named in")
     worker = options_of(WorkerConfig)
     add_config_flags(g, [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)

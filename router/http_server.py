@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_N, SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError
 from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, StructuredOutputError, TokenizeBody, sampling_fields,
@@ -313,8 +313,8 @@ class OpenAIServer:
         self.log_unknown(body)
         if (wrong := self.wrong_model(body.model)) is not None:
             return wrong
-        if body.n != 1:
-            return error(400, f"n={body.n} is not supported; only n=1", param="n")
+        if not 1 <= body.n <= MAX_N:
+            return error(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
         if (name := unsupported(body)) is not None:
             return error(400, f"{name} is not supported by this server; leave it out", param=name,
                          code="unsupported_parameter")
@@ -333,7 +333,7 @@ class OpenAIServer:
                                             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                                             stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
                                             logprobs=body.num_logprobs(), structured=structured_output(body),
-                                            **sampling_fields(body))
+                                            n=body.n, **sampling_fields(body))
         return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                              return_timeline=body.return_timeline, **prompt)
 
@@ -351,7 +351,7 @@ class OpenAIServer:
 
     async def respond(self, body: Body, subs: list[SubmitRequest], shape: Shape,
                       shaping: ChoiceOutputs | None = None) -> Response | dict:
-        """One OpenAI response, streamed (SSE) or whole, with a choice per request."""
+        """One OpenAI response, streamed (SSE) or whole, with n choices per request."""
         preps = await self.admitted(subs)
         if isinstance(preps, JSONResponse):
             return preps
@@ -360,7 +360,7 @@ class OpenAIServer:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.sse(preps, envelope, include_usage), media_type="text/event-stream")
-        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        outs: list[list[TokenOutput]] = [[] for _ in range(len(preps) * body.n)]
         async with contextlib.aclosing(self.outputs(preps)) as stream:
             async for i, out in stream:
                 if isinstance(out, ErrorReply):
@@ -370,10 +370,12 @@ class OpenAIServer:
 
     async def outputs(self, preps: list[Prepared]) -> AsyncIterator[tuple[int, TokenOutput | ErrorReply]]:
         """(choice index, output) of every request as they come; closing this generator
-        cancels (aborts) those still running."""
+        cancels (aborts) those still running. Request i's choice j (of n) is choice
+        i * n + j, vLLM's order."""
+        n = preps[0].params.n
         if len(preps) == 1:
             async for out in self.router.generate(preps[0]):
-                yield 0, out
+                yield getattr(out, "index", 0), out
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -396,7 +398,7 @@ class OpenAIServer:
                 elif isinstance(out, Exception):
                     raise out
                 else:
-                    yield i, out
+                    yield i * n + getattr(out, "index", 0), out
         finally:
             for t in tasks:
                 t.cancel()
@@ -404,7 +406,7 @@ class OpenAIServer:
     async def sse(self, preps: list[Prepared], envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
         """The event stream; an error after the 200 is one `data: {"error": ...}` event, and
         `data: [DONE]` always ends the stream."""
-        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        outs: list[list[TokenOutput]] = [[] for _ in range(len(preps) * preps[0].params.n)]
         finished = 0
         try:
             async with contextlib.aclosing(self.outputs(preps)) as stream:
@@ -415,7 +417,7 @@ class OpenAIServer:
                     outs[i].append(out)
                     yield f"data: {json.dumps(envelope.chunk(out, index=i))}\n\n"
                     finished += out.finished
-                    if finished == len(preps) and include_usage:
+                    if finished == len(outs) and include_usage:
                         use = openai_usage(merge_outputs(o) for o in outs)
                         yield f"data: {json.dumps(envelope.chunk(None, usage=use))}\n\n"
         except Exception as e:  # the headers are out: say it in the stream

@@ -1,17 +1,20 @@
 """`pdserve serve`: the router (ZeroMQ + HTTP front ends) in this process, workers as
-child processes. Waits until every worker has registered, prints where to connect, and on
-Ctrl-C / SIGTERM stops every process it started. `pdserve router` is the same with no
-workers of its own: they join it (`pdserve worker --join`, docs/deploy.md)."""
+child processes (`--ray`: Ray actors on the cluster's nodes, router/ray_launch.py). Waits
+until every worker has registered, prints where to connect, and on Ctrl-C / SIGTERM stops
+every process it started. `pdserve router` is the same with no workers of its own: they
+join it (`pdserve worker --join`, docs/deploy.md)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
@@ -27,6 +30,9 @@ from router.planner_loop import Planner
 from router.pool_launch import LocalLauncher
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
+
+if TYPE_CHECKING:
+    from router.ray_launch import RayLauncher
 
 
 class _QuietServer(uvicorn.Server):
@@ -69,22 +75,24 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
-    launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
-    control = ControlPlane(router, LocalLauncher(launcher, dep, router.control_address) if dep.workers else None,
-                           f"pdserve worker --role {{role}} --join {router.control_address} --secret-file FILE "
-                           f"{config.model_dir}")
+    launcher, start, stop_all = _launcher(dep, router)
+    pool = _pool_launcher(dep, launcher, router)
+    control = ControlPlane(router, pool, f"pdserve worker --role {{role}} --join {router.control_address} "
+                                          f"--secret-file FILE {config.model_dir}")
     control.start()
-    secret_file = _secret_file(launcher, dep.secret)
-    supervisor = Supervisor(router, launcher, config.restart_workers, control)
+    secret_file = _secret_file(launcher, dep.secret) if dep.ray is None else dep.ray.secret_file
+    supervisor = (Supervisor(router, launcher, config.restart_workers, control) if dep.ray is None
+                  else pool.watching(control))  # Ray restarts failed workers; RayPool ends drained ones
     http = http_task = planner = None
     try:
-        launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
+        launch = asyncio.ensure_future(asyncio.to_thread(start))
         await _until(launch, stop)
         if stop.is_set():
             return
         launch.result()  # raises LaunchError with the worker's log tail
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
-        supervisor.start()
+        if supervisor is not None:
+            supervisor.start()
         planner = start_planner(control)
         http_url = "(disabled)"
         if config.enable_http:
@@ -116,7 +124,8 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         await stop.wait()
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
-        supervisor.close()
+        if supervisor is not None:
+            supervisor.close()
         if planner is not None:
             planner.close()
         control.close()
@@ -125,7 +134,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(http_task, 5)
         front.close()
-        await asyncio.to_thread(launcher.stop)
+        await asyncio.to_thread(stop_all)
         await router.close()
 
 
@@ -152,6 +161,27 @@ def _secret_file(launcher: Launcher, given: str) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(launcher.secret)
     return str(path)
+
+
+def _launcher(dep: DeploymentConfig, router: Router) -> tuple[Launcher | RayLauncher, Callable[[], None],
+                                                             Callable[[], None]]:
+    """(launcher, start every worker, stop every worker): this machine's processes, or
+    Ray's actors when Ray places the workers (router/ray_launch.py)."""
+    if dep.ray is not None:
+        from router.ray_launch import RayLauncher
+        ray_launcher = RayLauncher(dep, router.control_address)
+        return ray_launcher, ray_launcher.start_all, ray_launcher.close
+    launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
+    return launcher, functools.partial(start_workers, launcher, dep, router.control_address), launcher.stop
+
+
+def _pool_launcher(dep: DeploymentConfig, launcher: Launcher | RayLauncher, router: Router) -> Any:
+    """Who starts and stops workers for the pool control API: Ray's actors
+    (router/ray_launch.py's RayPool), this machine's processes, or none (`pdserve router`)."""
+    if dep.ray is not None:
+        from router.ray_launch import RayPool
+        return RayPool(launcher)
+    return LocalLauncher(launcher, dep, router.control_address) if dep.workers else None
 
 
 async def _until(fut: asyncio.Future, stop: asyncio.Event) -> None:

@@ -135,8 +135,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sampled]:
-        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
+        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}. A seq with
+        forks (n > 1, its prompt just computed) lends its logits row to each of them: every
+        choice samples its first token from the same logits with its own generator."""
         logits = self.model.compute_logits(hidden)  # [S, V]
+        if any(s.forks for s in seqs):
+            logits = logits[[i for i, s in enumerate(seqs) for _ in range(1 + len(s.forks))]]  # [S + forks, V]
+            seqs = [r for s in seqs for r in (s, *s.forks)]
         params = [s.sampling_params for s in seqs]
         raw = raw_logprobs(logits, params)  # None unless a row asks; taken before the grammar's mask
         # one check: a step without structured-output rows fills no mask
@@ -197,11 +202,19 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.int64, device=dev), sample_seqs
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of block src into block dst, every layer, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, device=self.kv_cache.device) for x in zip(*pairs))
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [2, layers, len(pairs), block, heads, dim]
+
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed
         if seed is None or seq.sampling_params.greedy:
             return None
         gen = self._generators.get(seq.seq_id)
-        if gen is None:
-            gen = self._generators[seq.seq_id] = make_generator(seed, self.config.device.device)
+        if gen is None:  # choice i of n: seed + i, so choice 0 keeps the stream an n = 1 request has
+            gen = self._generators[seq.seq_id] = make_generator(seed + seq.index, self.config.device.device)
         return gen

@@ -44,6 +44,11 @@ class Sequence:
     # structured output: the grammar matcher (common/engine/grammar.py), made on first use and
     # advanced only through appended tokens, so it survives preemption; dropped on release
     grammar: Any = None
+    # n > 1: which choice this is (0: the sequence that computes the prompt), and, until the
+    # prompt is computed, the other choices: they sample their first tokens from the same
+    # logits, then take the prompt's KV blocks (LLMEngine.fork) and go on on their own
+    index: int = 0
+    forks: list["Sequence"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
