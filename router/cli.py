@@ -28,7 +28,8 @@ if typing.TYPE_CHECKING:
 ENGINE_DEST = "engine_"
 WORKER_DEST = "worker_"
 ROUTER_DEST = "router_"
-FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice"}  # where config_flag()'s rule does not fit
+FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice",  # where config_flag()'s
+         "planner_interval_s": "--planner-interval-s", "planner_cooldown_s": "--planner-cooldown-s"}  # rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
     "": ("host", "http_port", "zmq_port", "routing"),
@@ -37,6 +38,8 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
     "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
                "disagg_tpot_guard_ms"),
+    "planner": ("planner", "slo_ttft_ms", "slo_tpot_ms", "planner_interval_s", "planner_max_workers", "planner_target",
+                "planner_sustain", "planner_cooldown_s", "planner_host_cores"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
@@ -316,6 +319,8 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["chat"]], ROUTER_DEST)
     g = p.add_argument_group("conditional disaggregation (docs/slo.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["disagg"]], ROUTER_DEST)
+    g = p.add_argument_group("SLO planner (docs/slo.md)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["planner"]], ROUTER_DEST)
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     return g

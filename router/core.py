@@ -5,6 +5,7 @@ Runs on one asyncio loop shared with the ZeroMQ and HTTP front ends."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,8 @@ from router.requests import Choice, InFlight, Prepared, RouteError, drain_output
 
 
 ABORT_REPLY_WAIT_S = 2.0  # how long a stop-string finish waits for its worker's timeline (asked for only)
+FINISHED_LOG = 4096  # finished requests the router remembers for the SLO planner (router/planner_loop.py)
+
 
 class Router:
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
@@ -70,6 +73,8 @@ class Router:
         self._worker_addr: dict[str, str] = {}
         self._worker_tasks: dict[str, asyncio.Task] = {}
         self.inflight: dict[str, InFlight] = {}
+        # finished requests, newest last: (monotonic s, TTFT s, TPOT s or None); the SLO planner's window
+        self.finished_log: collections.deque = collections.deque(maxlen=FINISHED_LOG)
         self.preparing = 0  # admitted requests being tokenized (in the pool), not yet in flight
         # tokenizers releases the GIL while encoding: the event loop keeps serving meanwhile
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -486,8 +491,12 @@ class Router:
             self.metrics.request_done(out.finish_reason or "stop")
             self.metrics.e2e(now - req.sent_at)
             longest = max(len(c.output_ids) for c in req.choices)
+            tpot = None
             if longest > 1 and req.first_token_at is not None:
-                self.metrics.tpot((now - req.first_token_at) / (longest - 1))
+                tpot = (now - req.first_token_at) / (longest - 1)
+                self.metrics.tpot(tpot)
+            if req.first_token_at is not None:
+                self.finished_log.append((now, req.first_token_at - req.sent_at, tpot))
             self.metrics.tokens(req.num_prompt_tokens, req.num_output_tokens)
 
     def _release_prefill(self, req: InFlight) -> None:

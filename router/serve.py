@@ -25,6 +25,8 @@ from router.core import Router
 from router.deploy import DeploymentConfig
 from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
+from router.planner import PlannerConfig
+from router.planner_loop import Planner
 from router.pool_launch import LocalLauncher
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
@@ -81,7 +83,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     secret_file = _secret_file(launcher, dep.secret) if dep.ray is None else dep.ray.secret_file
     supervisor = (Supervisor(router, launcher, config.restart_workers, control) if dep.ray is None
                   else pool.watching(control))  # Ray restarts failed workers; RayPool ends drained ones
-    http = http_task = None
+    http = http_task = planner = None
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start))
         await _until(launch, stop)
@@ -91,6 +93,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
         if supervisor is not None:
             supervisor.start()
+        planner = start_planner(control)
         http_url = "(disabled)"
         if config.enable_http:
             http = _QuietServer(uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port,
@@ -123,6 +126,8 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         print("pdserve: stopping", file=sys.stderr, flush=True)
         if supervisor is not None:
             supervisor.close()
+        if planner is not None:
+            planner.close()
         control.close()
         if http is not None:
             http.should_exit = True
@@ -131,6 +136,19 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         front.close()
         await asyncio.to_thread(stop_all)
         await router.close()
+
+
+def start_planner(control: ControlPlane) -> Planner | None:
+    """The SLO planner the router's config asks for (docs/slo.md "Planner"), started; None if none."""
+    c = control.router.config
+    if c.planner != "slo":
+        return None
+    cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
+                        cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
+                        host_cores=c.planner_host_cores)
+    planner = Planner(control, cfg, c.planner_interval_s)
+    planner.start()
+    return planner
 
 
 def _secret_file(launcher: Launcher, given: str) -> str:
