@@ -89,9 +89,9 @@ def simulate(args: argparse.Namespace, model: LatencyModel, requests: list, dep:
                           disagg_latency_model=args.latency_model, disagg_tpot_guard_ms=args.disagg_tpot_guard_ms,
                           block_size=_block_size(args, model))
     sim = Simulation(dep, model, config)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     reqs = sim.run(requests)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     records = [r.record for r in reqs]
     for r in reqs:
         r.record.timeline = r.timeline
@@ -103,7 +103,7 @@ def simulate(args: argparse.Namespace, model: LatencyModel, requests: list, dep:
     res.update(phase_breakdown(records))
     res["deployment"], res["disagg"], res["workers"] = dep.label, disagg, dep.workers
     res["goodput_per_worker"] = res["request_goodput"] / dep.workers
-    res["simulator"] = {"wall_s": wall, "simulated_s": span, "simulated_s_per_wall_s": span / wall if wall else None,
+    res["simulator"] = {"wall_s": wall, "cpu_s": cpu, "simulated_s": span, "simulated_s_per_wall_s": span / wall if wall else None,
                         "steps": sum(w.steps for w in sim.workers.values()),
                         "preemptions": sum(w.scheduler.num_preemptions for w in sim.workers.values())}
     res["_records"] = records
