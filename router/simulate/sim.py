@@ -231,7 +231,6 @@ class Simulation:
         if seq is r.p_seq:  # P sampled the first token: its KV goes to D
             w.scheduler.detach(seq)
             r.timeline["prefill_end"] = self.now
-            r.prefill.inflight -= 1  # the router gives P's share of load back
             r.prefilled = True
             self._maybe_transfer(r)
             return
@@ -245,6 +244,8 @@ class Simulation:
         r.num_output_tokens += 1
         if r.first_token_at is None:
             r.first_token_at = r.timeline["first_token"] = self.now
+            if r.prefill is not None:  # as the router: P's share of load ends with the first token
+                r.prefill.inflight -= 1
         if seq.num_output_tokens >= r.output_len:
             w.scheduler.finish(seq, "length")
             del w.reqs[seq.seq_id]

@@ -36,13 +36,17 @@ def test_hand_computed_schedule_1p1d():
     # D then steps every 10 ms: A's tokens at .112 + .01k, the last (15th) at .252.
     # B's KV lands .2 + .027 = .227, mid-step [.222, .232]; B decodes from the step at .232:
     # its tokens at .227, .242, .252.
-    reqs = _sim(Deployment(1, 1)).run([(0.0, list(range(100, 116)), 15), (0.05, list(range(200, 232)), 3)])
+    sim = _sim(Deployment(1, 1))
+    reqs = sim.run([(0.0, list(range(100, 116)), 15), (0.05, list(range(200, 232)), 3)])
     a, b = (r.record for r in reqs)
     assert a.token_times == pytest.approx([0.112 + 0.01 * k for k in range(15)], abs=1e-9)
     assert b.token_times == pytest.approx([0.227, 0.242, 0.252], abs=1e-9)
     assert a.ttft == pytest.approx(0.112, abs=1e-9) and a.tpot == pytest.approx(0.01, abs=1e-9)
     assert b.ttft == pytest.approx(0.177, abs=1e-9) and b.tpot == pytest.approx(0.0125, abs=1e-9)
     assert reqs[1].timeline["prefill_start"] == pytest.approx(0.1)
+    assert not sim.router.inflight and all(e.inflight == 0 for e in sim.router.registry.workers.values())
+    for w in sim.workers.values():
+        assert w.block_manager.num_free_blocks == w.block_manager.num_blocks
 
 
 def test_colocated_prefix_cache_hit_is_the_block_managers():
