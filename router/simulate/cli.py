@@ -19,7 +19,9 @@ from router.latency_model import LatencyModel
 from router.policy import POLICIES
 from router.simulate.sim import Deployment, Simulation
 
-TOKEN_VOCAB = 32000  # token values only make blocks distinct; any vocabulary does
+# Token values only make blocks distinct: ids below 256 are Python's shared small ints, so
+# a full-length trace's prompts cost a list slot per token and no int object each.
+TOKEN_VOCAB = 256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
