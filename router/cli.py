@@ -430,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     control_client.add_common_arguments(p)
     p.set_defaults(func=control_client.pools_main)
 
+    from router.simulate import cli as simulate_cli
+    p = sub.add_parser("simulate", help="replay a trace against a simulated deployment (the router's routing, the "
+                                        "engine's schedulers, a latency model); --search finds the best split")
+    simulate_cli.add_arguments(p)
+    p.set_defaults(func=simulate_cli.main)
+
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")
     bench_cli.add_arguments(p)
