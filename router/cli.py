@@ -177,7 +177,8 @@ def _router_config(args: argparse.Namespace, model: str, options: EngineOptions,
     if no_http:
         router_fields["http_port"] = 0
     return RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
-                        dtype=options.device.dtype, max_model_len=options.scheduler.max_model_len,
+                        dtype=options.device.dtype, quantization=options.device.quantization,
+                        max_model_len=options.scheduler.max_model_len,
                         block_size=options.cache.block_size, enable_http=not no_http, max_inflight=max_inflight,
                         api_key=api_key, **router_fields, **fields)
 
@@ -189,7 +190,8 @@ def _resolved_options(args: argparse.Namespace) -> tuple[str, EngineOptions]:
     options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
     engine = options.engine_config(model)
-    return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
+    return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype,
+                                  quantization=engine.device.quantization)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -54,9 +54,9 @@ int pd_paged_decode_attention_bf16(const float *q, const uint16_t *k, const uint
 void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n);
 
 /* One layer's weights and cache (kernels.cpu_decode._LayerStruct mirrors this). Weight
- * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), all four of one
- * kind (weights_kind, PD_W_*: float32, bf16 widened in registers, or weight-only int8 /
- * int4 dequantized in registers); the rest float32. */
+ * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), each of its own
+ * kind (PD_W_*: float32, bf16 widened in registers, or weight-only int8 / int4
+ * dequantized in registers); the rest float32. */
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     const void *qkv_p;                    /* [(hq + 2 hkv) d, hidden] packed */
@@ -67,7 +67,7 @@ typedef struct {
     const void *down_p;                   /* [hidden, inter] packed */
     void *k_cache, *v_cache;              /* [num_blocks, block_size, hkv, d] by element strides */
     int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
-    int64_t weights_kind;                 /* PD_W_* of gemm_tile.h */
+    int64_t qkv_kind, o_kind, gate_up_kind, down_kind; /* PD_W_* of gemm_tile.h */
     int64_t kv_bf16;                      /* 0: float32 cache, 1: bf16 cache (stored rounded to nearest even) */
 } pd_layer_t;
 
@@ -84,14 +84,10 @@ static int attention_w(const pd_layer_t *L, const float *q, const int32_t *table
                                      scale, num_threads);
 }
 
-/* pd_gemm / pd_gemm_silu on a layer's panels of its kind */
-static int gemm_w(const pd_layer_t *L, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p,
-                  const float *bias, float *y, int64_t ldy, int64_t n, int num_threads) {
-    return pd_gemm_q(x, ldx, m, k, p, (int)L->weights_kind, bias, y, ldy, n, num_threads);
-}
-static int gemm_silu_w(const pd_layer_t *L, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p,
-                       float *act, int64_t lda, int64_t inter, int num_threads) {
-    return pd_gemm_silu_q(x, ldx, m, k, p, (int)L->weights_kind, act, lda, inter, num_threads);
+/* pd_gemm on panels of a kind (PD_W_*) */
+static int gemm_w(int64_t kind, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, const float *bias,
+                  float *y, int64_t ldy, int64_t n, int num_threads) {
+    return pd_gemm_q(x, ldx, m, k, p, (int)kind, bias, y, ldy, n, num_threads);
 }
 
 int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, int64_t hidden, int64_t hq,
@@ -119,7 +115,7 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         status = pd_add_rms_norm(h, l ? residual : NULL, L->input_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                  num_threads);
         if (!status)
-            status = gemm_w(L, x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
+            status = gemm_w(L->qkv_kind, x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
         if (status) break;
         /* rows apart: each writes its own q rows and cache slot */
 #pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
@@ -148,18 +144,20 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         status = attention_w(L, q, tables, lens, att, m, hq, hkv, d, block_size, max_blocks, num_blocks, scale,
                              num_threads);
         if (!status)
-            status = gemm_w(L, att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
+            status = gemm_w(L->o_kind, att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
         if (!status)
             status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                      num_threads);
         if (!status && inter % PD_NR == 0) /* whole panels: gate and up in one pass */
-            status = gemm_silu_w(L, x, hidden, m, hidden, L->gate_up_p, act, inter, inter, num_threads);
+            status = pd_gemm_silu_q(x, hidden, m, hidden, L->gate_up_p, (int)L->gate_up_kind, act, inter, inter,
+                                    num_threads);
         else if (!status) {
-            status = gemm_w(L, x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter, num_threads);
+            status = gemm_w(L->gate_up_kind, x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter,
+                            num_threads);
             if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
         }
         if (!status)
-            status = gemm_w(L, act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
+            status = gemm_w(L->down_kind, act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
     }
     free(buf);
     return status;
