@@ -149,7 +149,7 @@ def from_gguf(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
     kind, size = GGUF_KINDS[type_name]
     _check(kind, n, k)
     g = k // GROUP
-    blocks = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, g, size))
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, g, size))  # a copy: the file is mapped read-only
     d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, g)
     if kind == "q8_0":
         return pack(kind, blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), d)
