@@ -16,6 +16,8 @@ Activations, norms, attention and the KV cache keep the engine dtype's policy
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from common.config import ConfigError
@@ -28,7 +30,11 @@ def write_gguf_source(folder: Path, gguf: Path) -> None:
     """Record in `folder` the GGUF file its weights came from (path, size, mtime)."""
     st = gguf.stat()
     record = {"path": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    (folder / GGUF_SOURCE).write_text(json.dumps(record, indent=2))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{GGUF_SOURCE}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record, indent=2))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, folder / GGUF_SOURCE)  # atomic: several workers may add it to one cached folder at once
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:

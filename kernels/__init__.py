@@ -212,7 +212,7 @@ class LinearPlan:
     `quant` (a `kernels.quant.QuantWeight`): the weight is that weight-only int8 / int4 one
     instead, multiplied natively with its blocks dequantized in registers (`kind` says
     which: PD_W_* of kernels/csrc/gemm_tile.h); off the native path, `F.linear` on it
-    dequantized to float32."""
+    dequantized to float32 (`weight` may be empty then: it is not read)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quant=None) -> None:
         self.weight, self.bias, self.quant = weight, bias, quant
@@ -225,15 +225,16 @@ class LinearPlan:
                and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
         cpu_f32 = cpu and weight.dtype == torch.float32
         usable = native.enabled() and native.library() is not None
-        self._n, self._k = weight.shape
+        self._n, self._k = (quant.n, quant.k) if quant is not None else weight.shape
         self._b = None if bias is None else bias.contiguous()
         self._bp = 0 if self._b is None else self._b.data_ptr()
-        if quant is not None and cpu and usable:
-            self.native, self.packed, self.kind = True, quant.data, quant.code
-            self._fn = native.library().pd_gemm_q
-        elif quant is not None:
+        if quant is not None:
             from .quant import dequantize
-            self.weight = dequantize(quant).to(weight.device)
+            self.weight = None  # made from quant on first use off the native path
+            self._dequantize = lambda: dequantize(quant).to(weight.device)
+            if cpu and usable:
+                self.native, self.packed, self.kind = True, quant.data, quant.code
+                self._fn = native.library().pd_gemm_q
         elif cpu and weight.dtype in native.PACKED_DTYPES and usable:
             self.native = True
             self.packed = native.pack_weight(weight)  # in the weight's own dtype
@@ -255,6 +256,8 @@ class LinearPlan:
             return y
         if self._onednn is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+        if self.weight is None:  # a quantized weight, off the native path
+            self.weight = self._dequantize()
         if x.dtype != self.weight.dtype:  # bf16 weights, float32 activations, off the native path
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)

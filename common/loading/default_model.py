@@ -62,9 +62,9 @@ def _converted(gguf: Path, target: Path) -> Path:
 def default_model_dir() -> Path:
     """The default model's folder, converting it from the wheel's GGUF on first use."""
     target = cache_root() / DEFAULT_NAME
-    if (target / "model.safetensors").is_file():
-        return target
     gguf = default_gguf()
+    if gguf is None and (target / "model.safetensors").is_file():
+        return target
     if gguf is None:
         raise ConfigError(f"no model given and the default model is not installed: {INSTALL_HINT}")
     return _converted(gguf, target)

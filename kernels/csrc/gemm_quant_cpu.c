@@ -57,27 +57,46 @@ static inline __attribute__((always_inline)) void store_row(float *yi, __m256 v0
     for (int j = 0; j < ncols; j++) yi[j] = accumulate ? yi[j] + t[j] : t[j] + (bias ? bias[j] : 0.0f);
 }
 
-/* 16 values of a data row as two vectors of 8 int32 (columns 0-7, 8-15) */
-static inline __attribute__((always_inline)) void ints_q8(const uint8_t *q, __m256i *i0, __m256i *i1) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)q);
-    *i0 = _mm256_cvtepi8_epi32(v);
-    *i1 = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
+/* Two data rows' codes as int8, q4 in 0..15 (minus 8 when centred): row r's columns 0-7
+ * in the low 8 bytes of lo (r = 0) or its high 8 bytes (r = 1), columns 8-15 likewise in hi */
+static inline __attribute__((always_inline)) void codes2(int kind, const uint8_t *q, __m128i *lo, __m128i *hi) {
+    if (kind == PD_W_Q8) { /* rows r: bytes 16 r .. 16 r + 15 */
+        const __m128i a = _mm_loadu_si128((const __m128i *)q), b = _mm_loadu_si128((const __m128i *)(q + 16));
+        *lo = _mm_unpacklo_epi64(a, b);
+        *hi = _mm_unpackhi_epi64(a, b);
+        return;
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f);
+    *lo = _mm_and_si128(v, low);
+    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    if (kind == PD_W_Q4) {
+        *lo = _mm_sub_epi8(*lo, _mm_set1_epi8(8));
+        *hi = _mm_sub_epi8(*hi, _mm_set1_epi8(8));
+    }
 }
-static inline __attribute__((always_inline)) __m128i nibbles(const uint8_t *q) {
-    const __m128i v = _mm_loadl_epi64((const __m128i *)q), low = _mm_set1_epi8(0x0f);
-    return _mm_unpacklo_epi64(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)); /* columns 0..15 */
-}
-static inline __attribute__((always_inline)) void ints_q4(const uint8_t *q, int centred, __m256i *i0, __m256i *i1) {
-    __m128i v = nibbles(q);
-    if (centred) v = _mm_sub_epi8(v, _mm_set1_epi8(8));
-    *i0 = _mm256_cvtepi8_epi32(v);
-    *i1 = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
+
+/* The weights of one row from its codes (8 int8 each in the low bytes of c0, c1): d q
+ * (+ m), each step rounded as gguf-py rounds it, pinned against contraction */
+static inline __attribute__((always_inline)) void weights(int kind, __m128i c0, __m128i c1, __m256 d0, __m256 d1,
+                                                          __m256 m0, __m256 m1, __m256 *b0, __m256 *b1) {
+    __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), d0);
+    __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1)), d1);
+    PIN(w0);
+    PIN(w1);
+    if (kind == PD_W_Q4M) {
+        w0 = _mm256_add_ps(w0, m0);
+        w1 = _mm256_add_ps(w1, m1);
+        PIN(w0);
+        PIN(w1);
+    }
+    *b0 = w0;
+    *b1 = w1;
 }
 
 #define DECL(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
 #define STEP(i)                                                                                                        \
     {                                                                                                                  \
-        const __m256 a = _mm256_broadcast_ss(x + (i)*rs + kk);                                                         \
+        const __m256 a = _mm256_broadcast_ss(xk + (i)*rs);                                                             \
         c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                                                     \
         c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                                                     \
     }
@@ -108,22 +127,28 @@ static inline __attribute__((always_inline)) void ints_q4(const uint8_t *q, int 
                 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));                                    \
                 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));                                    \
             }                                                                                                          \
-            for (; kk < end; kk++, q += rowb) {                                                                        \
-                __m256i i0, i1;                                                                                        \
-                if ((KIND) == PD_W_Q8)                                                                                 \
-                    ints_q8(q, &i0, &i1);                                                                              \
-                else                                                                                                   \
-                    ints_q4(q, (KIND) == PD_W_Q4, &i0, &i1);                                                           \
-                __m256 b0 = _mm256_mul_ps(_mm256_cvtepi32_ps(i0), d0), b1 = _mm256_mul_ps(_mm256_cvtepi32_ps(i1), d1); \
-                PIN(b0);                                                                                               \
-                PIN(b1);                                                                                               \
-                if ((KIND) == PD_W_Q4M) {                                                                              \
-                    b0 = _mm256_add_ps(b0, m0);                                                                        \
-                    b1 = _mm256_add_ps(b1, m1);                                                                        \
-                    PIN(b0);                                                                                           \
-                    PIN(b1);                                                                                           \
-                }                                                                                                      \
+            /* two rows of k per pass (from the GEMM driver a slice's rows of a group are even) */                   \
+            for (; kk + 1 < end; kk += 2, q += 2 * rowb) {                                                            \
+                __m128i lo, hi;                                                                                        \
+                __m256 b0, b1;                                                                                         \
+                const float *xk = x + kk;                                                                              \
+                codes2(KIND, q, &lo, &hi);                                                                             \
+                weights(KIND, lo, hi, d0, d1, m0, m1, &b0, &b1);                                                       \
                 ROWS##R(STEP)                                                                                          \
+                xk++;                                                                                                  \
+                weights(KIND, _mm_srli_si128(lo, 8), _mm_srli_si128(hi, 8), d0, d1, m0, m1, &b0, &b1);                \
+                ROWS##R(STEP)                                                                                          \
+            }                                                                                                          \
+            if (kk < end) { /* an odd last row */                                                                      \
+                __m128i lo, hi;                                                                                        \
+                __m256 b0, b1;                                                                                         \
+                const float *xk = x + kk;                                                                              \
+                uint8_t two[32] = {0};                                                                                 \
+                memcpy(two, q, (size_t)rowb);                                                                          \
+                codes2(KIND, two, &lo, &hi);                                                                           \
+                weights(KIND, lo, hi, d0, d1, m0, m1, &b0, &b1);                                                       \
+                ROWS##R(STEP)                                                                                          \
+                kk++;                                                                                                  \
             }                                                                                                          \
         }                                                                                                              \
         ROWS##R(STORE)                                                                                                 \

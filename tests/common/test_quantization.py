@@ -61,8 +61,9 @@ def test_quantized_engine_equals_float32_on_the_dequantized_weights(model_dirs, 
     assert kinds.pop("lm_head") == "q8_0" and set(kinds.values()) == {layer_kind}
     stack = model.decode_stack()  # decode runs fused, on the quantized panels
     assert stack is not None and stack.layers[0].kinds == (quant.KIND_CODES[layer_kind],) * 4
-    if model.config.tie_word_embeddings:
-        assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookups stay float
+    assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # the float copy let go
+    if model.config.tie_word_embeddings:  # the lookups read the float table
+        assert model.model.embed_tokens.weight.dtype == torch.float32 and model.lm_head.weight.numel() > 0
     assert_same_as(ours, dequantized_reference(model_dirs[arch], ours))
 
 
