@@ -113,7 +113,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
-    print(f"model {model}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    dev = llm.engine.config.device  # the precision it ran in: `auto` resolved
+    print(f"model {model} ({dev.dtype}, quantization {dev.quantization}): {len(outs)} prompts, {ntok} tokens "
+          f"in {dt:.2f} s", file=sys.stderr)
     return 0
 
 
