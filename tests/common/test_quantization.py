@@ -126,19 +126,19 @@ def test_real_model_quantized_against_float32(real_model_dir):
     rule against float32: greedy within the top 5 where the streams first differ, and
     perplexity of a fixed text within 1% (int8) / 10% (int4) of float32's."""
     from tests.common.test_bf16_precision import TEXT
-    llms = {q: LLM(real_model_dir, num_threads=2, num_kv_blocks=64, max_model_len=512, quantization=q,
+    llms = {q: LLM(real_model_dir, num_threads=1, num_kv_blocks=64, max_model_len=512, quantization=q,
                    enable_prefix_caching=False, max_num_batched_tokens=512) for q in ("none", "gguf", "int8", "int4")}
     f32, tok = llms["none"], llms["none"].tokenizer
-    ids = tok.encode(TEXT)[:300]
+    ids = tok.encode(TEXT)[:200]
     ppl = {q: perplexity(sequence_logits(llm.engine, ids), ids) for q, llm in llms.items()}
     report = {q: [] for q in llms}
-    for text in ("The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"):
+    for text in ("The capital of France is", "Once upon a time, in a small village,"):
         prompt = tok.encode(text)
-        ref = greedy(f32, prompt, 32)
+        ref = greedy(f32, prompt, 24)
         for q, llm in llms.items():
-            d = divergence(prompt, ref, greedy(llm, prompt, 32), f32.engine, llm.engine)
+            d = divergence(prompt, ref, greedy(llm, prompt, 24), f32.engine, llm.engine)
             report[q].append(d.position)
             assert d.within_top(5), (q, text, d)
     print(f"\nperplexity {ppl}; first divergence from float32 per prompt (None: identical) {report}")
-    assert ppl["gguf"] == ppl["none"] and report["gguf"] == [None] * 3
+    assert ppl["gguf"] == ppl["none"] and report["gguf"] == [None] * 2
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01 and abs(ppl["int4"] / ppl["none"] - 1) < 0.10, ppl
