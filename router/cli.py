@@ -122,7 +122,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
-    print(f"model {model} in {llm.engine.config.device.dtype}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    dev = llm.engine.config.device  # the precision it ran in: `auto` resolved
+    print(f"model {model} ({dev.dtype}, quantization {dev.quantization}): {len(outs)} prompts, {ntok} tokens "
+          f"in {dt:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -240,7 +242,8 @@ def _router_config(args: argparse.Namespace, model: str, options: EngineOptions,
     if no_http:
         router_fields["http_port"] = 0
     return RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
-                        dtype=options.device.dtype, max_model_len=options.scheduler.max_model_len,
+                        dtype=options.device.dtype, quantization=options.device.quantization,
+                        max_model_len=options.scheduler.max_model_len,
                         block_size=options.cache.block_size, enable_http=not no_http, max_inflight=max_inflight,
                         api_key=api_key, **router_fields, **fields)
 
@@ -256,7 +259,8 @@ def _resolved_options(args: argparse.Namespace, here: bool = True) -> tuple[str,
         from common.checkpoint_dtype import resolve_dtype
         options = options.replace(dtype=resolve_dtype(options.device.dtype, model, options.device.device))
     engine = (options if here else options.replace(device="cpu")).engine_config(model)
-    return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
+    return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype,
+                                  quantization=engine.device.quantization if here else options.device.quantization)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ class RouterConfig:
     model_dir: str
     model_name: str = "pdserve"
     dtype: str = "float32"  # the deployment\'s engine dtype (resolved, never "auto"): part of the model fingerprint
+    quantization: str = "none"  # its weight quantization (resolved, never "auto"): part of the fingerprint too
     host: str = option("127.0.0.1", "the address the HTTP, ZeroMQ and control sockets bind")
     http_port: int = option(8000, "OpenAI HTTP port; 0 picks a free port, -1 serves no HTTP")
     zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")

@@ -58,7 +58,7 @@ class Router:
         self._control_auth = Authenticator(self.key, "router control socket")
         self._worker_auth = Authenticator(self.key, "router worker sockets")  # one signer for every worker
         self.tokenizer = Tokenizer(config.model_dir)
-        self.model_fingerprint = model_fingerprint(config.model_dir, config.dtype)  # a worker must match it to register
+        self.model_fingerprint = model_fingerprint(config.model_dir, config.dtype, config.quantization)  # a worker must match it to register
         self.registry = WorkerRegistry(config.stale_after_s)
         self.metrics = RouterMetrics(config.model_name)
         self.rng = random.Random(config.seed)

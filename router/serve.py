@@ -109,7 +109,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
         print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
-              f"in {config.dtype}\n"
+              f"({config.dtype}, quantization {config.quantization})\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n"
               f"  Workers join: {router.control_address}\n"
               f"  Pools:       pdserve pools --router {router.control_address} --secret-file {secret_file}\n"

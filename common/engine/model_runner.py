@@ -20,7 +20,10 @@ from common.engine.logprobs import fill_prompt_logprobs, prompt_spans, raw_logpr
 from common.engine.sampler import Sampler, make_generator
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
+from common.loading.gguf_quant import gguf_linears
 from common.loading.weights import load_weights
+from common.models.quantize import quantize_linears, set_quantized
+from common.quantization import gguf_source
 from common.logprobs import TokenLogprobs
 
 
@@ -56,6 +59,19 @@ def decide_num_blocks(config: EngineConfig) -> int:
     return n
 
 
+def quantize(model: DecoderForCausalLM, config: EngineConfig) -> None:
+    """The model's linears in the engine's weight-only quantization (common/quantization.py)."""
+    q = config.device.quantization
+    if q in ("int8", "int4"):
+        quantize_linears(model, q)
+    elif q == "gguf":
+        source = gguf_source(config.model.model_dir)
+        if source is None:
+            raise ConfigError(f"quantization 'gguf': the GGUF file {config.model.model_dir} was converted from "
+                              "is gone or changed")
+        set_quantized(model, gguf_linears(source, config.model))
+
+
 class Sampled(NamedTuple):
     """One sequence's sampled token and, when its request asks, its log-probabilities."""
     token: int
@@ -77,6 +93,7 @@ class ModelRunner:
         model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
         load_weights(model, config.model.model_dir)
         self.model = cast_model(model, dev).eval().requires_grad_(False)  # bf16 on the CPU: stored, not computed in
+        quantize(self.model, config)
         self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
         if kv_cache is None:
             self.num_blocks = decide_num_blocks(config)
