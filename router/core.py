@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 import random
@@ -19,22 +18,20 @@ import zmq.asyncio
 from common.clock import SYSTEM_CLOCK, Clock
 from common.wire import messages
 from common.wire.auth import AuthError, DeploymentKey, new_secret
-from common.hashing import block_hashes
 from common.engine.kv_layout import model_fingerprint
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, RequestOutput,
                                   StepOutputs, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus)
 from common.wire.messages import ChangeRole, DrainWorker, PoolsRequest, ScalePool
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
-from common.text.chat_template import ChatTemplateError
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
-from common.validation import RequestError, check_chat, check_prompt_chars, check_sampling, check_text, check_token_ids
 from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
 from router.disagg_state import Decision, Disaggregation
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
+from router.prompts import check_request, prepare, tokenize
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
 from router.requests import Choice, InFlight, Prepared, RouteError, drain_outputs, last_timeline
@@ -238,65 +235,16 @@ class Router:
             raise RouteError(f"server overloaded: {busy} requests in flight (limit {self.config.max_inflight}); "
                              f"retry after {wait} s", "overloaded", wait)
 
-    def check_request(self, sub: SubmitRequest) -> SamplingParams:
-        """The checks that need no tokenizer, cheap enough for the event loop: one prompt
-        form, sampling ranges, valid Unicode, the prompt's size in characters."""
-        given = [x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)]
-        if sum(given) != 1:
-            raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
-        if sub.tools is not None and sub.messages is None:
-            raise RouteError("tools go with messages (a chat), not with a plain prompt")
-        try:
-            params = check_sampling(sub.sampling, self.tokenizer.vocab_size)
-            limit = self.config.prompt_chars_limit
-            if sub.messages is not None:
-                check_chat(sub.messages, sub.tools, limit)
-            elif sub.prompt is not None:
-                check_prompt_chars(len(check_text(sub.prompt)), limit)
-            elif len(sub.prompt_token_ids or ()) >= self.config.max_model_len:  # before copying a huge list
-                check_token_ids(sub.prompt_token_ids or [], self.tokenizer.vocab_size, self.config.max_model_len)
-        except RequestError as e:
-            raise RouteError(str(e)) from None
-        return params
-
-    def prompt_ids(self, sub: SubmitRequest) -> list[int]:
-        """The prompt's token ids as its form and options say: messages rendered by the
-        chat template, special tokens added by the form's default (vLLM's: a text prompt
-        gets them, a chat does not) unless the request says. Raises what the tokenizer
-        and template raise; blocks for as long as tokenizing takes."""
-        tok = self.tokenizer
-        if sub.messages is not None:
-            text = tok.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt,
-                                           tools=sub.tools, continue_final_message=sub.continue_final_message,
-                                           template_kwargs=sub.chat_template_kwargs)
-            return tok.encode(text, add_special_tokens=sub.add_special_tokens is True)
-        if sub.prompt is not None:
-            return tok.encode(sub.prompt, add_special_tokens=sub.add_special_tokens is not False)
-        return list(sub.prompt_token_ids or [])
-
     def prepare(self, sub: SubmitRequest) -> Prepared:
-        """Validate and tokenize once, at the edge; RouteError names what is wrong.
-        Blocks for as long as tokenizing takes: the serving path calls `prepare_async`."""
-        params = self.check_request(sub)
-        try:
-            ids = self.prompt_ids(sub)
-            check_token_ids(ids, self.tokenizer.vocab_size, self.config.max_model_len)
-        except (RequestError, ChatTemplateError) as e:
-            raise RouteError(str(e)) from None
-        except Exception as e:  # a template that fails to render on this input, a tokenizer error
-            raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
-        # the engine stops at max_model_len anyway; saying so here makes max_tokens what a
-        # request can get (vLLM's min(max_tokens, max_model_len - prompt tokens))
-        room = self.config.max_model_len - len(ids)
-        if params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
-        return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size), self.clock.time())
+        """Validate and tokenize once, at the edge (router/prompts.py); RouteError names what
+        is wrong. Blocks for as long as tokenizing takes: the serving path calls `prepare_async`."""
+        return prepare(sub, self.tokenizer, self.config, self.clock.time())
 
     async def prepare_async(self, sub: SubmitRequest) -> Prepared:
         """Admission, the cheap checks on the loop, then template + tokens + hashes in the
         tokenizer pool; the request counts against `max_inflight` from here."""
         self.admit()
-        self.check_request(sub)  # refuse a 15 MB prompt before it costs a tokenizer thread
+        check_request(sub, self.tokenizer.vocab_size, self.config)  # refuse a 15 MB prompt before it costs a thread
         self.preparing += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, sub)
@@ -306,13 +254,8 @@ class Router:
     async def tokenize_async(self, sub: SubmitRequest) -> list[int]:
         """The prompt ids `prepare` would make for `sub` (in the tokenizer pool), without
         admitting or routing anything; RouteError names what is wrong. For /tokenize."""
-        self.check_request(sub)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt_ids, sub)
-        except ChatTemplateError as e:
-            raise RouteError(str(e)) from None
-        except Exception as e:
-            raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
+        check_request(sub, self.tokenizer.vocab_size, self.config)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, tokenize, self.tokenizer, sub)
 
     def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()
               ) -> tuple[WorkerEntry, WorkerEntry | None, Decision | None]:
