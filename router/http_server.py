@@ -78,7 +78,7 @@ class OpenAIServer:
     # ---- handlers --------------------------------------------------------------------------
     async def completions(self, body: CompletionBody) -> Response | dict:
         """One choice per prompt; several prompts are routed as requests of their own, at once."""
-        if (refused := self.refusal(body)) is not None:
+        if (refused := await self.refusal(body)) is not None:
             return refused
         subs = [self.submit_request(body, COMPLETION_MAX_TOKENS, add_special_tokens=body.add_special_tokens,
                                     **({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}))
@@ -86,7 +86,7 @@ class OpenAIServer:
         return await self.respond(body, subs, COMPLETION)
 
     async def chat(self, body: ChatBody) -> Response | dict:
-        if (refused := self.refusal(body)) is not None:
+        if (refused := await self.refusal(body)) is not None:
             return refused
         try:
             msgs = _messages(body.messages)
@@ -94,9 +94,9 @@ class OpenAIServer:
             return error(400, str(e), param="messages")
         cfg = self.router.config
         try:
-            plan = tool_plan(_tools(body.tools), body.tool_choice,
-                             body.parallel_tool_calls, cfg.enable_auto_tool_choice,
-                             has_grammar=structured_output(body) is not None)
+            plan_args = (_tools(body.tools), body.tool_choice, body.parallel_tool_calls, cfg.enable_auto_tool_choice,
+                         structured_output(body) is not None)
+            plan = await asyncio.to_thread(tool_plan, *plan_args) if body.tools else tool_plan(*plan_args)  # compiles
         except ToolError as e:
             return error(400, str(e), param=e.param)
         sub = self.submit_request(body, cfg.max_model_len, messages=msgs, add_special_tokens=body.add_special_tokens,
@@ -202,8 +202,10 @@ class OpenAIServer:
                          param="model", code="model_not_found")
         return None
 
-    def refusal(self, body: Body) -> JSONResponse | None:
-        """The error response for a body this server cannot serve as asked, or None."""
+    async def refusal(self, body: Body) -> JSONResponse | None:
+        """The error response for a body this server cannot serve as asked, or None. A
+        grammar is compiled in a thread: the first one imports xgrammar (seconds), and no
+        compile may stall the loop that streams every other request."""
         self.log_unknown(body)
         if (wrong := self.wrong_model(body.model)) is not None:
             return wrong
@@ -219,7 +221,8 @@ class OpenAIServer:
             return error(400, "prompt_logprobs are not available when stream=true (as vLLM); with echo, "
                               "logprobs carry the prompt's in the first chunk", param="prompt_logprobs")
         try:
-            structured_output(body, check=True)
+            if structured_output(body) is not None:
+                await asyncio.to_thread(structured_output, body, True)
         except StructuredOutputError as e:
             return error(400, str(e), param=e.param)
         return None
