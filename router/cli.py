@@ -255,12 +255,15 @@ def _resolved_options(args: argparse.Namespace, here: bool = True) -> tuple[str,
     device is checked here too; a Ray driver plans GPU workers it may not have itself."""
     options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
-    if not here:
+    if not here:  # dtype and quantization as the workers' device resolves them
         from common.checkpoint_dtype import resolve_dtype
-        options = options.replace(dtype=resolve_dtype(options.device.dtype, model, options.device.device))
+        from common.quantization import resolve_quantization
+        dev = options.device
+        options = options.replace(dtype=resolve_dtype(dev.dtype, model, dev.device),
+                                  quantization=resolve_quantization(dev.quantization, model, dev.device))
     engine = (options if here else options.replace(device="cpu")).engine_config(model)
     return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype,
-                                  quantization=engine.device.quantization if here else options.device.quantization)
+                                  quantization=engine.device.quantization)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def llm(model_dirs) -> LLM:
-    return LLM(model_dirs["qwen2"], num_kv_blocks=32, max_model_len=MAX_MODEL_LEN)
+    return LLM(model_dirs["qwen2"], dtype="float32", num_kv_blocks=32, max_model_len=MAX_MODEL_LEN)
 
 
 def _assert_healthy(llm: LLM, model_dir: str, hf_greedy) -> None:
@@ -83,7 +83,7 @@ def test_wrong_number_of_sampling_params_is_rejected(llm, model_dirs, hf_greedy)
 
 def test_bad_sampling_params_object_queues_nothing(model_dirs, hf_greedy):
     """A dict where SamplingParams belong, after a good pair: nothing may stay queued."""
-    llm = LLM(model_dirs["qwen2"], num_kv_blocks=32, max_model_len=MAX_MODEL_LEN)  # not shared: may be left dirty
+    llm = LLM(model_dirs["qwen2"], dtype="float32", num_kv_blocks=32, max_model_len=MAX_MODEL_LEN)  # not shared: may be left dirty
     with pytest.raises(RequestError, match="SamplingParams"):
         llm.generate([GOOD_PROMPT, GOOD_PROMPT], [SamplingParams(temperature=0), {"temperature": 0}],
                      use_tqdm=False)
@@ -132,7 +132,7 @@ def test_corrupt_json_file_names_the_file(model_dirs, tmp_path, name):
     d = _copy(model_dirs, tmp_path)
     (d / name).write_text('{"vocab_size": 12,')
     with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
-        LLM(d, num_kv_blocks=8, max_model_len=64)
+        LLM(d, dtype="float32", num_kv_blocks=8, max_model_len=64)
 
 
 def test_config_json_missing_a_required_field(model_dirs, tmp_path):
@@ -146,7 +146,7 @@ def test_missing_weight_file(model_dirs, tmp_path):
     d = _copy(model_dirs, tmp_path)
     (d / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"no \*\.safetensors weight file"):
-        LLM(d, num_kv_blocks=8, max_model_len=64)
+        LLM(d, dtype="float32", num_kv_blocks=8, max_model_len=64)
 
 
 @pytest.mark.parametrize("keep_bytes", [0, 5, 1000, 2_000_000])
@@ -155,7 +155,7 @@ def test_truncated_weight_file(model_dirs, tmp_path, keep_bytes):
     with open(d / "model.safetensors", "r+b") as f:
         f.truncate(keep_bytes)
     with pytest.raises(ConfigError, match="cannot read weight file .*model.safetensors"):
-        LLM(d, num_kv_blocks=8, max_model_len=64)
+        LLM(d, dtype="float32", num_kv_blocks=8, max_model_len=64)
 
 
 def test_weight_file_missing_a_plain_tensor(model_dirs, tmp_path):
@@ -164,7 +164,7 @@ def test_weight_file_missing_a_plain_tensor(model_dirs, tmp_path):
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, d / "model.safetensors")
     with pytest.raises(ConfigError, match=r"weights missing .*model\.layers\.1\.mlp\.down_proj\.weight"):
-        LLM(d, num_kv_blocks=8, max_model_len=64)
+        LLM(d, dtype="float32", num_kv_blocks=8, max_model_len=64)
 
 
 def test_weight_file_missing_a_fused_shard_names_the_checkpoint_tensor(model_dirs, tmp_path):
@@ -175,7 +175,7 @@ def test_weight_file_missing_a_fused_shard_names_the_checkpoint_tensor(model_dir
     del weights["model.layers.0.self_attn.k_proj.weight"]
     save_file(weights, d / "model.safetensors")
     with pytest.raises(ConfigError) as e:
-        LLM(d, num_kv_blocks=8, max_model_len=64)
+        LLM(d, dtype="float32", num_kv_blocks=8, max_model_len=64)
     assert "missing" in str(e.value)
     assert "model.layers.0.self_attn.k_proj.weight" in str(e.value)
 
@@ -186,7 +186,7 @@ def test_weight_with_wrong_shape(model_dirs, tmp_path):
     weights["model.norm.weight"] = weights["model.norm.weight"][:-1].clone()
     save_file(weights, d / "model.safetensors")
     with pytest.raises(ConfigError, match=r"'model\.norm\.weight' has shape \(127,\)"):
-        LLM(d, num_kv_blocks=8, max_model_len=64)
+        LLM(d, dtype="float32", num_kv_blocks=8, max_model_len=64)
 
 
 def test_transformers5_rope_parameters(model_dirs, tmp_path, hf_greedy):
@@ -195,7 +195,7 @@ def test_transformers5_rope_parameters(model_dirs, tmp_path, hf_greedy):
     assert ModelConfig.from_dir(d).rope_theta == 500.0
     assert ModelConfig.from_dir(model_dirs["llama"]).rope_theta == 10000.0
     # the engine really uses it: greedy output matches transformers on the edited model
-    llm = LLM(d, num_kv_blocks=16, max_model_len=64)
+    llm = LLM(d, dtype="float32", num_kv_blocks=16, max_model_len=64)
     prompt = list(range(40, 60))
     ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]
     assert ours["token_ids"] == hf_greedy(str(d), prompt, MAX_NEW)

@@ -51,7 +51,7 @@ def test_sharded_checkpoint_with_a_missing_shard_names_it(model_dirs, tmp_path):
     d = _sharded_bf16(model_dirs["llama"], tmp_path / "sharded")
     (tmp_path / "sharded" / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors"):
-        LLM(d, num_kv_blocks=8, max_model_len=64)
+        LLM(d, dtype="float32", num_kv_blocks=8, max_model_len=64)
 
 
 def _template_folder(src: str, dst, form: str) -> str:

@@ -31,7 +31,7 @@ def _check(llm: LLM, model_dir: str, prompts: list[list[int]], hf_greedy) -> lis
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_transformers(arch, setting, model_dirs, hf_greedy):
     model_dir = model_dirs[arch]
-    llm = LLM(model_dir, **SETTINGS[setting])
+    llm = LLM(model_dir, dtype="float32", **SETTINGS[setting])
     prompts = mixed_prompts(llm.engine.config.model.vocab_size, seed=7)
     first, second = prompts[:14], prompts[14:]
     _check(llm, model_dir, first, hf_greedy)
@@ -49,7 +49,7 @@ def test_greedy_matches_transformers(arch, setting, model_dirs, hf_greedy):
 
 def test_text_prompts_match_transformers(model_dirs, hf_greedy):
     model_dir = model_dirs["qwen3"]
-    llm = LLM(model_dir, num_kv_blocks=128, max_model_len=256)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=128, max_model_len=256)
     prompts = ["The router sends each request to", "Hello, my name is", "A"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     for p, o in zip(prompts, outs):

@@ -42,7 +42,7 @@ def test_gguf_round_trip_f32_is_lossless_and_exact(model_dirs, tmp_path, arch, h
     assert a.encode(text) == b.encode(text)
     msgs = [{"role": "user", "content": "hi"}]
     assert a.apply_chat_template(msgs) == b.apply_chat_template(msgs)
-    llm = LLM(str(out), num_kv_blocks=16, max_model_len=64)
+    llm = LLM(str(out), dtype="float32", num_kv_blocks=16, max_model_len=64)
     ours = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]["token_ids"]
     assert ours == hf_greedy(str(out), PROMPT, MAX_NEW) == hf_greedy(src, PROMPT, MAX_NEW)
 
@@ -56,7 +56,7 @@ def test_gguf_quant_types_dequantize_and_match_transformers(model_dirs, tmp_path
     want, got = load_file(f"{src}/model.safetensors"), load_file(out / "model.safetensors")
     err = max(float((got[n] - want[n]).abs().max()) for n in want)
     assert err <= TOLERANCE[qtype], f"{qtype}: max error {err}"
-    llm = LLM(str(out), num_kv_blocks=16, max_model_len=64)
+    llm = LLM(str(out), dtype="float32", num_kv_blocks=16, max_model_len=64)
     ours = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]["token_ids"]
     assert ours == hf_greedy(str(out), PROMPT, MAX_NEW)
 
@@ -91,11 +91,11 @@ def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatc
 def test_a_gguf_path_loads_directly_through_the_cache(model_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     gguf_path = write_gguf(model_dirs["llama"], tmp_path / "direct.gguf", "F32")
-    a = LLM(str(gguf_path), num_kv_blocks=16, max_model_len=64)
-    b = LLM(model_dirs["llama"], num_kv_blocks=16, max_model_len=64)
+    a = LLM(str(gguf_path), dtype="float32", num_kv_blocks=16, max_model_len=64)
+    b = LLM(model_dirs["llama"], dtype="float32", num_kv_blocks=16, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     assert a.generate(PROMPT, params, use_tqdm=False)[0]["token_ids"] == \
         b.generate(PROMPT, params, use_tqdm=False)[0]["token_ids"]
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1  # converted once, then reused
-    LLM(str(gguf_path), num_kv_blocks=16, max_model_len=64)
+    LLM(str(gguf_path), dtype="float32", num_kv_blocks=16, max_model_len=64)
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1

@@ -13,7 +13,7 @@ from common import LLM, SamplingParams
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_kept_rows_equal_the_full_forward_and_every_row_is_stored(model_dirs, arch):
-    engine = LLM(model_dirs[arch], num_threads=1, num_kv_blocks=64, max_model_len=256).engine
+    engine = LLM(model_dirs[arch], dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=256).engine
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
     seqs = [engine.new_sequence([3 + (5 * i + j) % 150 for j in range(n)], params) for i, n in enumerate((40, 17, 33))]
     for s in seqs:

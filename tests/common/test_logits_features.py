@@ -21,7 +21,7 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module")
 def llm(model_dirs) -> LLM:
-    return LLM(model_dirs["qwen3"], num_kv_blocks=256, max_model_len=512)
+    return LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=256, max_model_len=512)
 
 
 @pytest.fixture(scope="module")

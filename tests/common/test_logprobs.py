@@ -50,7 +50,7 @@ def test_logprobs_equal_transformers_float32_log_softmax(arch, model_dirs):
 
 
 def test_asking_for_logprobs_changes_no_token(model_dirs):
-    llm = LLM(model_dirs["qwen3"], num_kv_blocks=256, max_model_len=256)
+    llm = LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=256, max_model_len=256)
     prompts = mixed_prompts(llm.engine.config.model.vocab_size, seed=5)[:6]
     plain = [SamplingParams(temperature=0.7, seed=i, max_tokens=MAX_NEW) for i in range(6)]
     alone = llm.generate(prompts, plain, use_tqdm=False)

@@ -24,7 +24,7 @@ PROMPTS = ([5, 6, 7, 8, 9, 10], list(range(100, 140)))
 
 
 def make(model_dir: str, quantization: str) -> LLM:
-    return LLM(str(model_dir), num_threads=1, num_kv_blocks=64, max_model_len=256, quantization=quantization,
+    return LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=256, quantization=quantization,
                enable_prefix_caching=False)
 
 
@@ -126,7 +126,7 @@ def test_real_model_quantized_against_float32(real_model_dir):
     rule against float32: greedy within the top 5 where the streams first differ, and
     perplexity of a fixed text within 1% (int8) / 10% (int4) of float32's."""
     from tests.common.test_bf16_precision import TEXT
-    llms = {q: LLM(real_model_dir, num_threads=1, num_kv_blocks=64, max_model_len=512, quantization=q,
+    llms = {q: LLM(real_model_dir, dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=512, quantization=q,
                    enable_prefix_caching=False, max_num_batched_tokens=512) for q in ("none", "gguf", "int8", "int4")}
     f32, tok = llms["none"], llms["none"].tokenizer
     ids = tok.encode(TEXT)[:200]

@@ -16,7 +16,7 @@ PLAIN = ["Ñandú, pingüino y 🐧 son", "日本の首都は"]
 
 @pytest.fixture(scope="module")
 def llm(real_model_dir) -> LLM:
-    return LLM(real_model_dir, num_kv_blocks=64, max_model_len=256)
+    return LLM(real_model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256)
 
 
 def test_the_default_model_answers_a_question(llm):

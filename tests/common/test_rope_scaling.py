@@ -52,7 +52,7 @@ CASES = [(name, spelling) for name in SCALINGS for spelling in ("v4", "v5")
 def test_rope_scaling_matches_transformers(model_dirs, tmp_path, hf_greedy, name, spelling):
     d = _scaled_model(model_dirs["llama"], tmp_path / name, SCALINGS[name], spelling)
     assert ModelConfig.from_dir(d).rope.rope_type == SCALINGS[name]["rope_type"]
-    llm = LLM(d, num_kv_blocks=32, max_model_len=256)
+    llm = LLM(d, dtype="float32", num_kv_blocks=32, max_model_len=256)
     ours = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]["token_ids"]
     assert ours == hf_greedy(d, PROMPT, MAX_NEW)
     if name != "dynamic":  # dynamic equals default below max_position_embeddings

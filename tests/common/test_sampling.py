@@ -168,7 +168,7 @@ PROMPT = "The router sends each request to"
 
 @pytest.fixture(scope="module")
 def llm(model_dirs) -> LLM:
-    return LLM(model_dirs["qwen3"], num_kv_blocks=128, max_model_len=256)
+    return LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=128, max_model_len=256)
 
 
 def _gen(llm: LLM, prompts, params) -> list[dict]:
@@ -211,7 +211,7 @@ def test_generator_state_hands_a_stream_to_another_engine(llm, model_dirs):
     state = a.runner.generator_state(seq.seq_id)
     assert len(state) > 0 and seq.output_token_ids == whole[:1]
     a.abort(seq)
-    b = LLM(model_dirs["qwen3"], num_kv_blocks=128, max_model_len=256).engine
+    b = LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=128, max_model_len=256).engine
     handed = b.add_request(list(seq.token_ids), p)  # prompt + first token, as D holds it
     handed.num_prompt_tokens = seq.num_prompt_tokens  # the first token is an output
     b.runner.restore_generator(handed, state)
@@ -271,7 +271,7 @@ def test_ignore_eos_and_max_tokens_give_exactly_max_tokens(llm, model_dirs, tmp_
     shutil.copytree(src, tmp_path / "m")
     gen_cfg = tmp_path / "m" / "generation_config.json"
     gen_cfg.write_text(json.dumps({**json.loads(gen_cfg.read_text()), "eos_token_id": [eos]}))
-    llm2 = LLM(tmp_path / "m", num_kv_blocks=64, max_model_len=128)
+    llm2 = LLM(tmp_path / "m", dtype="float32", num_kv_blocks=64, max_model_len=128)
     stopped = _gen(llm2, PROMPT, SamplingParams(temperature=0, max_tokens=12))[0]
     assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == tokens[:first + 1]
     kept = _gen(llm2, PROMPT, greedy)[0]

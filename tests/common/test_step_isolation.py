@@ -14,7 +14,7 @@ POISON = 777  # a token id only the culprit's prompt holds
 
 @pytest.fixture(scope="module")
 def llm(model_dirs):
-    return LLM(model_dirs["qwen3"], num_kv_blocks=64, max_model_len=256)
+    return LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=64, max_model_len=256)
 
 
 def _poison_sampler(runner, monkeypatch, calls: list[int]) -> None:

@@ -49,12 +49,12 @@ def _grammar_accepts(llm: LLM, so: StructuredOutput, tokens: list[int]) -> bool:
 
 @pytest.fixture(scope="module")
 def real(real_model_dir) -> LLM:
-    return LLM(real_model_dir, num_kv_blocks=256, max_model_len=1024)
+    return LLM(real_model_dir, dtype="float32", num_kv_blocks=256, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
 def tiny(model_dirs) -> LLM:
-    return LLM(model_dirs["qwen3"], num_kv_blocks=256, max_model_len=512)
+    return LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=256, max_model_len=512)
 
 
 def test_real_model_json_schema_and_json_object_outputs_validate(real):
@@ -116,7 +116,7 @@ def test_plain_rows_stay_token_exact_beside_constrained_ones(tiny):
 
 
 def test_preempted_constrained_sequences_stay_in_sync(model_dirs):
-    llm = LLM(model_dirs["qwen3"], num_kv_blocks=20, max_model_len=256, max_num_seqs=16)
+    llm = LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=20, max_model_len=256, max_num_seqs=16)
     prompts = mixed_prompts(llm.engine.config.model.vocab_size, seed=2)[:8]
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 20,
               "maxItems": 20}

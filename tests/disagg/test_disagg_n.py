@@ -86,7 +86,7 @@ def wait_baseline(dep: Deployment) -> None:
 def test_seeded_choices_equal_the_offline_engine(dep, model_dirs, vocab_size):
     prompt = mixed_prompts(vocab_size, seed=3)[9]  # 65 tokens: a partial last block
     params = dict(n=4, temperature=1.0, seed=2024, max_tokens=10, ignore_eos=True)
-    llm = LLM(model_dirs["qwen3"], num_kv_blocks=128, max_model_len=256)
+    llm = LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=128, max_model_len=256)
     want = [o["token_ids"] for o in llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]["outputs"]]
     assert len({tuple(w) for w in want}) == 4, "the four choices differ"
     tokens, reasons = choices(dep, submit(dep, prompt, **params), 4)

@@ -23,7 +23,7 @@ def pair(model_dirs, tmp_path_factory):
 
 
 def test_mixed_features_through_prefill_and_decode_equal_offline(pair, model_dirs, vocab_size):
-    llm = LLM(model_dirs["qwen3"], num_kv_blocks=256, max_model_len=512)
+    llm = LLM(model_dirs["qwen3"], dtype="float32", num_kv_blocks=256, max_model_len=512)
     eos = min(llm.engine.eos_token_ids)
     prompts = mixed_prompts(vocab_size, seed=5)[1:9]
     features: list[dict] = [

@@ -24,7 +24,7 @@ def built():
 
 @pytest.fixture(scope="module")
 def engines(model_dirs):
-    return {arch: LLM(model_dirs[arch], num_threads=2, num_kv_blocks=256, max_model_len=256).engine for arch in ARCHS}
+    return {arch: LLM(model_dirs[arch], dtype="float32", num_threads=2, num_kv_blocks=256, max_model_len=256).engine for arch in ARCHS}
 
 
 def decode_inputs(engine, batch: int):
@@ -165,7 +165,7 @@ def test_slot_outside_cache_is_refused_before_any_write(engines):
 def test_swapped_weight_storage_is_followed(model_dirs, torch_path):
     """A weight whose storage is replaced (`param.data = ...`) after the stack was set up:
     the next step reads the new one (the stack's pointers would otherwise dangle)."""
-    engine = LLM(model_dirs["qwen2"], num_threads=2, num_kv_blocks=32, max_model_len=128).engine
+    engine = LLM(model_dirs["qwen2"], dtype="float32", num_threads=2, num_kv_blocks=32, max_model_len=128).engine
     seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 2)
     model = engine.runner.model
     with torch.inference_mode():

@@ -93,7 +93,7 @@ def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len:
     log = workdir / "serve.log"
     cmd = [*_pdserve(), "serve", model_dir, *roles, "--http-port", "0", "--zmq-port", "0",
            "--num-kv-blocks", "256", "--max-model-len", str(max_model_len), "--num-threads", "1",
-           "--ready-file", str(ready), *extra]
+           "--dtype", "float32", "--ready-file", str(ready), *extra]  # exactness is judged at float32
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", **({"PDSERVE_FAULTS": faults} if faults else {})))

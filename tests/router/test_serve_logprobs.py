@@ -21,7 +21,7 @@ TOP = 3
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    llm = LLM(model_dir, num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
 
     def run(ids: list[int], top: int = TOP) -> dict:
         return llm.generate([ids], SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=top), use_tqdm=False)[0]

@@ -22,7 +22,7 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
-    return LLM(model_dir, num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
+    return LLM(model_dir, dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")

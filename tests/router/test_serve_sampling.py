@@ -17,7 +17,7 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
-    return LLM(model_dir, num_kv_blocks=64, max_model_len=256)
+    return LLM(model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
