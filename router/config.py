@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import CacheConfig, ConfigError, option
+from common.wire.curve import MODES as CURVE_MODES
 from router.policy import POLICIES
 
 
@@ -19,6 +20,8 @@ class RouterConfig:
     http_port: int = option(8000, "OpenAI HTTP port; 0 picks a free port, -1 serves no HTTP")
     zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")
     control_port: int = option(0, "the port workers register on (hello, heartbeats); 0 picks a free port")
+    curve: str = option("auto", "CurveZMQ encryption of the internal sockets: on, off, or auto (on when the "
+                                "secret comes from --secret-file or a socket binds beyond loopback)")
     routing: str = option("prefix_load", f"how a request's workers are chosen: {', '.join(POLICIES)}")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
@@ -44,6 +47,8 @@ class RouterConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be the deployment's resolved engine dtype (float32, bfloat16 or float16), "
                               f"got {self.dtype!r}")
+        if self.curve not in CURVE_MODES:
+            raise ConfigError(f"curve must be one of {', '.join(CURVE_MODES)}, got {self.curve!r}")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
         if self.retries < 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 import uvicorn
 
 from common.gc_tuning import freeze_startup_heap
+from common.wire.curve import resolve as resolve_curve
 from common.worker.spec import WorkerSpec
 from router.core import Router
 from router.deploy import DeploymentConfig
@@ -61,11 +62,12 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    router = Router(config, secret=dep.secret)
+    curve = resolve_curve(config.curve, [config.control_address()], shared_secret=bool(dep.secret))
+    router = Router(config, secret=dep.secret, curve=curve)
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
-    launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
+    launcher = Launcher(secret=router.secret, curve=curve)  # into each worker's 0600 config file
     supervisor = Supervisor(router, launcher, config.restart_workers)
     http = http_task = None
     try:

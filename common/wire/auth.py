@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from common.wire.curve import CurveKeys
+
 MAGIC = b"PDA1"
 _HEADER = struct.Struct(">4s8sQQ")  # magic, sender, counter, time_ms
 _MAC_LEN = 32
@@ -69,12 +71,14 @@ def read_secret_file(path: str | Path) -> str:
 
 
 class DeploymentKey:
-    """The deployment's secret as keys: the MAC key and names derived from it."""
+    """The deployment's secret as keys: the MAC key, names derived from it and, when the
+    deployment encrypts (`curve`), the CurveZMQ server keypair every socket of it uses."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, curve: bool = False) -> None:
         self._key = parse_secret(secret)
         # names other processes can compute but not choose (shm segments)
         self.deployment_id = hmac.new(self._key, b"pdserve deployment id", hashlib.sha256).hexdigest()[:16]
+        self.curve = CurveKeys.derive(self._key) if curve else None
 
     def signer(self) -> "Signer":
         return Signer(self._key)
@@ -83,7 +87,7 @@ class DeploymentKey:
         return Verifier(self._key, window_s)
 
     def __repr__(self) -> str:
-        return f"DeploymentKey(id={self.deployment_id})"  # never the secret
+        return f"DeploymentKey(id={self.deployment_id}, curve={self.curve is not None})"  # never the secret
 
 
 def _mac(key: bytes, header: bytes, payload: bytes, frames: list) -> bytes:

@@ -1,7 +1,8 @@
 """Typed ZeroMQ endpoints: every send encodes a declared message (plus optional raw
 frames) and every receive decodes one, so no ad-hoc dicts reach a socket. Internal
 endpoints (given the deployment's key) sign every message they send and drop, with a log
-line, every message that is not authentic (common.wire.auth); the public front end has none."""
+line, every message that is not authentic (common.wire.auth), and are CurveZMQ servers or
+clients when the deployment encrypts (common.wire.curve); the public front end has none."""
 from __future__ import annotations
 
 import os
@@ -84,6 +85,8 @@ class Server:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if key is not None and key.curve is not None:
+            key.curve.serve(self.sock)
         self.address = bind_address(self.sock, address)
         self.auth = Authenticator(key, f"server {self.address}")
 
@@ -119,6 +122,8 @@ class Client:
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
+        if key is not None and key.curve is not None:
+            key.curve.connect(self.sock)
         try:
             self.sock.connect(address)
         except zmq.ZMQError:

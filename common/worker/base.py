@@ -14,6 +14,7 @@ import zmq
 
 from common.clock import SYSTEM_CLOCK, Clock
 from common.wire.auth import DeploymentKey
+from common.wire.curve import HandshakeWatch
 from common.config import ConfigError, EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine
 from common.gc_tuning import freeze_startup_heap
@@ -44,7 +45,7 @@ class WorkerBase:
             raise ConfigError("the worker config file has no deployment secret: every internal message is "
                               "authenticated with it (the launcher writes it; `--secret-file` across hosts)")
         try:
-            self.key = DeploymentKey(worker_config.secret)
+            self.key = DeploymentKey(worker_config.secret, worker_config.curve)
         except ValueError as e:
             raise ConfigError(f"worker config field 'secret': {e}") from None
         self.ctx = zmq.Context()
@@ -52,6 +53,8 @@ class WorkerBase:
         self.poller = zmq.Poller()
         self.poller.register(self.server.sock, zmq.POLLIN)
         self.reporter = Client(self.ctx, worker_config.report_to, key=self.key) if worker_config.report_to else None
+        # a router that drops our handshake holds another secret (or --curve): no hello would ever land
+        self._router_handshakes = HandshakeWatch(self.reporter.sock) if self.reporter else None
         self.counters: dict[str, int] = {}
         self._stop = False
         self._closed = threading.Event()
@@ -194,6 +197,9 @@ class WorkerBase:
         now = self.clock.monotonic()
         if now - self._last_heartbeat >= self.wconfig.heartbeat_s:
             self._last_heartbeat = now
+            why = self._router_handshakes.poll()
+            if why is not None:
+                raise ConfigError(f"cannot join the router at {self.wconfig.report_to}: {why}")
             status = self.status(with_events=True)
             self.reporter.send_or_drop(status)
             self._last_status = dataclasses.replace(status, kv_stored=[], kv_evicted=[])
@@ -240,6 +246,7 @@ class WorkerBase:
         self._stop = True  # the keepalive thread closes its socket within heartbeat_s; term() waits
         self.server.close()
         if self.reporter:
+            self._router_handshakes.close()
             self.reporter.close()
         self.ctx.term()
         try:
