@@ -22,6 +22,10 @@ class RouterConfig:
     control_port: int = option(0, "the port workers register on (hello, heartbeats); 0 picks a free port")
     curve: str = option("auto", "CurveZMQ encryption of the internal sockets: on, off, or auto (on when the "
                                 "secret comes from --secret-file or a socket binds beyond loopback)")
+    ssl_keyfile: str = option("", "serve HTTP over TLS: the private key file (PEM), with --ssl-certfile")
+    ssl_certfile: str = option("", "serve HTTP over TLS: the certificate chain file (PEM), with --ssl-keyfile")
+    ssl_ca_certs: str = option("", "with TLS: CA certificates (PEM); clients must then present a certificate "
+                                   "one of them signed (mutual TLS)")
     routing: str = option("prefix_load", f"how a request's workers are chosen: {', '.join(POLICIES)}")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
@@ -49,6 +53,10 @@ class RouterConfig:
                               f"got {self.dtype!r}")
         if self.curve not in CURVE_MODES:
             raise ConfigError(f"curve must be one of {', '.join(CURVE_MODES)}, got {self.curve!r}")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ConfigError("HTTP over TLS needs both ssl_keyfile and ssl_certfile (--ssl-keyfile, --ssl-certfile)")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ConfigError("ssl_ca_certs (--ssl-ca-certs) needs TLS on: give --ssl-keyfile and --ssl-certfile")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
         if self.retries < 0:

@@ -88,6 +88,7 @@ class Router:
     async def close(self) -> None:
         for t in [*self._tasks, *self._worker_tasks.values()]:
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # the handshake log closes its monitor socket
         for sock in self.worker_socks.values():
             sock.close(0)
         self.control.close(0)

@@ -10,11 +10,13 @@ import dataclasses
 import json
 import os
 import signal
+import ssl
 import sys
 from pathlib import Path
 
 import uvicorn
 
+from common.config import ConfigError
 from common.gc_tuning import freeze_startup_heap
 from common.wire.curve import resolve as resolve_curve
 from common.worker.spec import WorkerSpec
@@ -71,6 +73,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     supervisor = Supervisor(router, launcher, config.restart_workers)
     http = http_task = None
     try:
+        http = http_server(router) if config.enable_http else None  # a bad key or cert: refused before any worker
         launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
         await _until(launch, stop)
         if stop.is_set():
@@ -79,39 +82,56 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
         supervisor.start()
         http_url = "(disabled)"
-        if config.enable_http:
-            http = _QuietServer(uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port,
-                                               loop="none", log_level="warning", lifespan="off"))
+        if http is not None:
             http_task = asyncio.create_task(http.serve())
             while not http.started:
                 if http_task.done():
                     http_task.result()
                 await asyncio.sleep(0.02)
             port = http.servers[0].sockets[0].getsockname()[1]
-            http_url = f"http://{config.host}:{port}/v1"
+            http_url = f"{'https' if config.ssl_certfile else 'http'}://{config.host}:{port}/v1"
         roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
         print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir}\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n"
-              f"  Workers join: {router.control_address}\n  Ctrl-C stops everything.", flush=True)
+              f"  Workers join: {router.control_address} (CurveZMQ {'on' if curve else 'off'})\n"
+              f"  Ctrl-C stops everything.", flush=True)
         freeze_startup_heap()
         if ready_file:
-            info = {"http": http_url, "zmq": front.address, "control": router.control_address, "pid": os.getpid(),
-                    "workers": {w.name: w.info for w in launcher.workers}}
+            info = {"http": http_url, "zmq": front.address, "control": router.control_address, "curve": curve,
+                    "pid": os.getpid(), "workers": {w.name: w.info for w in launcher.workers}}
             Path(ready_file).with_suffix(".tmp").write_text(json.dumps(info))
             Path(ready_file).with_suffix(".tmp").rename(ready_file)
         await stop.wait()
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
         supervisor.close()
-        if http is not None:
+        if http_task is not None:
             http.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(http_task, 5)
         front.close()
         await asyncio.to_thread(launcher.stop)
         await router.close()
+
+
+def http_server(router: Router) -> _QuietServer:
+    """The OpenAI HTTP server, over TLS when the config names a key and certificate (and,
+    with CA certificates, only for clients holding a certificate they signed); ConfigError
+    if those files cannot be loaded."""
+    config = router.config
+    tls = {"ssl_keyfile": config.ssl_keyfile, "ssl_certfile": config.ssl_certfile,
+           **({"ssl_ca_certs": config.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED} if config.ssl_ca_certs else {})
+           } if config.ssl_certfile else {}
+    http = uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port, loop="none",
+                          log_level="warning", lifespan="off", **tls)
+    try:
+        http.load()
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot serve HTTP over TLS with --ssl-keyfile {config.ssl_keyfile} --ssl-certfile "
+                          f"{config.ssl_certfile}: {e}") from None
+    return _QuietServer(http)
 
 
 async def _until(fut: asyncio.Future, stop: asyncio.Event) -> None:
