@@ -109,7 +109,7 @@ class VethPair:
         self.ns = {"p": f"{tag}p", "d": f"{tag}d"}
         self.addr = {"p": "10.250.0.1", "d": "10.250.0.2"}
         try:
-            for side, ns in self.ns.items():
+            for ns in self.ns.values():
                 _ip("netns", "add", ns)
             _ip("link", "add", f"{tag}vp", "type", "veth", "peer", "name", f"{tag}vd")
             for side, ns in self.ns.items():

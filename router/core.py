@@ -44,8 +44,8 @@ class Router:
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
     (how many may be prepared or in flight at once, `config.max_inflight`) and the
     deployment's secret: the control socket and the worker sockets accept only messages
-    signed with it (common.wire.auth), encrypted with CurveZMQ when `curve` (common.wire.
-    curve); `secret` "" makes a fresh one (single host)."""
+    signed with it (common.wire.auth), CurveZMQ-encrypted when `curve`; `secret` "" makes
+    a fresh one (single host)."""
 
     def __init__(self, config: RouterConfig, secret: str = "", clock: Clock = SYSTEM_CLOCK,
                  curve: bool = False) -> None:
@@ -65,8 +65,7 @@ class Router:
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
-        if self.key.curve is not None:
-            self.key.curve.serve(self.control)
+        self.key.curve_server(self.control)
         self.control_address = bind_address(self.control, config.control_address())
         self.worker_socks: dict[str, zmq.asyncio.Socket] = {}
         self._worker_addr: dict[str, str] = {}
@@ -82,8 +81,8 @@ class Router:
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._control_loop()))
         self._tasks.append(asyncio.create_task(self._expire_loop()))
-        if self.key.curve is not None:  # a worker without the secret fails here, before any message
-            self._tasks.append(asyncio.create_task(log_handshake_failures(self.control, "router control socket")))
+        # a worker without the secret (or with the other --curve) fails the handshake: no message says so
+        self._tasks.append(asyncio.create_task(log_handshake_failures(self.control, "router control socket")))
 
     async def close(self) -> None:
         for t in [*self._tasks, *self._worker_tasks.values()]:
@@ -141,8 +140,7 @@ class Router:
         wid = hello.worker_id
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.key.curve is not None:
-            self.key.curve.connect(sock)
+        self.key.curve_client(sock)
         try:
             sock.connect(hello.address)
         except zmq.ZMQError:

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+import zmq
+
 from common.wire.curve import CurveKeys
 
 MAGIC = b"PDA1"
@@ -79,6 +81,16 @@ class DeploymentKey:
         # names other processes can compute but not choose (shm segments)
         self.deployment_id = hmac.new(self._key, b"pdserve deployment id", hashlib.sha256).hexdigest()[:16]
         self.curve = CurveKeys.derive(self._key) if curve else None
+
+    def curve_server(self, sock: zmq.Socket) -> None:
+        """Make `sock` (before it binds) a Curve server when the deployment encrypts."""
+        if self.curve is not None:
+            self.curve.serve(sock)
+
+    def curve_client(self, sock: zmq.Socket) -> None:
+        """Make `sock` (before it connects) a Curve client when the deployment encrypts."""
+        if self.curve is not None:
+            self.curve.connect(sock)
 
     def signer(self) -> "Signer":
         return Signer(self._key)

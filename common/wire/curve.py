@@ -105,6 +105,7 @@ class HandshakeWatch:
     another secret (or the other --curve setting) -- libzmq drops it without a message."""
 
     def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED))
         self.succeeded = False
         self.failures = 0
@@ -123,6 +124,9 @@ class HandshakeWatch:
         return why
 
     def close(self) -> None:
+        """Stop monitoring, then close the reading end (before the socket closes)."""
+        if not self.sock.closed:
+            self.sock.disable_monitor()
         self.monitor.close(0)
 
 
@@ -152,4 +156,6 @@ async def log_handshake_failures(sock: zmq.Socket, where: str) -> None:
                 print(f"{where}: refused a connection ({failures} so far): {handshake_failure(event, value)}",
                       file=sys.stderr, flush=True)
     finally:
+        if not sock.closed:
+            sock.disable_monitor()
         monitor.close(0)

@@ -16,6 +16,7 @@ import zmq
 
 from common.wire import messages
 from common.wire.auth import AuthError, DeploymentKey
+from common.wire.curve import HandshakeWatch
 from common.wire.messages import ErrorReply, MessageError
 
 
@@ -85,8 +86,8 @@ class Server:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if key is not None and key.curve is not None:
-            key.curve.serve(self.sock)
+        if key is not None:
+            key.curve_server(self.sock)
         self.address = bind_address(self.sock, address)
         self.auth = Authenticator(key, f"server {self.address}")
 
@@ -114,20 +115,22 @@ class Server:
 
 
 class Client:
-    """A DEALER socket connected to one Server."""
+    """A DEALER socket connected to one Server; with `watch_handshakes`, the watch on its
+    handshakes (attached before it connects: a failed handshake is not retried)."""
 
     def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None,
-                 key: DeploymentKey | None = None) -> None:
+                 key: DeploymentKey | None = None, watch_handshakes: bool = False) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
-        if key is not None and key.curve is not None:
-            key.curve.connect(self.sock)
+        if key is not None:
+            key.curve_client(self.sock)
+        self.handshakes = HandshakeWatch(self.sock) if watch_handshakes else None
         try:
             self.sock.connect(address)
         except zmq.ZMQError:
-            self.sock.close(0)  # an open socket would make Context.term() hang
+            self.close()  # an open socket would make Context.term() hang
             raise
         self.address = address
         self.auth = Authenticator(key, f"client of {address}")
@@ -170,4 +173,6 @@ class Client:
             return None
 
     def close(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
         self.sock.close(0)

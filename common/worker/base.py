@@ -14,7 +14,6 @@ import zmq
 
 from common.clock import SYSTEM_CLOCK, Clock
 from common.wire.auth import DeploymentKey
-from common.wire.curve import HandshakeWatch
 from common.config import ConfigError, EngineConfig, WorkerConfig
 from common.engine.engine import LLMEngine
 from common.gc_tuning import freeze_startup_heap
@@ -52,9 +51,9 @@ class WorkerBase:
         self.server = Server(self.ctx, worker_config.bind, key=self.key)
         self.poller = zmq.Poller()
         self.poller.register(self.server.sock, zmq.POLLIN)
-        self.reporter = Client(self.ctx, worker_config.report_to, key=self.key) if worker_config.report_to else None
-        # a router that drops our handshake holds another secret (or --curve): no hello would ever land
-        self._router_handshakes = HandshakeWatch(self.reporter.sock) if self.reporter else None
+        # watched: a router that fails our handshake holds another secret (or --curve), so no hello would land
+        self.reporter = Client(self.ctx, worker_config.report_to, key=self.key,
+                               watch_handshakes=True) if worker_config.report_to else None
         self.counters: dict[str, int] = {}
         self._stop = False
         self._closed = threading.Event()
@@ -197,7 +196,7 @@ class WorkerBase:
         now = self.clock.monotonic()
         if now - self._last_heartbeat >= self.wconfig.heartbeat_s:
             self._last_heartbeat = now
-            why = self._router_handshakes.poll()
+            why = self.reporter.handshakes.poll()
             if why is not None:
                 raise ConfigError(f"cannot join the router at {self.wconfig.report_to}: {why}")
             status = self.status(with_events=True)
@@ -246,7 +245,6 @@ class WorkerBase:
         self._stop = True  # the keepalive thread closes its socket within heartbeat_s; term() waits
         self.server.close()
         if self.reporter:
-            self._router_handshakes.close()
             self.reporter.close()
         self.ctx.term()
         try:

@@ -96,10 +96,10 @@ def _failed_handshake(client_key: DeploymentKey, server_key: DeploymentKey) -> s
     """Connect and send once; what the client's HandshakeWatch reports within 3 s."""
     ctx = zmq.Context()
     server = Server(ctx, "tcp://127.0.0.1:0", key=server_key)
-    client = Client(ctx, server.address, key=client_key)
-    watch = curve.HandshakeWatch(client.sock)
-    try:
-        client.send(GenerateRequest("req-1", PROMPT, SamplingParams(max_tokens=4)))
+    client = Client(ctx, server.address, key=client_key, watch_handshakes=True)
+    watch = client.handshakes
+    try:  # never a blocking send: after a mechanism mismatch libzmq drops the pipe for good
+        client.send_or_drop(GenerateRequest("req-1", PROMPT, SamplingParams(max_tokens=4)))
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             why = watch.poll()
@@ -109,7 +109,6 @@ def _failed_handshake(client_key: DeploymentKey, server_key: DeploymentKey) -> s
             time.sleep(0.05)
         return None
     finally:
-        watch.close()
         client.close()
         server.close()
         ctx.term()
