@@ -29,7 +29,7 @@ FLAGS = {"seed": "--engine-seed"}  # where the rule in config_flag() does not fi
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
     "": ("host", "http_port", "zmq_port", "routing", "curve"),
-    "tls": ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"),
+    "tls": ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "zmq_curve"),
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
 }
@@ -245,7 +245,7 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
                         "authenticated with it; it is never passed in argv or env")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--ready-file", default="", help="write connection info as JSON here once ready")
-    add_config_flags(p.add_argument_group("HTTP over TLS (docs/security.md)"),
+    add_config_flags(p.add_argument_group("encrypted front ends (docs/security.md)"),
                      [router_options[n] for n in SERVE_ROUTER_FIELDS["tls"]], ROUTER_DEST)
     g = p.add_argument_group("client-facing limits (docs/security.md)")
     g.add_argument("--max-inflight", type=int, default=0,

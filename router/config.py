@@ -22,6 +22,8 @@ class RouterConfig:
     control_port: int = option(0, "the port workers register on (hello, heartbeats); 0 picks a free port")
     curve: str = option("auto", "CurveZMQ encryption of the internal sockets: on, off, or auto (on when the "
                                 "secret comes from --secret-file or a socket binds beyond loopback)")
+    zmq_curve: bool = option(False, "encrypt the client ZeroMQ socket with CurveZMQ; clients pass the printed "
+                                    "server key (Client(server_key=...))")
     ssl_keyfile: str = option("", "serve HTTP over TLS: the private key file (PEM), with --ssl-certfile")
     ssl_certfile: str = option("", "serve HTTP over TLS: the certificate chain file (PEM), with --ssl-keyfile")
     ssl_ca_certs: str = option("", "with TLS: CA certificates (PEM); clients must then present a certificate "

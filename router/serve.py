@@ -94,13 +94,14 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
         print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir}\n"
-              f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n"
+              f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}"
+              f"{f' (CurveZMQ, server key {front.server_key})' if front.server_key else ''}\n"
               f"  Workers join: {router.control_address} (CurveZMQ {'on' if curve else 'off'})\n"
               f"  Ctrl-C stops everything.", flush=True)
         freeze_startup_heap()
         if ready_file:
             info = {"http": http_url, "zmq": front.address, "control": router.control_address, "curve": curve,
-                    "pid": os.getpid(), "workers": {w.name: w.info for w in launcher.workers}}
+                    "zmq_server_key": front.server_key, "pid": os.getpid(), "workers": {w.name: w.info for w in launcher.workers}}
             Path(ready_file).with_suffix(".tmp").write_text(json.dumps(info))
             Path(ready_file).with_suffix(".tmp").rename(ready_file)
         await stop.wait()

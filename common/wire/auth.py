@@ -26,7 +26,7 @@ from pathlib import Path
 
 import zmq
 
-from common.wire.curve import CurveKeys
+from common.wire.curve import FRONTEND_LABEL, CurveKeys
 
 MAGIC = b"PDA1"
 _HEADER = struct.Struct(">4s8sQQ")  # magic, sender, counter, time_ms
@@ -91,6 +91,11 @@ class DeploymentKey:
         """Make `sock` (before it connects) a Curve client when the deployment encrypts."""
         if self.curve is not None:
             self.curve.connect(sock)
+
+    def frontend_curve(self) -> CurveKeys:
+        """The client ZeroMQ socket's Curve keypair (`--zmq-curve`): its public key is given
+        to clients, who hold no secret; derived apart from the internal one."""
+        return CurveKeys.derive(self._key, FRONTEND_LABEL)
 
     def signer(self) -> "Signer":
         return Signer(self._key)

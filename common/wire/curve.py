@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 MODES = ("auto", "on", "off")
 _LABEL = b"pdserve curve server key v1"
+FRONTEND_LABEL = b"pdserve curve client front end key v1"  # the client ZeroMQ socket's own keypair
 _FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH}
 _HOST = re.compile(r"^tcp://\[?([^\]]*?)\]?:\d+$")
 
@@ -81,9 +82,9 @@ class CurveKeys:
     secret: bytes = field(repr=False)
 
     @classmethod
-    def derive(cls, key: bytes) -> "CurveKeys":
+    def derive(cls, key: bytes, label: bytes = _LABEL) -> "CurveKeys":
         require_curve()
-        secret = z85.encode(hmac.new(key, _LABEL, hashlib.sha256).digest())  # any 32 bytes are a valid key
+        secret = z85.encode(hmac.new(key, label, hashlib.sha256).digest())  # any 32 bytes are a valid key
         return cls(zmq.curve_public(secret), secret)
 
     def serve(self, sock: zmq.Socket) -> None:
@@ -94,10 +95,17 @@ class CurveKeys:
 
     def connect(self, sock: zmq.Socket) -> None:
         """Make `sock` a Curve client of the deployment's servers (before it connects)."""
-        public, secret = zmq.curve_keypair()
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_serverkey = self.public
+        connect_to(sock, self.public)
+
+
+def connect_to(sock: zmq.Socket, server_public: bytes) -> None:
+    """Make `sock` (before it connects) a Curve client, with a fresh keypair, of the server
+    whose public key (Z85) is `server_public`."""
+    require_curve()
+    public, secret = zmq.curve_keypair()
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
 
 
 class HandshakeWatch:

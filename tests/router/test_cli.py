@@ -85,11 +85,12 @@ def test_serve_router_flags_come_from_router_config():
                                       "--routing", "round_robin", "--max-prompt-chars", "100", "--max-body-bytes",
                                       "2048", "--retries", "0", "--stale-after", "2.5", "--client-timeout", "3",
                                       "--curve", "on", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
-                                      "--ssl-ca-certs", "ca.pem"])
+                                      "--ssl-ca-certs", "ca.pem", "--zmq-curve"])
     assert given(args, ROUTER_DEST) == {"host": "10.0.0.1", "http_port": -1, "zmq_port": 0, "routing": "round_robin",
                                         "max_prompt_chars": 100, "max_body_bytes": 2048, "retries": 0,
                                         "stale_after_s": 2.5, "client_timeout_s": 3.0, "curve": "on",
-                                        "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem"}
+                                        "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem",
+                                        "zmq_curve": True}
     assert sorted(given(args, ROUTER_DEST)) == sorted(names)
     for name in names:
         assert options[name].help, f"RouterConfig.{name} has no help text for its flag"

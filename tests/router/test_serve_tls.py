@@ -1,8 +1,9 @@
-"""`pdserve serve` with HTTP over TLS (--ssl-keyfile / --ssl-certfile, a self-signed
-certificate made here) and CurveZMQ on between the router and the workers it launches:
-an OpenAI client that trusts the certificate gets greedy output equal to transformers';
-one that does not, or that speaks plain HTTP, gets nothing. Bad TLS flags are refused
-before any worker starts."""
+"""`pdserve serve` with its front ends encrypted -- HTTP over TLS (--ssl-keyfile /
+--ssl-certfile, a self-signed certificate made here), the client ZeroMQ socket over
+CurveZMQ (--zmq-curve) -- and CurveZMQ between the router and the workers it launches:
+clients that trust the certificate / pin the printed server key get greedy output equal
+to transformers'; one that does not, or that speaks in clear, gets nothing. Bad TLS flags
+are refused before any worker starts."""
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +13,16 @@ import subprocess
 import sys
 
 import httpx
+import msgpack
 import openai
 import pytest
+import zmq
 
 from common.config import ConfigError
+from common.wire.messages import PROTOCOL_VERSION
 from router.config import RouterConfig
-from tests.router.serving import MAX_MODEL_LEN, MAX_NEW, PROMPTS, ROOT, start_server, stop_server
+from router.client import Client
+from tests.router.serving import MAX_MODEL_LEN, MAX_NEW, PROMPTS, ROOT, RawClient, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -33,7 +38,7 @@ def self_signed(tmp_path) -> tuple[str, str]:
 def test_https_and_curve_serve_greedy(model_dir, tok, hf_greedy, tmp_path):
     key, cert = self_signed(tmp_path)
     served = start_server(model_dir, tmp_path, ["--prefill", "1", "--decode", "1"], MAX_MODEL_LEN,
-                          extra=("--ssl-keyfile", key, "--ssl-certfile", cert, "--curve", "on"))
+                          extra=("--ssl-keyfile", key, "--ssl-certfile", cert, "--curve", "on", "--zmq-curve"))
     try:
         assert served.http.startswith("https://127.0.0.1:") and served.info["curve"] is True
         with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=60) as http:
@@ -44,6 +49,20 @@ def test_https_and_curve_serve_greedy(model_dir, tok, hf_greedy, tmp_path):
             httpx.get(f"{served.base}/health", timeout=10)  # the system's CAs do not know this certificate
         with pytest.raises(httpx.HTTPError):
             httpx.get(served.base.replace("https://", "http://") + "/health", timeout=10)
+
+        server_key = served.info["zmq_server_key"]
+        assert server_key and server_key in served.log.read_text()  # printed for clients to pin
+        with Client(served.zmq, timeout_s=60, server_key=server_key) as zc:
+            done = zc.generate(PROMPTS[1], max_tokens=MAX_NEW, temperature=0)
+        assert done.token_ids == hf_greedy(model_dir, tok.encode(PROMPTS[1]), MAX_NEW)
+        plain = RawClient(served.zmq)
+        try:
+            with contextlib.suppress(zmq.Again):  # after the failed handshake libzmq may have dropped the pipe
+                plain.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "submit", "data": {
+                    "request_id": "plain", "prompt": PROMPTS[1], "sampling": {"max_tokens": 2}}}), zmq.NOBLOCK)
+            assert not plain.sock.poll(2000)  # a client in clear is never answered
+        finally:
+            plain.close()
     except BaseException:
         with contextlib.suppress(Exception):
             stop_server(served, signal.SIGTERM)
