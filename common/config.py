@@ -212,9 +212,9 @@ class DeviceConfig:
     it may not have itself."""
 
     device: str = option("cpu", "cpu, cuda or cuda:i")
-    dtype: str = option("float32", "float32, bfloat16 (on the CPU: bf16 weights and KV cache, float32 "
-                                   "activations), float16, or auto: the checkpoint's config.json dtype "
-                                   "(float16 -> bfloat16 on the CPU)")
+    dtype: str = option("auto", "auto: the checkpoint's config.json dtype, as vLLM (a float32 checkpoint "
+                                "stays float32; float16 -> bfloat16 on the CPU); float32; bfloat16 (on the "
+                                "CPU: bf16 weights and KV cache, float32 activations); float16")
     num_threads: int | None = option(None, "torch intra-op threads per process (default: torch's own; "
                                            "`serve`: the CPU cores shared among the workers)")
 

@@ -10,6 +10,8 @@ import enum
 class Stamp(str, enum.Enum):
     ARRIVAL = "arrival"                  # router: request received
     ROUTED = "routed"                    # router: workers chosen
+    ROUTE_DISAGG = "route_disagg"        # router: the prompt goes via the prefill worker (conditional mode)
+    ROUTE_LOCAL = "route_local"          # router: the decode worker prefills it (conditional mode)
     DECODE_ARRIVAL = "decode_arrival"    # D (or colocated worker): request received
     DECODE_RESERVED = "decode_reserved"  # D: KV blocks reserved, prefill asked for
     PREFILL_QUEUED = "prefill_queued"    # P (or colocated): prompt queued

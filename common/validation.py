@@ -2,7 +2,8 @@
 (the offline edge, and every worker, which serves untrusted wire input). Torch-free."""
 from __future__ import annotations
 
-from typing import Callable
+import json
+from typing import Any, Callable
 
 from common.sampling_params import SamplingParams, SamplingParamsError
 
@@ -67,3 +68,36 @@ def check_sampling(params: object, vocab_size: int) -> SamplingParams:
     if bad is not None:
         raise RequestError(f"token id {bad} in stop_token_ids or logit_bias is outside the vocabulary [0, {vocab_size})")
     return params
+
+
+MESSAGE_TEXT_KEYS = ("role", "content", "name", "tool_call_id", "reasoning_content")
+
+
+def check_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, max_chars: int) -> None:
+    """RequestError unless every message has a string `role` and `content`, and beside
+    them only string `name`, `tool_call_id`, `reasoning_content` and a list `tool_calls`;
+    all text valid Unicode, and the whole (tool calls and tools as JSON) within `max_chars`."""
+    chars = 0
+    for m in messages:
+        if set(m) - {*MESSAGE_TEXT_KEYS, "tool_calls"} or "role" not in m or "content" not in m:
+            raise RequestError("each chat message needs 'role' and 'content', and may have only 'name', "
+                               "'tool_calls', 'tool_call_id' and 'reasoning_content' beside them")
+        for key in MESSAGE_TEXT_KEYS:
+            if key in m:
+                if not isinstance(m[key], str):
+                    raise RequestError(f"message {key} must be a string")
+                chars += len(check_text(m[key], f"message {key}"))
+        if "tool_calls" in m:
+            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
+                raise RequestError("message tool_calls must be a list of objects")
+            chars += len(_json_text(m["tool_calls"], "message tool_calls"))
+    if tools is not None:
+        chars += len(_json_text(tools, "tools"))
+    check_prompt_chars(chars, max_chars)
+
+
+def _json_text(value: Any, what: str) -> str:
+    try:
+        return check_text(json.dumps(value, ensure_ascii=False), what)
+    except (TypeError, ValueError):  # bytes (msgpack bin) from a ZeroMQ client
+        raise RequestError(f"{what} must be JSON data (objects, lists, strings, numbers)") from None

@@ -9,16 +9,12 @@ from typing import Callable
 
 import torch
 
+from common.checkpoint_dtype import dtype_name  # noqa: F401  (the transports' wire name of a dtype)
 from common.wire.messages import KVReady
 
 
 class TransferError(RuntimeError):
     """A transfer does not fit the reservation it claims (wrong size, shape or peer)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a dtype ("float32", "bfloat16", ...)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -16,6 +16,9 @@ from common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, En
 from common.loading.default_model import resolve_model
 from router.config import RouterConfig
 
+if typing.TYPE_CHECKING:
+    from router.deploy import RayPlacement
+
 
 # The engine flags, and serve's worker liveness flags, are generated from the configs'
 # fields (common/config.py: each field's type, default and help written once there);
@@ -25,13 +28,16 @@ from router.config import RouterConfig
 ENGINE_DEST = "engine_"
 WORKER_DEST = "worker_"
 ROUTER_DEST = "router_"
-FLAGS = {"seed": "--engine-seed"}  # where the rule in config_flag() does not fit
+FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice"}  # where config_flag()'s rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
     "": ("host", "http_port", "zmq_port", "routing", "curve"),
     "tls": ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "zmq_curve"),
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
+    "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
+    "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
+               "disagg_tpot_guard_ms"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
@@ -82,7 +88,7 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     from common.loading.model_factory import make_model
-    out = make_model(args.dir, args.arch, args.size, args.seed)
+    out = make_model(args.dir, args.arch, args.size, args.seed, chat_template=args.chat_template)
     print(f"wrote {args.arch}/{args.size} model (seed {args.seed}) to {out}")
     return 0
 
@@ -114,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
-    print(f"model {model}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    print(f"model {model} in {llm.engine.config.device.dtype}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -132,7 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Fill the DeploymentConfig once from the flags, then run it."""
     from router.deploy import plan_deployment
     from router.serve import run
-    model, options = _resolved_options(args)
+    placement = _ray_placement(args)  # None: every worker on this machine
+    model, options = _resolved_options(args, here=placement is None)
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
     if not args.colocated:
@@ -142,6 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
+    if placement is not None:
+        return _serve_on_ray(args, placement, model, options)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
     max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * (args.colocated or args.decode)
     router = _router_config(args, model, options, max_inflight, restart_workers=args.restart)
@@ -157,6 +166,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.secret_file:  # multi-host: every host's workers are given the same secret this way
         dep = dataclasses.replace(dep, secret=_secret(args.secret_file))
     run(dep, args.ready_file)
+    return 0
+
+
+def _ray_placement(args: argparse.Namespace) -> "RayPlacement | None":
+    """`serve --ray` and its flags, checked; None without --ray."""
+    from router.deploy import RayPlacement
+    from router.ray_launch import parse_resources
+    resources = {"prefill": args.prefill_resources, "decode": args.decode_resources}
+    if not args.ray:
+        if any(v is not None for v in resources.values()):
+            raise ConfigError("--prefill-resources / --decode-resources place workers with Ray: give --ray auto|ADDRESS")
+        return None
+    if args.colocated:
+        raise ConfigError("--ray places prefill and decode workers (--prefill N --decode M), not colocated ones")
+    if args.prefill_devices or args.decode_devices:
+        raise ConfigError("--prefill-devices / --decode-devices do not apply under --ray: Ray gives each GPU "
+                          "worker one GPU of its node (--device cuda)")
+    if args.restart:
+        raise ConfigError("--restart is for workers on this machine: under --ray, Ray restarts them")
+    if args.kv_transfer in ("gloo", "nccl"):
+        raise ConfigError(f"--kv-transfer {args.kv_transfer} needs a group fixed at start, which a worker Ray "
+                          f"restarts cannot rejoin: under --ray use tcp (auto)")
+    if not args.secret_file:
+        raise ConfigError("--ray needs --secret-file: a file (mode 0600) at that path on every Ray node "
+                          "(the secret never travels through Ray)")
+    return RayPlacement(args.ray, {role: parse_resources(text or "{}", f"--{role}-resources")
+                                   for role, text in resources.items()},
+                        str(Path(args.secret_file).resolve()), args.ray_namespace)
+
+
+def _serve_on_ray(args: argparse.Namespace, placement: "RayPlacement", model: str, options: EngineOptions) -> int:
+    """`serve --ray`: the router here, bound to this node's address unless --host says
+    otherwise; each worker a Ray actor on a node with its role's resources, its KV
+    transfer tcp unless another is asked for (its peers may be on any node)."""
+    from common.worker.host import pair_transport
+    from router.deploy import plan_deployment
+    from router.ray_launch import connect
+    from router.serve import run
+    device = options.device.device
+    if device.startswith("cuda:"):
+        raise ConfigError(f"--device {device}: under --ray, Ray picks each worker's GPU; give --device cuda")
+    secret = _secret(args.secret_file)  # checked here too: the router authenticates with it
+    node_address = connect(placement)
+    vars(args).setdefault(ROUTER_DEST + "host", node_address)  # a --host given wins
+    model = str(Path(model).resolve())  # the same path on every node
+    max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * args.decode
+    router = _router_config(args, model, options, max_inflight)
+    dep = plan_deployment(router, options, kv_transfer=pair_transport(args.kv_transfer, device, None),
+                          threads_per_worker=options.device.num_threads or 1, worker_timeouts=given(args, WORKER_DEST),
+                          prefill_devices=(device,) * args.prefill, decode_devices=(device,) * args.decode)
+    run(dataclasses.replace(dep, secret=secret, ray=placement), args.ready_file)
     return 0
 
 
@@ -183,13 +243,17 @@ def _router_config(args: argparse.Namespace, model: str, options: EngineOptions,
                         api_key=api_key, **router_fields, **fields)
 
 
-def _resolved_options(args: argparse.Namespace) -> tuple[str, EngineOptions]:
+def _resolved_options(args: argparse.Namespace, here: bool = True) -> tuple[str, EngineOptions]:
     """The model and the engine options of the flags, with max_model_len and dtype
     resolved from the model: a router and its workers must agree on them (the model
-    fingerprint covers the dtype)."""
+    fingerprint covers the dtype). `here`: the workers run on this machine, so their
+    device is checked here too; a Ray driver plans GPU workers it may not have itself."""
     options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
-    engine = options.engine_config(model)
+    if not here:
+        from common.checkpoint_dtype import resolve_dtype
+        options = options.replace(dtype=resolve_dtype(options.device.dtype, model, options.device.device))
+    engine = (options if here else options.replace(device="cpu")).engine_config(model)
     return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
 
 
@@ -254,6 +318,10 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["limits"]], ROUTER_DEST)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, else none)")
+    g = p.add_argument_group("chat output (vLLM's flags)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["chat"]], ROUTER_DEST)
+    g = p.add_argument_group("conditional disaggregation (docs/slo.md)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["disagg"]], ROUTER_DEST)
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     return g
@@ -268,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=SUPPORTED_ARCHS, default="qwen3")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", choices=["simple", "qwen3"], default="simple",
+                   help="simple: role and content only; qwen3: Qwen3's own (tools, <think>), with its added tokens")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("convert-gguf", help="convert a llama/qwen2/qwen3 GGUF file to a HuggingFace-format folder")
@@ -302,6 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES)
     g = _add_router_args(p, SERVE_ROUTER_FIELDS[""], "a fresh one per run")
     g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
+    g = p.add_argument_group("Ray: place and restart the workers on a Ray cluster (docs/deploy.md)")
+    g.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="run each worker as a Ray actor on the cluster (auto: the one this machine belongs to)")
+    g.add_argument("--prefill-resources", default=None, metavar="JSON",
+                   help='Ray resources one prefill worker needs, e.g. \'{"prefill_pool": 1}\' (custom ones too; '
+                        "default: CPU = its threads, GPU = 1 with --device cuda)")
+    g.add_argument("--decode-resources", default=None, metavar="JSON", help="the same for one decode worker")
+    g.add_argument("--ray-namespace", default="pdserve", help="the Ray namespace the worker actors are named in")
     worker = options_of(WorkerConfig)
     add_config_flags(g, [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)
@@ -340,6 +418,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p.add_argument_group("liveness"), [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)
+
+    from router import profile
+    p = sub.add_parser("profile", help="measure prefill, decode step and KV transfer times; write a latency model "
+                                       "(docs/slo.md)")
+    profile.add_arguments(p)
+    _add_engine_args(p)
+    p.set_defaults(func=lambda args: profile.main(args, resolve_model(args.model), engine_options(args)))
+
+    from router import control_client
+    p = sub.add_parser("scale", help="grow, shrink or drain a running deployment's pools (docs/deploy.md)")
+    control_client.add_scale_arguments(p)
+    p.set_defaults(func=control_client.scale_main)
+    p = sub.add_parser("pools", help="list a running deployment's workers by pool and state")
+    control_client.add_common_arguments(p)
+    p.set_defaults(func=control_client.pools_main)
 
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")

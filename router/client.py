@@ -9,7 +9,9 @@
 
 Keyword arguments are sampling parameters (common/sampling_params.py), except the prompt
 options of `SubmitRequest` (`PROMPT_OPTIONS`: add_special_tokens, add_generation_prompt,
-continue_final_message, chat_template_kwargs; docs/protocol.md).
+continue_final_message, chat_template_kwargs, tools; docs/protocol.md). The text comes as
+the model wrote it: `router.tool_parsers.parse_tool_calls` and
+`router.reasoning.split_reasoning` read tool calls and reasoning out of it.
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ class Completion:
     logprobs: list[TokenLogprobs] | None = None  # one per token, when asked (`logprobs=n`)
 
 
-PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                  "tools")
 
 
 def _submit(prompt: str | list[int] | None, messages_: list[dict[str, str]] | None, stream: bool,

@@ -5,7 +5,10 @@ from dataclasses import dataclass
 
 from common.config import CacheConfig, ConfigError, option
 from common.wire.curve import MODES as CURVE_MODES
+from router.disagg_policy import MODES as DISAGG_MODES
 from router.policy import POLICIES
+from router.reasoning import REASONING_PARSERS
+from router.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,16 @@ class RouterConfig:
     ssl_ca_certs: str = option("", "with TLS: CA certificates (PEM); clients must then present a certificate "
                                    "one of them signed (mutual TLS)")
     routing: str = option("prefix_load", f"how a request's workers are chosen: {', '.join(POLICIES)}")
+    # conditional disaggregation (router/disagg_policy.py, docs/slo.md)
+    disagg: str = option("always", f"which prompts go via a prefill worker ({', '.join(DISAGG_MODES)}); the rest "
+                                   "are prefilled on their decode worker")
+    disagg_threshold_tokens: int = option(256, "threshold mode: via a prefill worker when the decode worker lacks "
+                                               "at least this many of the prompt's tokens")
+    disagg_max_prefill_queue: int = option(0, "threshold mode: prefill on the decode worker when the prefill worker "
+                                              "has more prompt tokens than this queued (0: no limit)")
+    disagg_latency_model: str = option("", "cost mode: the latency model file that `pdserve profile` wrote")
+    disagg_tpot_guard_ms: float = option(0.0, "cost mode: via a prefill worker whenever a step of the decode worker "
+                                              "that prefills the prompt would last longer than this (0: no guard)")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
@@ -48,6 +61,12 @@ class RouterConfig:
     restart_workers: bool = False  # the launcher starts a worker again when it exits
     client_timeout_s: float = option(10.0, "a heartbeating ZeroMQ client silent this long (s) is gone: "
                                            "its requests are aborted")
+    # chat output parsing over HTTP, vLLM's flags (router/tools.py, router/reasoning.py)
+    enable_auto_tool_choice: bool = option(False, 'serve tool_choice "auto": the model writes its calls, '
+                                                  "--tool-call-parser reads them")
+    tool_call_parser: str | None = option(None, f"the model's tool-call format: {', '.join(TOOL_CALL_PARSERS)}")
+    reasoning_parser: str | None = option(None, f"split <think> reasoning into reasoning_content: "
+                                                f"{', '.join(REASONING_PARSERS)}")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -61,6 +80,12 @@ class RouterConfig:
             raise ConfigError("ssl_ca_certs (--ssl-ca-certs) needs TLS on: give --ssl-keyfile and --ssl-certfile")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
+        if self.disagg not in DISAGG_MODES:
+            raise ConfigError(f"disagg {self.disagg!r} is not one of {', '.join(DISAGG_MODES)}")
+        if self.disagg == "cost" and not self.disagg_latency_model:
+            raise ConfigError("disagg cost needs disagg_latency_model (a file from `pdserve profile`)")
+        if min(self.disagg_threshold_tokens, self.disagg_max_prefill_queue, self.disagg_tpot_guard_ms) < 0:
+            raise ConfigError("disagg_threshold_tokens, disagg_max_prefill_queue and disagg_tpot_guard_ms must be >= 0")
         if self.retries < 0:
             raise ConfigError(f"retries must be >= 0, got {self.retries}")
         if not self.stale_after_s > 0 or not self.client_timeout_s > 0:
@@ -73,6 +98,12 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_chars < 0:
             raise ConfigError(f"max_prompt_chars must be >= 0 (0: default), got {self.max_prompt_chars}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty (leave it out to serve without one)")
 

@@ -10,7 +10,7 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 import random
 import sys
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -23,19 +23,21 @@ from common.hashing import block_hashes
 from common.engine.kv_layout import model_fingerprint
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, RequestOutput,
                                   StepOutputs, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus)
+from common.wire.messages import ChangeRole, DrainWorker, PoolsRequest, ScalePool
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
 from common.text.chat_template import ChatTemplateError
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
-from common.validation import RequestError, check_prompt_chars, check_sampling, check_text, check_token_ids
+from common.validation import RequestError, check_chat, check_prompt_chars, check_sampling, check_text, check_token_ids
 from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
+from router.disagg_state import Decision, Disaggregation
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
-from router.requests import InFlight, Prepared, RouteError, drain_outputs
+from router.requests import InFlight, Prepared, RouteError, drain_outputs, last_timeline
 
 
 ABORT_REPLY_WAIT_S = 2.0  # how long a stop-string finish waits for its worker's timeline (asked for only)
@@ -60,6 +62,7 @@ class Router:
         self.registry = WorkerRegistry(config.stale_after_s)
         self.metrics = RouterMetrics(config.model_name)
         self.rng = random.Random(config.seed)
+        self.disagg = Disaggregation(config, self.metrics)  # per request: via a prefill worker or prefilled on D
         self._rr_prefill = itertools.count()  # one counter per choice, or with two workers
         self._rr_decode = itertools.count()   # per role each would only ever see even indices
         self.ctx = zmq.asyncio.Context()
@@ -76,6 +79,7 @@ class Router:
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._by_wire: dict[str, InFlight] = {}  # attempt id -> request (router/recovery.py)
         self._tasks: list[asyncio.Task] = []
+        self.control_api: Callable[[bytes, object], None] | None = None  # router/control.py: pool requests
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -124,6 +128,8 @@ class Router:
             if why is not None:
                 print(f"router: {why}", file=sys.stderr, flush=True)
                 return
+            if self.registry.ignores(msg, now):
+                return  # a retired worker's late hello
             if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
                 self._connect_worker(msg)  # new, or restarted at a new address
             self.registry.hello(msg, now)
@@ -131,6 +137,8 @@ class Router:
             entry = self.registry.heartbeat(msg, now)
             if entry:
                 self.metrics.worker_status(msg)
+        elif isinstance(msg, (PoolsRequest, ScalePool, DrainWorker, ChangeRole)) and self.control_api is not None:
+            self.control_api(parts[0], msg)
         else:
             print(f"router: dropped a {msg.TYPE!r} message on the control socket", file=sys.stderr, flush=True)
 
@@ -146,13 +154,25 @@ class Router:
         except zmq.ZMQError:
             sock.close(0)
             raise
-        old = self._worker_tasks.pop(wid, None)
-        if old is not None:
-            old.cancel()
-            self.worker_socks.pop(wid).close(0)
+        self.disconnect_worker(wid)
         self.worker_socks[wid] = sock
         self._worker_addr[wid] = hello.address
         self._worker_tasks[wid] = asyncio.create_task(self._worker_loop(wid, sock))
+
+    def disconnect_worker(self, worker_id: str) -> None:
+        """Close the socket to a decode/colocated worker (a retired or restarted one)."""
+        if (task := self._worker_tasks.pop(worker_id, None)) is not None:
+            task.cancel()
+            self.worker_socks.pop(worker_id).close(0)
+            self._worker_addr.pop(worker_id, None)
+
+    def reply_control(self, identity: bytes, msg: object) -> None:
+        """Answer a control-socket peer (signed with the deployment secret)."""
+        self.control.send_multipart([identity, self._control_auth.seal(msg)])
+
+    def seal(self, msg: object) -> bytes:
+        """`msg` as a frame for a worker's server socket."""
+        return self._worker_auth.seal(msg)
 
     async def _worker_loop(self, worker_id: str, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -227,16 +247,13 @@ class Router:
         given = [x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)]
         if sum(given) != 1:
             raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
+        if sub.tools is not None and sub.messages is None:
+            raise RouteError("tools go with messages (a chat), not with a plain prompt")
         try:
             params = check_sampling(sub.sampling, self.tokenizer.vocab_size)
             limit = self.config.prompt_chars_limit
             if sub.messages is not None:
-                for m in sub.messages:
-                    if set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
-                        raise RouteError("each chat message needs 'role' and 'content'")
-                    for key, value in m.items():
-                        check_text(value, f"message {key}")
-                check_prompt_chars(sum(len(v) for m in sub.messages for v in m.values()), limit)
+                check_chat(sub.messages, sub.tools, limit)
             elif sub.prompt is not None:
                 check_prompt_chars(len(check_text(sub.prompt)), limit)
             elif len(sub.prompt_token_ids or ()) >= self.config.max_model_len:  # before copying a huge list
@@ -253,7 +270,7 @@ class Router:
         tok = self.tokenizer
         if sub.messages is not None:
             text = tok.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt,
-                                           continue_final_message=sub.continue_final_message,
+                                           tools=sub.tools, continue_final_message=sub.continue_final_message,
                                            template_kwargs=sub.chat_template_kwargs)
             return tok.encode(text, add_special_tokens=sub.add_special_tokens is True)
         if sub.prompt is not None:
@@ -300,27 +317,24 @@ class Router:
         except Exception as e:
             raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
 
-    def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()) -> tuple[WorkerEntry, WorkerEntry | None]:
-        """(decode-or-colocated worker, prefill worker or None); workers in `avoid` (that
-        just failed this request) only when no other is live."""
+    def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()
+              ) -> tuple[WorkerEntry, WorkerEntry | None, Decision | None]:
+        """(decode-or-colocated worker, prefill worker or None, a P + D pair's disaggregation
+        decision); workers in `avoid` (that just failed this request) only when no other is live."""
         reg, policy = self.registry, self.config.routing
         hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
-
-        def live(role: str) -> list[WorkerEntry]:
-            entries = reg.live((role,))
-            return [e for e in entries if e.worker_id not in avoid] or entries
-
-        prefills, decodes = live("prefill"), live("decode")
+        prefills, decodes = reg.live_except("prefill", avoid), reg.live_except("decode", avoid)
         if prefills and decodes:
-            p_id = choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))
-            d_id = choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))
-            self._note_routed(reg.workers[p_id], hashes)
-            return reg.workers[d_id], reg.workers[p_id]
-        colocated = live("colocated")
+            prefill = reg.workers[choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))]
+            decode = reg.workers[choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))]
+            choice = self.disagg.decide(len(prep.token_ids), hashes, decode, prefill, self.inflight.values())
+            self._note_routed(prefill if choice.disaggregate else decode, hashes)
+            return decode, prefill if choice.disaggregate else None, choice
+        colocated = reg.live_except("colocated", avoid)
         if colocated:
             c_id = choose_prefill(reg.views(colocated, hashes), policy, self.rng, next(self._rr_prefill))
             self._note_routed(reg.workers[c_id], hashes)
-            return reg.workers[c_id], None
+            return reg.workers[c_id], None, None
         raise RouteError("no live worker can serve this request (prefill+decode or colocated)", "unavailable")
 
     def _note_routed(self, entry: WorkerEntry, hashes: list[int]) -> None:
@@ -336,7 +350,7 @@ class Router:
         A SubmitRequest is prepared here; the HTTP front end prepares before it answers."""
         try:
             prep = request if isinstance(request, Prepared) else await self.prepare_async(request)
-            decode, prefill = self.route(prep)
+            decode, prefill, choice = self.route(prep)
         except RouteError as e:
             if e.code != "overloaded":  # admit() counted that one
                 self.metrics.request_done("error")
@@ -349,7 +363,7 @@ class Router:
             return
         req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
                        IncrementalDetokenizer.for_request(self.tokenizer, prep.params), len(prep.token_ids), self.clock.monotonic(),
-                       wire_id=sub.request_id)
+                       wire_id=sub.request_id, route=choice)
         self.inflight[req.request_id] = req
         self._by_wire[req.wire_id] = req
         self._take_load(req)
@@ -377,7 +391,7 @@ class Router:
                     if finished and not out.finished:  # a stop string: the worker is still decoding it
                         await self._abort_attempt(req)
                         if sub.return_timeline:  # the worker's stamps come with its answer to the abort
-                            reply.timeline = await self._last_timeline(req)
+                            reply.timeline = await last_timeline(req, self.clock, ABORT_REPLY_WAIT_S)
                     if finished:
                         reply.num_prompt_tokens = len(prep.token_ids)
                         if reply.timeline is not None:
@@ -391,24 +405,6 @@ class Router:
                 self.metrics.request_done("aborted")
                 await self._abort_attempt(req)
 
-    async def _last_timeline(self, req: InFlight) -> dict[str, float] | None:
-        """The timeline of the current attempt's last entry (its worker answers an abort
-        with one), waited for at most ABORT_REPLY_WAIT_S of the router's clock; None if
-        none comes. Only a request that asked for its timeline waits."""
-        deadline = self.clock.monotonic() + ABORT_REPLY_WAIT_S
-        while (left := deadline - self.clock.monotonic()) > 0:
-            get = asyncio.ensure_future(req.queue.get())
-            timer = asyncio.ensure_future(self.clock.sleep_async(left))
-            done, _ = await asyncio.wait({get, timer}, return_when=asyncio.FIRST_COMPLETED)
-            timer.cancel()
-            if get not in done:
-                get.cancel()
-                return None
-            out = get.result()
-            if out.request_id == req.wire_id and (isinstance(out, ErrorReply) or out.finished):
-                return None if isinstance(out, ErrorReply) else out.timeline
-        return None
-
     async def _abort_attempt(self, req: InFlight) -> None:
         """Tell the current attempt's worker to stop and free the request (its replies
         from now on find no request here and are dropped)."""
@@ -420,7 +416,8 @@ class Router:
                             params: SamplingParams) -> None:
         timeline: dict[str, float] = {}
         mark(timeline, Stamp.ARRIVAL, prep.arrival)
-        mark(timeline, Stamp.ROUTED, self.clock.time())
+        mark(timeline, Stamp.ROUTED, now := self.clock.time())
+        self.disagg.mark(timeline, req.route, now)
         prefill = req.prefill
         msg = GenerateRequest(req.wire_id, ids, params, prefill.hello.address if prefill else "",
                               prep.sub.return_timeline, timeline, hashes)
@@ -435,7 +432,7 @@ class Router:
         old_wire, old_decode = req.wire_id, req.decode
         ids, hashes = resume_prompt(prep.token_ids, req.output_ids, self.config.block_size)
         params = resume_params(prep.params, len(req.output_ids))
-        decode, prefill = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival), frozenset(failed))
+        decode, prefill, req.route = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival), frozenset(failed))
         self._give_load(req)
         req.attempts += 1
         req.decode, req.prefill, req.prefill_released = decode, prefill, False
@@ -453,9 +450,9 @@ class Router:
         await self._send_attempt(req, prep, ids, hashes, params)
 
     def _take_load(self, req: InFlight) -> None:
-        req.decode.inflight += 1
+        req.decode.take()
         if req.prefill is not None and not req.prefill_released:
-            req.prefill.inflight += 1
+            req.prefill.take()
 
     def _give_load(self, req: InFlight) -> None:
         req.decode.inflight -= 1

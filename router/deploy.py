@@ -12,6 +12,19 @@ from router.launch import free_port
 
 
 @dataclass(frozen=True)
+class RayPlacement:
+    """Where the workers run when Ray places them (`serve --ray`, router/ray_launch.py):
+    the cluster's address, the Ray resources one worker of each role needs, the path of
+    the secret file (present on every node; the secret itself never goes through Ray) and
+    the Ray namespace the worker actors are named in."""
+
+    address: str  # "auto" (the cluster this machine belongs to) or the head's HOST:PORT
+    resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {"prefill_pool": 1, "CPU": 2}
+    secret_file: str = ""
+    namespace: str = "pdserve"
+
+
+@dataclass(frozen=True)
 class DeploymentConfig:
     """The router's config and one WorkerSpec per worker process, prefill workers first.
 
@@ -23,6 +36,7 @@ class DeploymentConfig:
     workers: tuple[WorkerSpec, ...]
     kv_transfer: str = ""  # the resolved backend; "" for a colocated deployment
     secret: str = field(default="", repr=False)  # common.wire.auth; "" = a fresh one per `serve` (single host)
+    ray: RayPlacement | None = None  # Ray places and restarts the workers; None: this machine's processes
 
     def __post_init__(self) -> None:
         for w in self.workers:  # the router routes by prefix hashes of its own block size and model

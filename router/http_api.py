@@ -6,7 +6,7 @@ field it knows but cannot honour is refused by name (`unsupported`)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
@@ -68,6 +68,7 @@ class _Common(_NullIsDefault):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    SERVED: ClassVar[frozenset[str]] = frozenset()  # of those, the ones this endpoint serves after all
 
 
 # value(s) of an unsupported parameter that ask for nothing beyond what pdserve does
@@ -176,6 +177,8 @@ def _structured_output(body: _Common) -> tuple[StructuredOutput | None, str]:
 def unsupported(body: _Common) -> str | None:
     """The first parameter the body sets to something pdserve cannot honour, or None."""
     for name, harmless in _HARMLESS.items():
+        if name in body.SERVED:
+            continue
         value = getattr(body, name)
         if value is not None and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool)
                                          for ok in harmless):
@@ -217,10 +220,38 @@ class ContentPart(BaseModel):
     text: StrictStr | None = None
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(BaseModel):
+    """A call in an assistant message's `tool_calls` (router/tools.py renders it)."""
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (router/tools.py checks it compiles)
+    strict: StrictBool | None = None
+
+
+class ToolParam(BaseModel):
+    """One entry of a chat request's `tools`."""
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant: the calls it made
+    tool_call_id: StrictStr | None = None  # tool: the call this answers
+    reasoning_content: StrictStr | None = None  # assistant: its reasoning (Qwen3's template renders it)
 
     def text(self) -> str:
         """The content as one string: text parts joined with newlines (as vLLM renders
@@ -246,6 +277,11 @@ class ChatBody(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: StrictBool = False  # the sampled token's logprob, and `top_logprobs` most likely, per token
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # router/tools.py checks and plans them; tool_choice's forms are checked there
+    tools: list[ToolParam] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    SERVED: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
 
     @model_validator(mode="before")
     @classmethod
@@ -277,6 +313,7 @@ class TokenizeBody(_NullIsDefault):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None  # messages only: rendered by the template, as a chat would
 
     @model_validator(mode="after")
     def _one_form(self) -> "TokenizeBody":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import importlib.metadata
 import json
 import sys
@@ -21,13 +23,17 @@ from router.requests import Prepared, RouteError
 from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, StructuredOutputError, TokenizeBody, sampling_fields,
                              structured_output, unknown_fields, unsupported)
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
+from router.chat_output import ChoiceOutput
 from router.logprobs import TokenText, chat_logprobs, completion_logprobs
+from router.reasoning import thinking_on
 from router.text import merge_outputs, openai_usage
+from router.tools import ToolError, ToolPlan, tool_plan, wire_tool_calls
 
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names logged; a client inventing names cannot grow the set further
 COMPLETION_MAX_TOKENS = 16  # the legacy completions default (OpenAI's, vLLM's); a chat gets the rest of the context
 
 Body = CompletionBody | ChatBody
+ChoiceOutputs = Callable[[], ChoiceOutput]  # a new choice's output shaping (tools, reasoning)
 
 
 def _status_for(code: str) -> int:
@@ -79,10 +85,15 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_conte
 class Envelope:
     """One response's id, creation time and model, around its choices; for a stream it
     also owns which choices have sent their first chunk (a chat stream's first delta of
-    each choice names the role) and each choice's text offset for completions' logprobs."""
+    each choice names the role), each choice's text offset for completions' logprobs and,
+    for a chat with tools or a reasoning parser (`shaping`), each choice's output state
+    (router/chat_output.py)."""
 
-    def __init__(self, shape: Shape, request_id: str, model: str, created: float, token_text: TokenText) -> None:
+    def __init__(self, shape: Shape, request_id: str, model: str, created: float, token_text: TokenText,
+                 shaping: ChoiceOutputs | None = None) -> None:
         self.shape = shape
+        self.shaping = shaping  # chat with tools or a reasoning parser: each choice's output state
+        self.choice_outputs: dict[int, ChoiceOutput] = {}
         self.id = f"{shape.prefix}-{request_id}"
         self.created = int(created)
         self.model = model
@@ -107,16 +118,34 @@ class Envelope:
         usage-only last chunk."""
         if out is None:
             return self.wrap(self.shape.chunk_obj, [], usage, None)
-        choice = {"index": index, **self.shape.content(out.text, index not in self.started),
-                  "token_ids": out.token_ids, "logprobs": self.logprobs(out, index), "finish_reason": out.finish_reason}
+        first, reason = index not in self.started, out.finish_reason
+        if self.shaping is None:
+            content = self.shape.content(out.text, first)
+        else:
+            state = self.choice_outputs.setdefault(index, self.shaping())
+            delta = state.delta(out.text, out.finished)
+            content = {"delta": {"role": "assistant", **delta} if first else delta}
+            reason = state.finish_reason(reason) if out.finished else None
+        choice = {"index": index, **content, "token_ids": out.token_ids, "logprobs": self.logprobs(out, index),
+                  "finish_reason": reason}
         self.started.add(index)
         return self.wrap(self.shape.chunk_obj, [choice], usage, out.timeline)
+
+    def whole_choice(self, index: int, res: TokenOutput) -> dict:
+        """One choice of a response that was not streamed (`res`: its merged outputs)."""
+        if self.shaping is None:
+            body, reason = self.shape.content(res.text, None), res.finish_reason
+        else:
+            state = self.shaping()
+            body = {"message": {"role": "assistant", **state.message(res.text)}}
+            reason = state.finish_reason(res.finish_reason)
+        return {"index": index, **body, "token_ids": res.token_ids, "logprobs": self.logprobs(res, index),
+                "finish_reason": reason}
 
     def whole(self, results: list[TokenOutput]) -> dict:
         """The response of a request that was not streamed (`results`: each choice's merged
         outputs, in `index` order)."""
-        choices = [{"index": i, **self.shape.content(res.text, None), "token_ids": res.token_ids,
-                    "logprobs": self.logprobs(res, i), "finish_reason": res.finish_reason} for i, res in enumerate(results)]
+        choices = [self.whole_choice(i, res) for i, res in enumerate(results)]
         timeline = results[0].timeline if len(results) == 1 else None
         return self.wrap(self.shape.obj, choices, openai_usage(results), timeline)
 
@@ -169,12 +198,31 @@ class OpenAIServer:
             msgs = _messages(body.messages)
         except ValueError as e:
             return error(400, str(e), param="messages")
-        sub = self.submit_request(body, self.router.config.max_model_len, messages=msgs,
-                                  add_special_tokens=body.add_special_tokens,
+        cfg = self.router.config
+        try:
+            plan = tool_plan(_tools(body.tools), body.tool_choice,
+                             body.parallel_tool_calls, cfg.enable_auto_tool_choice,
+                             has_grammar=structured_output(body) is not None)
+        except ToolError as e:
+            return error(400, str(e), param=e.param)
+        sub = self.submit_request(body, cfg.max_model_len, messages=msgs, add_special_tokens=body.add_special_tokens,
                                   add_generation_prompt=body.add_generation_prompt,
                                   continue_final_message=body.continue_final_message,
-                                  chat_template_kwargs=body.chat_template_kwargs)
-        return await self.respond(body, [sub], CHAT)
+                                  chat_template_kwargs=body.chat_template_kwargs,
+                                  tools=plan.tools if plan is not None else None)
+        if plan is not None and (forced := plan.structured()) is not None:
+            sub = dataclasses.replace(sub, sampling=dataclasses.replace(sub.sampling, structured=forced))
+        return await self.respond(body, [sub], CHAT, self.chat_shaping(body, plan))
+
+    def chat_shaping(self, body: ChatBody, plan: ToolPlan | None) -> ChoiceOutputs | None:
+        """How each choice's output is shaped, or None where it is plain text: tool calls
+        ("auto", named, required) and the reasoning split (router/chat_output.py)."""
+        parser = self.router.config.reasoning_parser
+        if (plan is None or plan.choice == "none") and parser is None:
+            return None
+        live = plan if plan is not None and plan.choice != "none" else None
+        return functools.partial(ChoiceOutput, live, parser is not None,
+                                 thinking_on(parser or "", body.chat_template_kwargs))
 
     async def tokenize(self, body: TokenizeBody) -> Response | dict:
         """vLLM's /tokenize: the ids a completion (prompt) or chat (messages) would be served."""
@@ -186,7 +234,8 @@ class OpenAIServer:
                 form: dict[str, Any] = {"messages": _messages(body.messages),
                                         "add_generation_prompt": body.add_generation_prompt,
                                         "continue_final_message": body.continue_final_message,
-                                        "chat_template_kwargs": body.chat_template_kwargs}
+                                        "chat_template_kwargs": body.chat_template_kwargs,
+                                        "tools": _tools(body.tools)}
             except ValueError as e:
                 return error(400, str(e), param="messages")
         else:
@@ -221,10 +270,13 @@ class OpenAIServer:
         live = {r: len(reg.live((r,))) for r in ("prefill", "decode", "colocated")}
         ok = (live["prefill"] and live["decode"]) or live["colocated"]
         dead = sorted(e.worker_id for e in reg.workers.values() if not e.alive)  # docs/reliability.md
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead},
+        pools = {e.worker_id: {"role": e.role, "state": e.state if e.alive else "dead", "inflight": e.inflight,
+                               "routed": e.routed} for e in reg.workers.values()}  # docs/deploy.md
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead, "pools": pools},
                             status_code=200 if ok else 503)
 
     async def metrics(self) -> Response:
+        self.router.metrics.pools(self.router.registry.pool_counts())
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- one request -----------------------------------------------------------------------
@@ -297,12 +349,14 @@ class OpenAIServer:
                 raise r
         return results  # type: ignore[return-value]
 
-    async def respond(self, body: Body, subs: list[SubmitRequest], shape: Shape) -> Response | dict:
+    async def respond(self, body: Body, subs: list[SubmitRequest], shape: Shape,
+                      shaping: ChoiceOutputs | None = None) -> Response | dict:
         """One OpenAI response, streamed (SSE) or whole, with a choice per request."""
         preps = await self.admitted(subs)
         if isinstance(preps, JSONResponse):
             return preps
-        envelope = Envelope(shape, preps[0].sub.request_id, self.model_name, self.router.clock.time(), self.token_text)
+        envelope = Envelope(shape, preps[0].sub.request_id, self.model_name, self.router.clock.time(), self.token_text,
+                            shaping)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.sse(preps, envelope, include_usage), media_type="text/event-stream")
@@ -371,8 +425,19 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-def _messages(messages: list) -> list[dict[str, str]]:
-    """Chat messages in the wire form: content as one string (text parts joined);
-    ValueError names a part that is not text."""
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-            for m in messages]
+def _tools(tools: list | None) -> list[dict[str, Any]] | None:
+    """Tool definitions in the wire form, fields left out where not given (None: no tools)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+def _messages(messages: list) -> list[dict[str, Any]]:
+    """Chat messages in the wire form: content as one string (text parts joined), and the
+    tool fields that are set; ValueError names a part that is not text."""
+    out = []
+    for m in messages:
+        wire: dict[str, Any] = {"role": m.role, "content": m.text()}
+        wire.update((k, v) for k in ("name", "tool_call_id", "reasoning_content") if (v := getattr(m, k)) is not None)
+        if m.tool_calls:
+            wire["tool_calls"] = wire_tool_calls([c.model_dump() for c in m.tool_calls])
+        out.append(wire)
+    return out

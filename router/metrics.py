@@ -39,9 +39,15 @@ class RouterMetrics:
                                 registry=r)
         self.recoveries = Counter("pdserve_request_recoveries", "Requests re-routed after a worker failed, by kind",
                                   ["kind"], registry=r)
+        self.pool_workers = Gauge("pdserve_pool_workers", "Workers by role and state (serving, draining, "
+                                  "exiting, dead)", ["role", "state"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Workers found dead, by how", ["how"], registry=r)
+        self.disagg_decisions = Counter("pdserve_disagg_decisions", "Prefill + decode routing: prompts sent via the "
+                                        "prefill worker (disagg) or prefilled on the decode worker (local), by reason",
+                                        ["decision", "reason"], registry=r)
         self._vllm(r, model_name)
         self._load: dict[str, WorkerStatus] = {}  # worker id -> its last status
+        self._pool_labels: set[tuple[str, str]] = set()  # (role, state) pairs reported so far
 
     def _vllm(self, r: CollectorRegistry, model_name: str) -> None:
         """vLLM's names for the same series (docs/metrics of vLLM): one child per metric,
@@ -102,6 +108,12 @@ class RouterMetrics:
                 pass
         self._load.pop(worker_id, None)
         self._sum_load()
+
+    def pools(self, counts: dict[tuple[str, str], int]) -> None:
+        """The pools as they are now: every (role, state) seen so far, 0 where none is left."""
+        self._pool_labels.update(counts)
+        for role, state in self._pool_labels:
+            self.pool_workers.labels(role, state).set(counts.get((role, state), 0))
 
     def routed_prefix(self, hashes: list[int], cached: set[int]) -> None:
         from router.policy import prefix_overlap

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from common.clock import Clock
 from common.wire.messages import ErrorReply, RequestOutput, SubmitRequest
 from common.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
+from router.disagg_policy import Decision
 from router.registry import WorkerEntry
 
 
@@ -55,6 +57,7 @@ strings belong to the client request, not to an attempt."""
     attempts: int = 0  # attempts after the first (re-routed after a worker failed)
     output_ids: list[int] = field(default_factory=list)  # every token the caller has been sent
     num_cached_tokens: int = 0  # the current attempt's, from its first output
+    route: Decision | None = None  # the current attempt's disaggregation decision (P + D pairs)
 
 
 def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> list[RequestOutput | ErrorReply]:
@@ -78,3 +81,22 @@ def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> li
         else:
             outs.append(nxt)
     return outs
+
+
+async def last_timeline(req: InFlight, clock: Clock, wait_s: float) -> dict[str, float] | None:
+    """The timeline of the current attempt's last entry (its worker answers an abort with
+    one), waited for at most `wait_s` of `clock`; None if none comes. Only a request that
+    asked for its timeline waits."""
+    deadline = clock.monotonic() + wait_s
+    while (left := deadline - clock.monotonic()) > 0:
+        get = asyncio.ensure_future(req.queue.get())
+        timer = asyncio.ensure_future(clock.sleep_async(left))
+        done, _ = await asyncio.wait({get, timer}, return_when=asyncio.FIRST_COMPLETED)
+        timer.cancel()
+        if get not in done:
+            get.cancel()
+            return None
+        out = get.result()
+        if out.request_id == req.wire_id and (isinstance(out, ErrorReply) or out.finished):
+            return None if isinstance(out, ErrorReply) else out.timeline
+    return None

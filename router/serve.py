@@ -1,18 +1,21 @@
 """`pdserve serve`: the router (ZeroMQ + HTTP front ends) in this process, workers as
-child processes. Waits until every worker has registered, prints where to connect, and on
-Ctrl-C / SIGTERM stops every process it started. `pdserve router` is the same with no
-workers of its own: they join it (`pdserve worker --join`, docs/deploy.md)."""
+child processes (`--ray`: Ray actors on the cluster's nodes, router/ray_launch.py). Waits
+until every worker has registered, prints where to connect, and on Ctrl-C / SIGTERM stops
+every process it started. `pdserve router` is the same with no workers of its own: they
+join it (`pdserve worker --join`, docs/deploy.md)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
 import ssl
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import uvicorn
 
@@ -20,12 +23,17 @@ from common.config import ConfigError
 from common.gc_tuning import freeze_startup_heap
 from common.wire.curve import resolve as resolve_curve
 from common.worker.spec import WorkerSpec
+from router.control import ControlPlane
 from router.core import Router
 from router.deploy import DeploymentConfig
 from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
+from router.pool_launch import LocalLauncher
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
+
+if TYPE_CHECKING:
+    from router.ray_launch import RayLauncher
 
 
 class _QuietServer(uvicorn.Server):
@@ -65,22 +73,29 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     curve = resolve_curve(config.curve, [config.control_address()], shared_secret=bool(dep.secret))
+    dep = _with_curve(dep, curve)  # every worker's spec, local, Ray's and those the pools add
     router = Router(config, secret=dep.secret, curve=curve)
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
-    launcher = Launcher(secret=router.secret, curve=curve)  # into each worker's 0600 config file
-    supervisor = Supervisor(router, launcher, config.restart_workers)
+    launcher, start, stop_all = _launcher(dep, router)
+    local = LocalLauncher(launcher, dep, router.control_address) if dep.workers and dep.ray is None else None
+    control = ControlPlane(router, local, f"pdserve worker --role {{role}} --join {router.control_address} "
+                                          f"--secret-file FILE {config.model_dir}")
+    control.start()
+    secret_file = _secret_file(launcher, dep.secret) if dep.ray is None else dep.ray.secret_file
+    supervisor = Supervisor(router, launcher, config.restart_workers, control) if dep.ray is None else None  # Ray restarts its own
     http = http_task = None
     try:
         http = http_server(router) if config.enable_http else None  # a bad key or cert: refused before any worker
-        launch = asyncio.ensure_future(asyncio.to_thread(start_workers, launcher, dep, router.control_address))
+        launch = asyncio.ensure_future(asyncio.to_thread(start))
         await _until(launch, stop)
         if stop.is_set():
             return
         launch.result()  # raises LaunchError with the worker's log tail
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
-        supervisor.start()
+        if supervisor is not None:
+            supervisor.start()
         http_url = "(disabled)"
         if http is not None:
             http_task = asyncio.create_task(http.serve())
@@ -93,28 +108,64 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
-        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir}\n"
+        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
+              f"in {config.dtype}\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}"
               f"{f' (CurveZMQ, server key {front.server_key})' if front.server_key else ''}\n"
               f"  Workers join: {router.control_address} (CurveZMQ {'on' if curve else 'off'})\n"
+              f"  Pools:       pdserve pools --router {router.control_address} --secret-file {secret_file} "
+              f"--curve {'on' if curve else 'off'}\n"
               f"  Ctrl-C stops everything.", flush=True)
         freeze_startup_heap()
         if ready_file:
-            info = {"http": http_url, "zmq": front.address, "control": router.control_address, "curve": curve,
-                    "zmq_server_key": front.server_key, "pid": os.getpid(), "workers": {w.name: w.info for w in launcher.workers}}
+            info = {"http": http_url, "zmq": front.address, "control": router.control_address, "pid": os.getpid(),
+                    "secret_file": secret_file, "curve": curve, "zmq_server_key": front.server_key,
+                    "workers": {w.name: w.info for w in launcher.workers}}
             Path(ready_file).with_suffix(".tmp").write_text(json.dumps(info))
             Path(ready_file).with_suffix(".tmp").rename(ready_file)
         await stop.wait()
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
-        supervisor.close()
+        if supervisor is not None:
+            supervisor.close()
+        control.close()
         if http_task is not None:
             http.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(http_task, 5)
         front.close()
-        await asyncio.to_thread(launcher.stop)
+        await asyncio.to_thread(stop_all)
         await router.close()
+
+
+def _secret_file(launcher: Launcher, given: str) -> str:
+    """Where `pdserve scale` reads the deployment secret: a fresh one is written (0600) in
+    the launcher's private workdir; a given one stays in the file it came from (SECRET_FILE)."""
+    if given:
+        return "SECRET_FILE"
+    path = launcher.workdir / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(launcher.secret)
+    return str(path)
+
+
+def _launcher(dep: DeploymentConfig, router: Router) -> tuple[Launcher | RayLauncher, Callable[[], None],
+                                                             Callable[[], None]]:
+    """(launcher, start every worker, stop every worker): this machine's processes, or
+    Ray's actors when Ray places the workers (router/ray_launch.py)."""
+    if dep.ray is not None:
+        from router.ray_launch import RayLauncher
+        ray_launcher = RayLauncher(dep, router.control_address)
+        return ray_launcher, ray_launcher.start_all, ray_launcher.close
+    launcher = Launcher(secret=router.secret, curve=router.key.curve is not None)  # into each worker's 0600 config file
+    return launcher, functools.partial(start_workers, launcher, dep, router.control_address), launcher.stop
+
+
+def _with_curve(dep: DeploymentConfig, curve: bool) -> DeploymentConfig:
+    """`dep` with every worker's spec set to the deployment's CurveZMQ choice."""
+    return dataclasses.replace(dep, workers=tuple(dataclasses.replace(w, worker=dataclasses.replace(w.worker, curve=curve))
+                                                  for w in dep.workers))
 
 
 def http_server(router: Router) -> _QuietServer:

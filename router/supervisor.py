@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import sys
 
+from router.control import ControlPlane
 from router.core import Router
 from router.launch import Launcher, LaunchError, WorkerProcess
 
@@ -18,12 +19,14 @@ POLL_S = 0.2  # how often exits are looked for: bounds the detection time of a d
 
 
 class Supervisor:
-    """Owns the reaping task; restarts when asked to."""
+    """Owns the reaping task; restarts when asked to. A worker the pool control let go
+    (drained, router/control.py) is its business, not a failure: never restarted."""
 
-    def __init__(self, router: Router, launcher: Launcher, restart: bool) -> None:
+    def __init__(self, router: Router, launcher: Launcher, restart: bool, control: ControlPlane | None = None) -> None:
         self.router = router
         self.launcher = launcher
         self.restart = restart
+        self.control = control
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -37,8 +40,10 @@ class Supervisor:
         while True:
             await asyncio.sleep(POLL_S)
             for wp in self.launcher.reap():
+                if self.control is not None and self.control.worker_exited(wp.name, wp.proc.returncode):
+                    continue
                 self.report(wp)
-                if self.restart:
+                if self.restart and not (self.control is not None and self.control.leaving(wp.name)):
                     await self._restart(wp)
 
     def report(self, wp: WorkerProcess) -> None:

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from common.config import SUPPORTED_ARCHS, ConfigError
-from common.text.tokenizer import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_bpe_tokenizer
+from common.text.qwen3_template import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
+from common.text.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, add_plain_tokens, save_tokenizer, train_bpe_tokenizer
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,27 @@ SIZES = {
 }
 QK_NORM_GAIN = 3.0
 _ARCH_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+# chat template -> (its text, the not-special added tokens it needs); "simple" takes no tools,
+# "qwen3" is Qwen3's own (tools, tool responses and <think>)
+CHAT_TEMPLATES = {"simple": (CHAT_TEMPLATE, []), "qwen3": (QWEN3_CHAT_TEMPLATE, QWEN3_ADDED_TOKENS)}
 
 
 def make_model(out_dir: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0,
-               tie_word_embeddings: bool | None = None) -> Path:
-    """Write config.json, model.safetensors, generation_config.json and a tokenizer."""
+               tie_word_embeddings: bool | None = None, chat_template: str = "simple") -> Path:
+    """Write config.json, model.safetensors, generation_config.json and a tokenizer whose
+    chat template is one of CHAT_TEMPLATES."""
     if arch not in SUPPORTED_ARCHS:
         raise ConfigError(f"unknown arch {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
     if size not in SIZES:
         raise ConfigError(f"unknown size {size!r} (supported: {', '.join(SIZES)})")
+    if chat_template not in CHAT_TEMPLATES:
+        raise ConfigError(f"unknown chat template {chat_template!r} (supported: {', '.join(CHAT_TEMPLATES)})")
+    template, plain_tokens = CHAT_TEMPLATES[chat_template]
     s = SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_bpe_tokenizer(s.vocab, seed)
+    add_plain_tokens(tok, plain_tokens)
     vocab = tok.get_vocab_size()
     eos_id, pad_id = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
     tie = (arch == "qwen3") if tie_word_embeddings is None else tie_word_embeddings
@@ -89,7 +98,7 @@ def make_model(out_dir: str | Path, arch: str = "qwen3", size: str = "tiny", see
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": pad_id, "eos_token_id": [eos_id, pad_id], "pad_token_id": pad_id,
          "do_sample": False}, indent=2))
-    save_tokenizer(tok, out, s.max_positions)
+    save_tokenizer(tok, out, s.max_positions, template, plain_tokens)
     save_file(_random_weights(arch, s, vocab, tie, seed), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from typing import Any
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -60,18 +61,27 @@ def train_bpe_tokenizer(vocab_size: int, seed: int) -> HFTokenizer:
     return tok
 
 
-def save_tokenizer(tok: HFTokenizer, out_dir: Path, model_max_length: int) -> None:
+def add_plain_tokens(tok: HFTokenizer, tokens: list[str]) -> None:
+    """Add `tokens` as added tokens that are not special (as Qwen3 has `<think>` and
+    `<tool_call>`): each is one id, and decoding keeps its text."""
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tokens])
+
+
+def save_tokenizer(tok: HFTokenizer, out_dir: Path, model_max_length: int, chat_template: str = CHAT_TEMPLATE,
+                   plain_tokens: list[str] | None = None) -> None:
+    """tokenizer.json and tokenizer_config.json; `plain_tokens` are the not-special added
+    tokens (`add_plain_tokens`) to list in added_tokens_decoder."""
     tok.save(str(out_dir / "tokenizer.json"))
-    added = {str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+    added = {str(tok.token_to_id(t)): {"content": t, "special": t in SPECIAL_TOKENS, "lstrip": False, "rstrip": False,
                                        "normalized": False, "single_word": False}
-             for t in SPECIAL_TOKENS}
+             for t in [*SPECIAL_TOKENS, *(plain_tokens or ())]}
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "bos_token": None,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }, indent=2))

@@ -117,6 +117,7 @@ class HandshakeWatch:
         self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED))
         self.succeeded = False
         self.failures = 0
+        self.mismatch = False  # a failure was the peer's other --curve setting
 
     def poll(self) -> str | None:
         """Read the events waiting (never blocks): why the last failed handshake failed,
@@ -128,6 +129,7 @@ class HandshakeWatch:
                 self.succeeded = True
             elif event in _FAILED:
                 self.failures += 1
+                self.mismatch = self.mismatch or value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
                 why = handshake_failure(event, value)
         return why
 

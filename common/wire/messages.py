@@ -18,7 +18,9 @@ from common import schema
 from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams, StructuredOutput
 
-PROTOCOL_VERSION = 2  # 2: workers send one `step_outputs` per step instead of a `token_output` per token
+PROTOCOL_VERSION = 3  # 2: workers send one `step_outputs` per step instead of a `token_output` per token;
+# 3: `submit` carries `tools` and chat messages their tool calls and replies; the pool control API
+# (`pools_request` ... `worker_drain`)
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
@@ -90,20 +92,24 @@ class SubmitRequest:
     """Client -> router: exactly one of prompt (text), prompt_token_ids or messages (chat,
     rendered with the model's chat template). `add_special_tokens` None means the form's
     default, as vLLM: true for a text prompt (the tokenizer's BOS / post-processor),
-    false for messages (the template carries them). The last three fields apply to
+    false for messages (the template carries them). The last four fields apply to
     messages only: `continue_final_message` leaves the last message open instead of
-    adding a generation prompt; `chat_template_kwargs` are extra template variables."""
+    adding a generation prompt; `chat_template_kwargs` are extra template variables;
+    `tools` (version 3) are the OpenAI tool definitions the template renders. A message
+    (version 3) may carry `tool_calls`, `tool_call_id` and `reasoning_content` beside
+    `role`, `content` and `name`."""
     request_id: str
     sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     stream: bool = True
     return_timeline: bool = False
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @message("worker_hello")
@@ -255,6 +261,72 @@ class ClientHeartbeat:
     ROUTER socket does not report a client that went away, so a client that heartbeats and
     then falls silent past the router's limit is gone and its requests are aborted."""
     interval_s: float = 2.0
+
+
+# ---- pool control (router/control.py, docs/deploy.md) -------------------------------------
+# An operator (`pdserve scale`, an SLO planner) -> the router's control socket, signed with
+# the deployment secret; every request gets one `control_reply`.
+
+@message("pool_worker", since=3)
+class PoolWorker:
+    """One worker as the router sees it. state: starting (spawned, not registered yet),
+    serving, draining (no new requests; its own finish), exiting (told to exit), exited
+    (with `exit_code` where its launcher saw it) or dead (silent or exited unasked)."""
+    worker_id: str
+    role: str
+    state: str
+    address: str = ""
+    inflight: int = 0
+    routed: int = 0  # requests routed to it since it registered
+    managed: bool = False  # started by the router's launcher (it can stop and restart it)
+    exit_code: int | None = None
+
+
+@message("pools_request", since=3)
+class PoolsRequest:
+    """List the pools."""
+
+
+@message("scale_pool", since=3)
+class ScalePool:
+    """Grow (`delta` > 0: start that many workers of `role`) or shrink (`delta` < 0:
+    drain that many of its serving workers, least loaded first) one pool. `engine`:
+    engine options of the new workers that differ from the deployment's (e.g. "device",
+    "num_threads"); checked as the engine flags are."""
+    role: str
+    delta: int
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+@message("drain_worker", since=3)
+class DrainWorker:
+    """Drain one worker: no new requests, its in-flight ones finish, then it exits."""
+    worker_id: str
+
+
+@message("change_role", since=3)
+class ChangeRole:
+    """Drain one worker, then start it again (same id, same device) in `role`, with
+    `engine` options changed as in `scale_pool`."""
+    worker_id: str
+    role: str
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+@message("control_reply", since=3)
+class ControlReply:
+    """The router's answer to a control request: ok, what it did or why not, the workers
+    it acted on, and the pools as they are after it."""
+    ok: bool
+    message: str
+    worker_ids: list[str] = field(default_factory=list)
+    workers: list[PoolWorker] = field(default_factory=list)
+    can_spawn: bool = False  # whether this router starts workers itself (else: they join it)
+
+
+@message("worker_drain", since=3)
+class WorkerDrain:
+    """Router -> worker, once nothing routed to it is left: finish what it holds and exit (code 0)."""
 
 
 # ---- codec ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from common.gc_tuning import freeze_startup_heap
 from common.engine.kv_layout import layout_of
 from common.worker.host import local_host_id
 from common.worker.liveness import process_alive
-from common.wire.messages import WorkerHello, WorkerStatus
+from common.wire.messages import WorkerDrain, WorkerHello, WorkerStatus
 from common.wire.transport import Client, Incoming, Server
 
 
@@ -137,10 +137,16 @@ class WorkerBase:
         """First SIGTERM: drain (refuse new work, finish what runs, up to `drain_s`);
         a second one, or SIGINT: stop now."""
         if self.draining_until is None and self.wconfig.drain_s > 0:
-            self.draining_until = self.clock.monotonic() + self.wconfig.drain_s
-            self.log(f"draining (up to {self.wconfig.drain_s:.0f} s)")
+            self.begin_drain("SIGTERM")
         else:
             self._stop = True
+
+    def begin_drain(self, why: str) -> None:
+        """Refuse new work, finish what runs (up to `drain_s`), then leave the loop: the
+        process exits with code 0."""
+        if self.draining_until is None:
+            self.draining_until = self.clock.monotonic() + self.wconfig.drain_s
+            self.log(f"draining (up to {self.wconfig.drain_s:.0f} s): {why}")
 
     def router_gone(self) -> bool:
         pid = self.wconfig.router_pid
@@ -187,7 +193,9 @@ class WorkerBase:
                 inc = self.server.recv()
             except zmq.Again:
                 return
-            if inc is not None:
+            if inc is not None and isinstance(inc.msg, WorkerDrain):
+                self.begin_drain("the router asked (its pool shrinks)")
+            elif inc is not None:
                 self.handle(inc)
 
     def _heartbeat(self) -> None:

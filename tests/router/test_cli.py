@@ -23,7 +23,7 @@ def test_no_config_flag_gives_the_configs_defaults(command):
 
 def _other(value: object) -> str:
     """A flag value other than the default, valid for the option."""
-    return {16: "32", 0.2: "0.5", 64: "8", 2048: "4096", "cpu": "cuda:0", "float32": "bfloat16", 0: "7"}.get(value, "3")
+    return {16: "32", 0.2: "0.5", 64: "8", 2048: "4096", "cpu": "cuda:0", "float32": "bfloat16", "auto": "float32", 0: "7"}.get(value, "3")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -85,12 +85,19 @@ def test_serve_router_flags_come_from_router_config():
                                       "--routing", "round_robin", "--max-prompt-chars", "100", "--max-body-bytes",
                                       "2048", "--retries", "0", "--stale-after", "2.5", "--client-timeout", "3",
                                       "--curve", "on", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
-                                      "--ssl-ca-certs", "ca.pem", "--zmq-curve"])
+                                      "--ssl-ca-certs", "ca.pem", "--zmq-curve",
+                                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                      "--reasoning-parser", "qwen3",
+                                      "--disagg", "cost", "--disagg-threshold-tokens", "64", "--disagg-max-prefill-queue",
+                                      "900", "--disagg-latency-model", "lm.json", "--disagg-tpot-guard-ms", "50"])
     assert given(args, ROUTER_DEST) == {"host": "10.0.0.1", "http_port": -1, "zmq_port": 0, "routing": "round_robin",
                                         "max_prompt_chars": 100, "max_body_bytes": 2048, "retries": 0,
                                         "stale_after_s": 2.5, "client_timeout_s": 3.0, "curve": "on",
                                         "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem",
-                                        "zmq_curve": True}
+                                        "zmq_curve": True, "enable_auto_tool_choice": True,
+                                        "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "disagg": "cost",
+                                        "disagg_threshold_tokens": 64, "disagg_max_prefill_queue": 900,
+                                        "disagg_latency_model": "lm.json", "disagg_tpot_guard_ms": 50.0}
     assert sorted(given(args, ROUTER_DEST)) == sorted(names)
     for name in names:
         assert options[name].help, f"RouterConfig.{name} has no help text for its flag"
@@ -116,3 +123,26 @@ def test_router_command_has_the_control_port_and_needs_a_secret_file(capsys):
 def test_worker_refuses_a_join_address_that_is_not_tcp(tmp_path):
     from router.cli import main
     assert main(["worker", "--role", "prefill", "--join", "ipc:///tmp/x", "--secret-file", str(tmp_path / "s")]) == 2
+
+
+def test_make_model_writes_qwen3s_template_when_asked(tmp_path):
+    from common.text.qwen3_template import QWEN3_CHAT_TEMPLATE
+    from common.text.tokenizer import Tokenizer
+    from router.cli import main
+    assert main(["make-model", str(tmp_path / "m"), "--chat-template", "qwen3"]) == 0
+    tok = Tokenizer(tmp_path / "m")
+    assert tok.chat_template.where.endswith("tokenizer_config.json")
+    assert len(tok.encode("<tool_call></tool_call><think></think>")) == 4
+    assert "<tool_call>" in tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                     tools=[{"type": "function", "function": {"name": "f"}}])
+    assert (tmp_path / "m" / "tokenizer_config.json").read_text().count("multi_step_tool") == \
+        QWEN3_CHAT_TEMPLATE.count("multi_step_tool")
+
+
+def test_config_refuses_unknown_parsers_and_auto_without_one():
+    from common.config import ConfigError
+    from router.config import RouterConfig
+    for bad in ({"tool_call_parser": "xml"}, {"reasoning_parser": "o1"}, {"enable_auto_tool_choice": True}):
+        with pytest.raises(ConfigError):
+            RouterConfig(model_dir="m", **bad)
+    RouterConfig(model_dir="m", enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="deepseek_r1")

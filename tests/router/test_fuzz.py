@@ -52,6 +52,7 @@ def _body(prompt_key: str, prompt: st.SearchStrategy) -> st.SearchStrategy:
         "echo": st.none() | st.booleans(), "best_of": st.none() | _EDGE_INTS, "stream_options": _ANY_JSON,
         "max_completion_tokens": st.none() | _SMALL_MAX | _EDGE_INTS, "presence_penalty": _EDGE_FLOATS,
         "user": _TEXT, "return_timeline": st.booleans() | _ANY_JSON, "junk": _ANY_JSON,
+        "tools": _ANY_JSON, "tool_choice": st.sampled_from(["none", "auto", "required"]) | _ANY_JSON,
     }
     return st.fixed_dictionaries({prompt_key: prompt, "max_tokens": _SMALL_MAX | _EDGE_INTS | _ANY_JSON},
                                  optional={**_SAMPLING, **http_only})
@@ -59,7 +60,8 @@ def _body(prompt_key: str, prompt: st.SearchStrategy) -> st.SearchStrategy:
 
 _PROMPT = _TEXT | st.lists(st.integers(-5, 300), max_size=20) | st.lists(_EDGE_INTS, max_size=3) | _ANY_JSON
 _MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "wizard"]),
-                                            "content": _TEXT}, optional={"name": _TEXT, "extra": _ANY_JSON}),
+                                            "content": _TEXT}, optional={"name": _TEXT, "extra": _ANY_JSON,
+                                                                         "tool_calls": _ANY_JSON}),
                      max_size=3) | _ANY_JSON
 _HTTP_CASE = (st.tuples(st.just("completions"), _body("prompt", _PROMPT))
               | st.tuples(st.just("chat/completions"), _body("messages", _MESSAGES))
@@ -104,7 +106,7 @@ _SUBMIT = st.fixed_dictionaries(
         {"max_tokens": _SMALL_MAX | _EDGE_INTS}, optional=_SAMPLING) | _ANY_JSON},
     optional={"prompt": _TEXT | _ANY_JSON, "prompt_token_ids": st.lists(st.integers(-5, 300), max_size=20) | _ANY_JSON,
               "messages": _MESSAGES, "stream": st.booleans() | _ANY_JSON, "return_timeline": st.booleans(),
-              "x": _ANY_JSON})
+              "tools": _ANY_JSON, "x": _ANY_JSON})
 _FRAME = (st.fixed_dictionaries({"v": st.just(PROTOCOL_VERSION), "type": st.just("submit"), "data": _SUBMIT})
           | st.fixed_dictionaries({"v": st.just(PROTOCOL_VERSION) | _EDGE_INTS, "type": st.sampled_from(
               ["submit", "abort", "token_output", "error", "hello", "kv_ready", "x"]) | _TEXT, "data": _ANY_JSON})

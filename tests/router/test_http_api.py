@@ -43,10 +43,14 @@ def test_prompt_forms():
 
 def test_unknown_fields_are_kept_aside_known_unsupported_ones_named():
     body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1,
-                                    "parallel_tool_calls": False})
-    assert unknown_fields(body) == ["frobnicate", "parallel_tool_calls"]
+                                    "parallel_tool_calls": False, "reasoning_effort": "low"})
+    assert unknown_fields(body) == ["frobnicate", "reasoning_effort"] and body.parallel_tool_calls is False
     assert unsupported(ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}],
                                                 "best_of": 2})) == "best_of"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert unsupported(ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                "tool_choice": "required"})) is None  # chat serves them
+    assert unsupported(CompletionBody.model_validate({"prompt": "x", "tools": tools})) == "tools"  # completions do not
 
 
 def test_logprobs_fields_map_to_the_sampling_count():

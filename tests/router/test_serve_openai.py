@@ -109,7 +109,11 @@ def test_models_health_metrics(oai, pd):
     assert httpx.get(f"{pd.http}/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     health = httpx.get(f"{pd.base}/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "colocated": 0}, "dead": []}
+    body = health.json()
+    pools = body.pop("pools")
+    assert body == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "colocated": 0}, "dead": []}
+    assert {w: (p["role"], p["state"]) for w, p in pools.items()} == {"prefill-0": ("prefill", "serving"),
+                                                                      "decode-0": ("decode", "serving")}
 
     oai.completions.create(model="qwen3", prompt="metrics", max_tokens=3, temperature=0)
     deadline = time.monotonic() + 10

@@ -6,6 +6,7 @@ deployment, on a model whose tokenizer adds a BOS and whose template reads
 `enable_thinking`, checks the tokenizer options against transformers."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -101,11 +102,28 @@ def test_unknown_field_is_served_and_logged_once(oai, pd):
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2),
-                                         ("tools", [{"type": "function", "function": {"name": "f"}}])])
+                                         ("functions", [{"name": "f", "parameters": {}}])])
 def test_known_but_unsupported_field_is_refused_by_name(oai, field, value):
     with pytest.raises(openai.BadRequestError, match=field) as e:
         oai.chat.completions.create(model="qwen3", messages=CHAT, max_tokens=2, extra_body={field: value})
     assert e.value.body["param"] == field
+
+
+def test_tools_auto_needs_a_parser_and_a_named_call_works_on_any_model(oai):
+    """This server has no --tool-call-parser and its template takes no tools: "auto" (the
+    default with tools) is a 400 naming tool_choice; a named call is made by the grammar."""
+    params = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["x"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="qwen3", messages=CHAT, max_tokens=20, tools=tools)
+    assert e.value.body["param"] == "tool_choice"
+    res = oai.chat.completions.create(model="qwen3", messages=CHAT, max_tokens=30, temperature=0, tools=tools,
+                                      tool_choice={"type": "function", "function": {"name": "f"}})
+    (call,) = res.choices[0].message.tool_calls
+    assert call.function.name == "f" and res.choices[0].finish_reason == "stop"
+    x = json.loads(call.function.arguments)["x"]
+    assert isinstance(x, int) and 0 <= x <= 9
 
 
 def test_tokenize_detokenize_version(pd, tok):

@@ -1,0 +1,236 @@
+"""Ray places and restarts the workers (`pdserve serve --ray ADDRESS`, router/ray_launch.py)
+on a simulated cluster (`ray.cluster_utils.Cluster`: a head and three worker nodes, each
+with its own raylet and node id, all on loopback): each worker lands on a node with its
+role's custom resource, P and D on two node ids and so on two hosts (tcp, never shm), and
+greedy output equals transformers'. Removing the node of a prefill worker under traffic
+loses no request, and Ray starts that worker again on a node that joins with the
+resource.
+
+Ray starts only inside this test (imported in it, never at collection), and the test
+stops every Ray process and worker it started, whatever happens."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from common.config import EngineOptions
+from common.text.tokenizer import Tokenizer
+from common.worker.liveness import process_alive
+from router.config import RouterConfig
+from router.deploy import DeploymentConfig, RayPlacement, plan_deployment
+from router.ray_launch import RayLauncher
+from tests.helpers import one_torch_thread
+
+MAX_TOKENS = 8
+TEXTS = ["The router sends each request to", "Hello, my name is", "A prefill worker computes the prompt",
+         "Nothing is lost and nothing leaked"]
+NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}  # Ray's smallest object store: it carries nothing here
+# a lost node is noticed in ~1 s, not Ray's default 30 s
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 250, "health_check_failure_threshold": 4,
+                      "health_check_initial_delay_ms": 0}
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+class Traffic:
+    """Clients sending greedy completions of TEXTS in a loop until stopped; every answer
+    (or error) is kept."""
+
+    def __init__(self, base: str, model: str, prompts: list[list[int]], clients: int = 2) -> None:
+        self.base, self.model, self.prompts = base, model, prompts
+        self.results: list[tuple[int, list[int] | str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, offset: int) -> None:
+        i = offset
+        while not self._stop.is_set():
+            k = i % len(self.prompts)
+            try:
+                out = _post(self.base + "/v1/completions", {"model": self.model, "prompt": self.prompts[k],
+                                                            "max_tokens": MAX_TOKENS, "temperature": 0})
+                self.results.append((k, out["choices"][0]["token_ids"]))
+            except Exception as e:  # kept, and reported by the test
+                self.results.append((k, f"{type(e).__name__}: {e}"))
+            i += 1
+
+    def start(self) -> "Traffic":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def wait_for(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.results) < n:
+            assert time.monotonic() < deadline, f"{len(self.results)} answers after {timeout:.0f} s: {self.results}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(150)
+
+
+def _wait_ready_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"pdserve serve exited:\n{log.read_text(errors='replace')[-4000:]}"
+        assert time.monotonic() < deadline, f"not ready after {timeout:.0f} s:\n{log.read_text(errors='replace')[-4000:]}"
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs, hf_greedy, tmp_path, monkeypatch):
+    model = model_dirs["qwen3"]
+    tok = Tokenizer(model)
+    prompts = [tok.encode(t) for t in TEXTS]
+    secret = tmp_path / "secret"  # every simulated node sees this path, as every real node must
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node and driver on 127.0.0.1
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())  # the nodes' actors import pdserve from this checkout
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # Ray's OOM killer judges the whole shared machine
+    ray_tmp = tempfile.mkdtemp(prefix="pdray-")  # Ray's session files, removed at the end (short: socket paths)
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = serve = None
+    worker_pids: list[int] = []
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, resources={"decode_pool": 1},
+                                                                    include_dashboard=False,
+                                                                    _system_config=FAST_HEALTH_CHECKS))
+        p_nodes = [cluster.add_node(**NODE, resources={"prefill_pool": 1}) for _ in range(2)]
+        ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
+        with open(log, "wb") as f:
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "router.cli", "serve", model, "--ray", cluster.address, "--prefill", "2",
+                 "--decode", "1", "--prefill-resources", '{"prefill_pool": 1}', "--decode-resources",
+                 '{"decode_pool": 1}', "--secret-file", str(secret), "--dtype", "float32", "--num-threads", "1",
+                 "--num-kv-blocks", "128", "--max-model-len", "256", "--http-port", "0", "--zmq-port", "0", "--routing", "round_robin", "--ready-file", str(ready),
+                 "--stale-after", "2", "--peer-timeout", "2"], stdout=f, stderr=subprocess.STDOUT)
+        with one_torch_thread():  # while the workers start
+            want = [hf_greedy(model, ids, MAX_TOKENS) for ids in prompts]
+        info = _wait_ready_file(ready, serve, log, 120)
+        workers = info["workers"]
+        worker_pids += [w["pid"] for w in workers.values()]
+        # placed by resources: each prefill worker on a prefill_pool node, the decode worker on the decode_pool one
+        assert {workers[f"prefill-{i}"]["node_id"] for i in range(2)} == {n.node_id for n in p_nodes}, workers
+        assert workers["decode-0"]["node_id"] == cluster.head_node.node_id, workers
+        for w in workers.values():  # two node ids are two hosts: the pairs use tcp
+            assert w["host_id"] == f"ray:{w['node_id']}" and w["kv_transfer"] == "tcp", w
+        base = info["http"].removesuffix("/v1")
+
+        traffic = Traffic(base, Path(model).name, prompts).start()
+        traffic.wait_for(4, 60)
+        lost = next(n for n in p_nodes if n.node_id == workers["prefill-0"]["node_id"])
+        cluster.remove_node(lost, allow_graceful=False)  # the host dies: its raylet, actor and worker
+        new_node = cluster.add_node(**dict(NODE, num_cpus=2), resources={"prefill_pool": 2})  # and one spawned below
+
+        ray.init(address=cluster.address, namespace="pdserve")
+        actor = ray.get_actor("prefill-0")
+        deadline = time.monotonic() + 60
+        while (moved := _info(ray, actor)) is None or moved["node_id"] != new_node.node_id:
+            assert time.monotonic() < deadline, f"prefill-0 not back on the new node: {moved}"
+            time.sleep(0.5)
+        worker_pids.append(moved["pid"])
+        _wait_until(lambda: not process_alive(workers["prefill-0"]["pid"]), 10, "the lost node's worker still runs")
+        _wait_health(base, 2)
+        traffic.wait_for(len(traffic.results) + 6, 60)  # the restarted worker takes its share
+
+        # the launcher's own calls, under the same traffic: one more prefill worker, then stopped
+        launcher = RayLauncher(_same_deployment(model, cluster.address, str(secret)), info["control"], 60)
+        extra = launcher.spawn("prefill")
+        launcher.wait_ready([extra])
+        assert (extra.name, extra.info["node_id"]) == ("prefill-2", new_node.node_id)
+        _wait_health(base, 3)
+        traffic.wait_for(len(traffic.results) + 4, 60)
+        launcher.stop(extra)
+        _wait_until(lambda: not process_alive(extra.info["pid"]), 10, "a stopped worker still runs")
+        _wait_health(base, 2)
+        traffic.wait_for(len(traffic.results) + 2, 60)
+        traffic.stop()
+
+        errors = [r for r in traffic.results if isinstance(r[1], str)]
+        assert not errors, f"{len(errors)} of {len(traffic.results)} requests failed: {errors[:3]}\n" + \
+            log.read_text(errors="replace")[-3000:]
+        assert all(ids == want[k] for k, ids in traffic.results), \
+            [(k, ids, want[k]) for k, ids in traffic.results if ids != want[k]][:3]
+        time.sleep(1.0)  # a heartbeat: the restarted worker's byte counter reaches /metrics
+        sent = [line for line in _get(base + "/metrics")[1].splitlines()
+                if line.startswith("pdserve_worker_kv_transfer_bytes{") and 'worker_id="prefill-0"' in line]
+        assert sent and float(sent[0].rsplit(" ", 1)[1]) > 0, sent
+    finally:
+        _stop(serve)
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    deadline = time.monotonic() + 10  # the workers (the lost node's too) go with their actors
+    while any(process_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in worker_pids if process_alive(pid)], "a worker outlived its actor"
+
+
+def _wait_until(done, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _wait_health(base: str, prefill: int) -> None:
+    """Until the router has `prefill` live prefill workers."""
+    _wait_until(lambda: json.loads(_get(base + "/health")[1])["workers"]["prefill"] == prefill, 60,
+                f"never {prefill} live prefill workers: {_get(base + '/health')}")
+
+
+def _same_deployment(model: str, address: str, secret_file: str) -> DeploymentConfig:
+    """The deployment `serve` runs in the test, as data (what RayLauncher spawns more of)."""
+    options = EngineOptions.of(dtype="float32", num_threads=1, num_kv_blocks=128, max_model_len=256)
+    dep = plan_deployment(RouterConfig(model_dir=model, max_model_len=256), options, kv_transfer="tcp",
+                          prefill_devices=("cpu", "cpu"), decode_devices=("cpu",))
+    return dataclasses.replace(dep, ray=RayPlacement(address, {"prefill": {"prefill_pool": 1}}, secret_file))
+
+
+def _info(ray, actor) -> dict | None:
+    """The actor's info, or None while Ray restarts it."""
+    try:
+        return ray.get(actor.info.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None

@@ -1,0 +1,199 @@
+"""Tools and reasoning through `pdserve serve`, driven by the official openai client, on a
+random model whose chat template is Qwen3's own (`make-model --chat-template qwen3`),
+served with vLLM's flags (--enable-auto-tool-choice --tool-call-parser hermes
+--reasoning-parser qwen3), colocated and 1P+1D: a named or required tool_choice gives
+calls whose arguments validate against the tool's schema (the grammar writes them, so a
+random model does); "auto" and the reasoning split read an output the test forces with a
+structured_outputs regex, streamed and not; tool messages render; bad tools are a 400
+naming the field; tools travel on the ZeroMQ wire and into /tokenize."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from common.text.tokenizer import Tokenizer
+from tests.router.serving import RawClient, openai_client, start_server, stop_server
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+ROLES = {"colocated": ["--colocated", "1", "--prefill", "0", "--decode", "0"], "pd": ["--prefill", "1", "--decode", "1"]}
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory) -> str:
+    from common.loading.model_factory import make_model
+    return str(make_model(tmp_path_factory.mktemp("qwen3_tools"), "qwen3", "tiny", seed=1, chat_template="qwen3"))
+
+
+@pytest.fixture(scope="module", params=list(ROLES))
+def served(request, tools_model, tmp_path_factory):
+    s = start_server(tools_model, tmp_path_factory.mktemp(f"serve_tools_{request.param}"), ROLES[request.param], 1536,
+                     extra=FLAGS)
+    try:
+        yield s
+    finally:
+        stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai_client(served)
+
+
+def _chat(client, stream: bool = False, **kw):
+    kw.setdefault("messages", ASK)
+    kw.setdefault("max_tokens", 120)
+    return client.chat.completions.create(model=client.models.list().data[0].id, stream=stream, **kw)
+
+
+def _streamed(chunks) -> dict:
+    """A stream's deltas put together: content, reasoning, tool calls (by index), finish_reason."""
+    out: dict = {"content": "", "reasoning": "", "calls": {}, "finish_reason": None}
+    for chunk in chunks:
+        for c in chunk.choices:
+            out["content"] += c.delta.content or ""
+            out["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            for tc in c.delta.tool_calls or ():
+                call = out["calls"].setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+                call["id"] = tc.id or call["id"]
+                call["name"] += tc.function.name or "" if tc.function else ""
+                call["arguments"] += tc.function.arguments or "" if tc.function else ""
+            out["finish_reason"] = c.finish_reason or out["finish_reason"]
+    return out
+
+
+def test_named_tool_choice_gives_arguments_that_validate(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        res = _chat(client, tools=TOOLS, tool_choice=named, **kw)
+        choice = res.choices[0]
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+        assert choice.finish_reason == "stop"  # as vLLM and OpenAI: a named call stops
+    whole = _chat(client, tools=TOOLS, tool_choice=named, temperature=0).choices[0].message.tool_calls[0]
+    got = _streamed(_chat(client, stream=True, tools=TOOLS, tool_choice=named, temperature=0))
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == \
+        [("get_weather", whole.function.arguments)]
+    assert got["finish_reason"] == "stop" and got["calls"][0]["id"].startswith("call_")
+
+
+def test_required_tool_choice_gives_calls_of_the_tools(client):
+    for parallel in (True, False):
+        res = _chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3, max_tokens=200,
+                    parallel_tool_calls=parallel)
+        choice = res.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls and (parallel or len(choice.message.tool_calls) == 1)
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    whole = _chat(client, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200).choices[0]
+    got = _streamed(_chat(client, stream=True, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200))
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert got["finish_reason"] == whole.finish_reason == "tool_calls"
+
+
+def _forced(text: str) -> dict:
+    """extra_body that makes the model write exactly `text` (a regex of it)."""
+    return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_calls_the_model_writes_after_its_reasoning(client, stream):
+    text = "<think>plan it</think>I will check." + CALL_TEXT
+    res = _chat(client, stream=stream, tools=TOOLS, temperature=0, extra_body=_forced(text))
+    if stream:
+        got = _streamed(res)
+        calls = [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()]
+        reasoning, content, reason = got["reasoning"], got["content"], got["finish_reason"]
+    else:
+        msg = res.choices[0].message
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+        reasoning, content, reason = msg.reasoning_content, msg.content, res.choices[0].finish_reason
+    assert calls == [("get_weather", {"city": "Paris", "days": 2})]
+    assert (reasoning, content, reason) == ("plan it", "I will check.", "tool_calls")
+
+
+def test_auto_without_thinking_and_without_calls(client):
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    res = _chat(client, tools=TOOLS, temperature=0, extra_body={**_forced(CALL_TEXT + CALL_TEXT), **off},
+                parallel_tool_calls=False, max_tokens=400)
+    msg = res.choices[0].message
+    assert [c.function.name for c in msg.tool_calls] == ["get_weather"]  # one call: parallel calls are off
+    assert msg.content is None and msg.reasoning_content is None and res.choices[0].finish_reason == "tool_calls"
+    res = _chat(client, tools=TOOLS, temperature=0, extra_body={**_forced("No tool needed."), **off})
+    assert res.choices[0].message.content == "No tool needed." and not res.choices[0].message.tool_calls
+    assert res.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_split_without_tools(client, stream):
+    res = _chat(client, stream=stream, temperature=0, extra_body=_forced("<think>abc</think>def"))
+    if stream:
+        got = _streamed(res)
+        assert (got["reasoning"], got["content"], got["finish_reason"]) == ("abc", "def", "stop")
+    else:
+        msg = res.choices[0].message
+        assert (msg.reasoning_content, msg.content, res.choices[0].finish_reason) == ("abc", "def", "stop")
+    # cut while thinking: all reasoning, as vLLM's qwen3 parser
+    msg = _chat(client, temperature=0, max_tokens=3, extra_body=_forced("<think>one two three four five")).choices[0]
+    assert msg.finish_reason == "length" and msg.message.content is None and msg.message.reasoning_content
+
+
+def test_tool_messages_render_and_are_answered(client):
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    res = _chat(client, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=5)
+    assert res.choices[0].finish_reason in ("stop", "length") and not res.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": 5}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tools_are_a_400_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, **fields)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+def test_tools_travel_on_the_zeromq_wire(served, tools_model):
+    tok = Tokenizer(tools_model)
+    want = len(tok.encode(tok.apply_chat_template(ASK, tools=TOOLS)))
+    raw = RawClient(served.zmq)
+    try:
+        rid = raw.submit({"max_tokens": 2, "temperature": 0}, messages=ASK, tools=TOOLS)
+        last = raw.until_done(rid)[-1]
+    finally:
+        raw.close()
+    assert last["type"] == "token_output" and last["data"]["num_prompt_tokens"] == want
+    tokenized = httpx.post(f"{served.base}/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+    assert tokenized["tokens"] == tok.encode(tok.apply_chat_template(ASK, tools=TOOLS))  # vLLM's /tokenize takes tools
+    assert want > len(tok.encode(tok.apply_chat_template(ASK))) + 50  # the tools are in the prompt
