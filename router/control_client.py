@@ -48,14 +48,16 @@ class ControlClient:
         """Send one request and return the router's answer; ControlError if it refused or is silent."""
         self.client.send_or_drop(msg)  # never blocks: a failed handshake leaves no connection to queue on
         deadline = time.monotonic() + self.timeout_s
+        curve_failed = ""
         while not self.client.sock.poll(50):
             why = self.client.handshakes.poll()
-            if why is not None and self.client.handshakes.mismatch and self.fallback and self.curve:
+            if why is not None and self.fallback and self.curve:  # a plain router on loopback, or a wrong secret
+                curve_failed = why
                 self.client.close()
                 self.client = self._connect(False)
                 self.client.send_or_drop(msg)
-            elif why is not None:
-                raise ControlError(f"cannot talk to the router at {self.address}: {why} "
+            elif why is not None:  # plain failed too, as the router runs Curve: the Curve failure says why
+                raise ControlError(f"cannot talk to the router at {self.address}: {curve_failed or why} "
                                    f"(--curve must be the router's, as `pdserve serve` prints it)")
             elif time.monotonic() > deadline:
                 raise ControlError(f"no answer from the router at {self.address} within {self.timeout_s:.0f} s: "

@@ -36,6 +36,7 @@ MODES = ("auto", "on", "off")
 _LABEL = b"pdserve curve server key v1"
 FRONTEND_LABEL = b"pdserve curve client front end key v1"  # the client ZeroMQ socket's own keypair
 _FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+FAILURES_TO_GIVE_UP = 3  # failed handshakes in a row that mean "another deployment" (libzmq retries every 0.1 s)
 _HOST = re.compile(r"^tcp://\[?([^\]]*?)\]?:\d+$")
 
 
@@ -115,23 +116,23 @@ class HandshakeWatch:
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED))
-        self.succeeded = False
-        self.failures = 0
-        self.mismatch = False  # a failure was the peer's other --curve setting
+        self.failures = 0  # in a row, since the last handshake that succeeded
+        self.mismatch = False  # the peer runs the other --curve setting (libzmq does not retry then)
+        self._why = ""
 
     def poll(self) -> str | None:
-        """Read the events waiting (never blocks): why the last failed handshake failed,
-        or None if none failed since the last call."""
-        why = None
+        """Read the events waiting (never blocks): why the peer is surely not one of this
+        deployment's -- the other --curve setting, or FAILURES_TO_GIVE_UP failed handshakes
+        in a row (one alone may be a peer dying mid-handshake) -- else None."""
         while self.monitor.poll(0):
             event, value = _event(self.monitor.recv_multipart())
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.succeeded = True
+                self.failures = 0
             elif event in _FAILED:
                 self.failures += 1
                 self.mismatch = self.mismatch or value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-                why = handshake_failure(event, value)
-        return why
+                self._why = handshake_failure(event, value)
+        return self._why if self.mismatch or self.failures >= FAILURES_TO_GIVE_UP else None
 
     def close(self) -> None:
         """Stop monitoring, then close the reading end (before the socket closes)."""
