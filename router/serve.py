@@ -73,7 +73,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     curve = resolve_curve(config.curve, [config.control_address()], shared_secret=bool(dep.secret))
-    dep = _with_curve(dep, curve)  # every worker's spec, local, Ray's and those the pools add
+    dep = with_curve(dep, curve)  # every worker's spec, local, Ray's and those the pools add
     router = Router(config, secret=dep.secret, curve=curve)
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
@@ -162,7 +162,7 @@ def _launcher(dep: DeploymentConfig, router: Router) -> tuple[Launcher | RayLaun
     return launcher, functools.partial(start_workers, launcher, dep, router.control_address), launcher.stop
 
 
-def _with_curve(dep: DeploymentConfig, curve: bool) -> DeploymentConfig:
+def with_curve(dep: DeploymentConfig, curve: bool) -> DeploymentConfig:
     """`dep` with every worker's spec set to the deployment's CurveZMQ choice."""
     return dataclasses.replace(dep, workers=tuple(dataclasses.replace(w, worker=dataclasses.replace(w.worker, curve=curve))
                                                   for w in dep.workers))

@@ -31,6 +31,7 @@ from common.worker.liveness import process_alive
 from router.config import RouterConfig
 from router.deploy import DeploymentConfig, RayPlacement, plan_deployment
 from router.ray_launch import RayLauncher
+from router.serve import with_curve
 from tests.helpers import one_torch_thread
 
 MAX_TOKENS = 8
@@ -174,7 +175,8 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         traffic.wait_for(len(traffic.results) + 6, 60)  # the restarted worker takes its share
 
         # the launcher's own calls, under the same traffic: one more prefill worker, then stopped
-        launcher = RayLauncher(_same_deployment(model, cluster.address, str(secret)), info["control"], 60)
+        launcher = RayLauncher(with_curve(_same_deployment(model, cluster.address, str(secret)), info["curve"]),
+                               info["control"], 60)
         extra = launcher.spawn("prefill")
         launcher.wait_ready([extra])
         assert (extra.name, extra.info["node_id"]) == ("prefill-2", new_node.node_id)
