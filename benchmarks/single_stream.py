@@ -1,14 +1,16 @@
 """Single-stream decode against the weight-streaming bound, measured in the same run (issue 13).
 
     python benchmarks/single_stream.py [--model DIR_OR_GGUF] [--threads 2] [--tokens 64] [--rounds 5]
-        [--dtype float32[,bfloat16]] [--out results/single_stream.json]
+        [--dtype float32[,bfloat16,float32+int8,float32+int4,float32+gguf]] [--out results/single_stream.json]
 
 One request at a time decodes every token by reading all of the model's weights once,
 so a decode step cannot beat (weight bytes) / (memory read bandwidth). Both are measured
 here, in this process, with the engine's thread count:
 
-- bound: the model's parameter bytes (the tied embedding counted once: the lm_head reads
-  it) over the best of `--rounds` timed `torch.sum` passes over a float32 buffer of the
+- bound: the bytes a decode step streams -- each linear's weight as the GEMM reads it (its
+  int8 / int4 blocks, scales included, where quantized), the lm_head's included (the tied
+  embedding table counted once, as the lm_head; an embedding table is otherwise only
+  looked up), norms and biases -- over the best of `--rounds` timed `torch.sum` passes over a float32 buffer of the
   same size, filled with random values first (a fresh buffer's zero pages would be read
   from one cached page);
 - decode: `LLM.generate` of `--tokens` greedy tokens (ignore_eos) from a 32-token prompt,
@@ -18,7 +20,9 @@ here, in this process, with the engine's thread count:
 
 With several dtypes (`--dtype float32,bfloat16`) one engine per dtype runs in this process,
 taking turns round by round; each gets its own bound (its weights' bytes: bf16 halves
-them) and the report adds float32's median over each other dtype's.
+them) and the report adds float32's median over each other dtype's. A dtype may name a
+weight quantization after "+" (`float32+int4`: `--quantization int4`; `float32+gguf`: a
+GGUF model's own Q4_1 / Q8_0 linears); without one the engine runs `--quantization none`.
 
 Default model: the embedded SmolLM2-135M-Instruct (float32 after conversion, 538 MB of
 weights). Target (issue 13): median per-token time <= 2x the bound.
@@ -47,11 +51,19 @@ TARGET_RATIO = 2.0
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step streams (see the module docstring)."""
+    from common.models.layers import Linear
     seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for module in model.modules():
+        params = [p for p in module.parameters(recurse=False) if p.data_ptr() not in seen]
+        if isinstance(module, torch.nn.Embedding):
+            continue  # looked up; a tied lm_head counts the table as its weight
+        seen.update(p.data_ptr() for p in params)
+        quant = getattr(module, "quant", None) if isinstance(module, Linear) else None
+        if quant is not None:
+            total += quant.nbytes
+            params = [p for p in params if p is not module.weight]
+        total += sum(p.numel() * p.element_size() for p in params)
     return total
 
 
@@ -94,7 +106,8 @@ def main() -> int:
         from common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
     dtypes = args.dtype.split(",")
-    llms = {dt: LLM(model, num_threads=args.threads, num_kv_blocks=64, max_model_len=512, dtype=dt) for dt in dtypes}
+    llms = {dt: LLM(model, num_threads=args.threads, num_kv_blocks=64, max_model_len=512, dtype=dt.partition("+")[0],
+                    quantization=dt.partition("+")[2] or "none") for dt in dtypes}
     for llm in llms.values():
         decode_ms(llm, 8)  # warm-up: kernels built, weights packed, caches warm
     nbytes = {dt: weight_bytes(llm.engine.runner.model) for dt, llm in llms.items()}

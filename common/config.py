@@ -215,6 +215,9 @@ class DeviceConfig:
     dtype: str = option("auto", "auto: the checkpoint's config.json dtype, as vLLM (a float32 checkpoint "
                                 "stays float32; float16 -> bfloat16 on the CPU); float32; bfloat16 (on the "
                                 "CPU: bf16 weights and KV cache, float32 activations); float16")
+    quantization: str = option("auto", "weight-only quantized linears on the CPU: none, int8, int4 (int8 lm_head), "
+                                        "gguf (a GGUF model's Q8_0/Q4_0/Q4_1 linears kept as stored), or auto: "
+                                        "gguf for a model converted from a GGUF file, else none")
     num_threads: int | None = option(None, "torch intra-op threads per process (default: torch's own; "
                                            "`serve`: the CPU cores shared among the workers)")
 
@@ -223,6 +226,9 @@ class DeviceConfig:
             parse_dtype(self.dtype)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        from common.quantization import QUANTIZATIONS  # it imports this module
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
 
@@ -340,6 +346,9 @@ class EngineConfig(EngineOptions):
             from common.checkpoint_dtype import resolve_dtype  # it imports this module
             dtype = resolve_dtype("auto", self.model.model_dir, self.device.device)
             object.__setattr__(self, "device", dataclasses.replace(self.device, dtype=dtype))
+        from common.quantization import resolve_quantization  # it imports this module
+        quantization = resolve_quantization(self.device.quantization, self.model.model_dir, self.device.device)
+        object.__setattr__(self, "device", dataclasses.replace(self.device, quantization=quantization))
         if self.scheduler.max_model_len is None:
             resolved = min(self.model.max_position_embeddings, MAX_MODEL_LEN_CAP)
             object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler, max_model_len=resolved))

@@ -21,6 +21,7 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range [-100, 100]: -100 bans a token, 1
 MAX_PENALTY = 2.0  # presence/frequency: OpenAI's range [-2, 2]
 MAX_REPETITION_PENALTY = 100.0  # > 0; 1 is off. Bounded so logit/penalty stays finite in float32
 SEED_RANGE = (-2**63, 2**63)  # any int64, as vLLM; the generator is seeded with seed mod 2**64
+MAX_N = 128  # choices per request: they share one prefill, but each decodes (and holds KV) on its own
 MAX_LOGPROBS = 20  # top log-probabilities per token, OpenAI's limit (top_logprobs <= 20)
 # structured output: what each kind's spec holds (common/engine/grammar.py compiles it)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # JSON schema text, "", regex, JSON list, EBNF
@@ -92,6 +93,12 @@ class SamplingParams:
     # None: no log-probabilities; n: the sampled token's and the n most likely (common/logprobs.py)
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    # choices: one prefill, then n sequences that share the prompt's KV blocks; choice i of a
+    # seeded request samples from a generator seeded with seed + i (choice 0: the seed's own stream)
+    n: int = 1
+    # None: none; n: each prompt token's logprob (the first has none) and the n most likely
+    # there (vLLM's prompt_logprobs). Every prompt position is computed: no prefix-cache reuse
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,8 +131,11 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k must be -1 or 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None and self.n == 1 else 1):
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens} (0 only with "
+                                      f"prompt_logprobs and n 1: score the prompt, generate nothing)")
         if self.max_tokens > MAX_TOKENS_LIMIT:
             raise SamplingParamsError(f"max_tokens must be <= {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
         if self.stop is not None:
@@ -141,6 +151,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self._validate_stops()
         self._validate_penalties()
         if self.structured is not None:

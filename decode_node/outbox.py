@@ -9,27 +9,30 @@ from common.wire.messages import RequestOutput
 
 class Outbox:
     """Owns the entries produced since the last flush, per router connection (its
-    ZeroMQ identity), one per request, in the order the requests first produced one (a
+    ZeroMQ identity), one per request and choice (n > 1), in the order the requests first produced one (a
     request whose KV landed this turn and then decoded in the step has both tokens in
     one entry)."""
 
     def __init__(self) -> None:
-        self._entries: dict[bytes, dict[str, RequestOutput]] = {}
+        self._entries: dict[bytes, dict[tuple[str, int], RequestOutput]] = {}
 
     def add(self, identity: bytes, entry: RequestOutput) -> None:
         entries = self._entries.setdefault(identity, {})
-        last = entries.get(entry.request_id)
+        key = (entry.request_id, entry.index)
+        last = entries.get(key)
         if last is None:
-            entries[entry.request_id] = entry
+            entries[key] = entry
             return
         # invariant: nothing follows a finished entry (the request has left the worker)
-        assert not last.finished, f"request {entry.request_id}: output after its last one"
+        assert not last.finished, f"request {entry.request_id} choice {entry.index}: output after its last one"
         last.token_ids += entry.token_ids
         if entry.logprobs:  # a request that asks has one per token; an entry without tokens has none
             last.logprobs = (last.logprobs or []) + entry.logprobs
         last.finished, last.finish_reason, last.timeline = entry.finished, entry.finish_reason, entry.timeline
         if entry.num_prompt_tokens:
             last.num_prompt_tokens, last.num_cached_tokens = entry.num_prompt_tokens, entry.num_cached_tokens
+        if entry.prompt_logprobs is not None:  # on a request's first entry only
+            last.prompt_logprobs = entry.prompt_logprobs
 
     def take(self, identity: bytes) -> list[RequestOutput]:
         """One connection's entries, removed (an error for a request must follow its tokens)."""

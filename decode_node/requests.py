@@ -64,6 +64,14 @@ class DecodeRequest:
     ready: KVReady | None = None  # RECEIVING: the first token and sampler state wait with the data
     outcome: State | None = None  # DRAINING: the terminal state it ends in
     lease_until: float = 0.0  # RESERVED: monotonic time its KV must have landed by (WorkerConfig.lease_s)
+    # every choice (n > 1): `seq` (choice 0, which the prompt is computed for) and its forks, which
+    # take the prompt's blocks once it is computed; the request is finished when all are answered
+    choices: list[Sequence] = field(default_factory=list)
+    answered: set[int] = field(default_factory=set)  # choices whose last entry has been queued
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [self.seq, *self.seq.forks]
 
     @property
     def local(self) -> bool:
@@ -71,7 +79,8 @@ class DecodeRequest:
 
 
 class RequestTable:
-    """Owns every live request of a worker, by id and by sequence id; terminal requests
+    """Owns every live request of a worker, by id and by the sequence id of each of its
+    choices; terminal requests
     leave the table. `move` is the only place a request changes state."""
 
     def __init__(self) -> None:
@@ -81,7 +90,8 @@ class RequestTable:
     def add(self, req: DecodeRequest) -> None:
         assert req.request_id not in self._by_id and req.state == State.PENDING
         self._by_id[req.request_id] = req
-        self._by_seq[req.seq.seq_id] = req
+        for seq in req.choices:
+            self._by_seq[seq.seq_id] = req
 
     def move(self, req: DecodeRequest, state: State) -> None:
         if state not in TRANSITIONS.get(req.state, frozenset()):
@@ -89,7 +99,8 @@ class RequestTable:
         req.state = state
         if state in TERMINAL:
             del self._by_id[req.request_id]
-            del self._by_seq[req.seq.seq_id]
+            for seq in req.choices:
+                del self._by_seq[seq.seq_id]
 
     def get(self, request_id: str) -> DecodeRequest | None:
         return self._by_id.get(request_id)

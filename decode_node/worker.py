@@ -83,7 +83,9 @@ class DecodeWorker(WorkerBase):
             self.on_generate(inc.identity, msg)
         elif isinstance(msg, AbortRequest):
             req = self.requests.get(msg.request_id)
-            if req:
+            if req and msg.index >= 0 and len(req.choices) > 1:
+                self.abort_choice(req, msg.index)
+            elif req:
                 self.abort(req)
         elif isinstance(msg, StatusRequest):
             self.server.send(inc.identity, self.status())
@@ -175,6 +177,9 @@ class DecodeWorker(WorkerBase):
             self.log(f"KVReady for unknown request {ready.request_id!r} ignored")
             return
         assert self.receiver is not None
+        if ready.first_token < 0:  # scored (max_tokens 0): P sent no KV, only the prompt's logprobs
+            self.kv_landed(req, ready)
+            return
         try:
             pending = self.receiver.receive(ready, event.incoming.frames, req.dst_blocks, event.peer.info)
         except TransferError as e:
@@ -213,17 +218,21 @@ class DecodeWorker(WorkerBase):
             self.counters["transfers_rejected"] += 1
             self.fail(req, "KV transfer corrupt: checksum mismatch", code="transfer_error")  # never decoded
             return
-        self.counters["blocks_received"] += len(req.dst_blocks)
+        forks = _fork_firsts(ready, len(req.seq.forks))
+        if forks is None:
+            self.fail(req, f"KV ready carries {1 + len(ready.fork_tokens)} first tokens (with "
+                      f"{len(ready.fork_sampler_states)} sampler states, {len(ready.fork_logprobs)} logprobs) "
+                      f"for {len(req.choices)} choices", code="transfer_error")
+            return
+        self.counters["blocks_received"] += 0 if ready.first_token < 0 else len(req.dst_blocks)
         now = self.clock.time()
         mark(req.timeline, Stamp.KV_READY, now)
         mark(req.timeline, Stamp.FIRST_TOKEN, now)
         self.requests.move(req, State.RUNNING)
-        try:
-            out = self.engine.start_decoding(req.seq, ready.first_token, ready.sampler_state, ready.first_logprobs)
-        except ValueError as e:  # a P on another kind of device: the seed alone still works
-            self.log(f"request {req.request_id}: {e}; sampling goes on from the seed alone")
-            out = StepOutput(req.seq, ready.first_token, False, logprobs=ready.first_logprobs)
-        self.emit(req, out)
+        outs = self.engine.start_decoding(req.seq, ready.first_token, ready.sampler_state, ready.first_logprobs, forks)
+        outs[0].prompt_logprobs = ready.prompt_logprobs  # choice 0's first output carries the request's
+        for out in outs:
+            self.emit(req, out)
 
     # ---- the step --------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -239,7 +248,9 @@ class DecodeWorker(WorkerBase):
                 mark(req.timeline, Stamp.PREFILL_START, start, first=True)
         for out in outputs:
             req = self.requests.by_seq(out.seq.seq_id)
-            assert req is not None, "the engine ran a sequence the table does not hold"
+            if req is None:  # a choice of a request that failed earlier in this loop (its other choice broke)
+                assert out.seq.is_finished, "the engine ran a sequence the table does not hold"
+                continue
             if out.error is not None:  # this request alone broke the step; the engine released it
                 self.fail(req, out.error, code="internal_error")
                 continue
@@ -289,26 +300,37 @@ class DecodeWorker(WorkerBase):
 
     # ---- replies and exits -----------------------------------------------------------------
     def emit(self, req: DecodeRequest, out: StepOutput) -> None:
-        """Queue a step's token for this turn's message; a finished sequence has released
-        its blocks in the engine."""
+        """Queue a step's token (none: max_tokens 0) for this turn's message; a finished
+        sequence has released its blocks in the engine, and a request whose every choice
+        finished leaves."""
+        tokens = [out.new_token] if out.new_token >= 0 else []
         if not out.finished:
-            entry = RequestOutput(req.request_id, [out.new_token], logprobs=_logprobs(out))
+            entry = RequestOutput(req.request_id, tokens, logprobs=_logprobs(out), index=out.seq.index,
+                                  prompt_logprobs=out.prompt_logprobs)
             if out.seq.num_output_tokens == 1:  # the first: a request ended by a stop string gets no last entry
                 entry.num_prompt_tokens, entry.num_cached_tokens = out.seq.num_prompt_tokens, out.seq.num_cached_tokens
             self.outbox.add(req.identity, entry)
             return
-        self.finish_reply(req, out.seq.finish_reason or "stop", [out.new_token], _logprobs(out))
-        self.requests.move(req, State.FINISHED)
-        self.counters["finished"] += 1
+        self.finish_reply(req, out.seq.finish_reason or "stop", tokens, _logprobs(out), out.seq.index,
+                          out.prompt_logprobs)
+        self.finish_if_done(req)
+
+    def finish_if_done(self, req: DecodeRequest) -> None:
+        if len(req.answered) == len(req.choices):
+            self.requests.move(req, State.FINISHED)
+            self.counters["finished"] += 1
 
     def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int],
-                     logprobs: list[TokenLogprobs] | None = None) -> None:
+                     logprobs: list[TokenLogprobs] | None = None, index: int = 0,
+                     prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
         seq = req.seq
+        req.answered.add(index)
         mark(req.timeline, Stamp.FINISH, self.clock.time())
         self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            timeline=req.timeline if req.return_timeline else None, logprobs=logprobs))
+            timeline=req.timeline if req.return_timeline else None, logprobs=logprobs, index=index,
+            prompt_logprobs=prompt_logprobs))
 
     def flush(self) -> None:
         """End of a loop turn: one StepOutputs per router connection with every entry of
@@ -341,12 +363,23 @@ class DecodeWorker(WorkerBase):
         (P is told, and fences itself by answering PrefillFailed or KVReady)."""
         if req.state == State.DRAINING:
             return
-        self.finish_reply(req, "abort", [])
+        for choice in req.choices:
+            if choice.index not in req.answered:
+                self.finish_reply(req, "abort", [], index=choice.index)
         self.counters["finished"] += 1
         writing = req.state in (State.RESERVED, State.RECEIVING)
         if req.state == State.RESERVED and (peer := self.peers.get(req.prefill_addr)) is not None:
             peer.client.send(AbortRequest(req.request_id))
         self.end(req, State.ABORTED, fenced=not writing)
+
+    def abort_choice(self, req: DecodeRequest, index: int) -> None:
+        """One choice of a running request ends (the router matched a stop string in it):
+        its sequence is released; the request goes on while other choices do."""
+        if req.state != State.RUNNING or not 0 <= index < len(req.choices) or index in req.answered:
+            return
+        self.engine.release(req.choices[index], "abort")
+        self.finish_reply(req, "abort", [], index=index)
+        self.finish_if_done(req)
 
     def end(self, req: DecodeRequest, outcome: State, fenced: bool = True) -> None:
         """Release what `req` holds and leave the table in `outcome` -- unless a writer
@@ -361,7 +394,8 @@ class DecodeWorker(WorkerBase):
                 self.requests.move(req, State.DRAINING)
             return
         req.transfer = req.ready = None
-        self.engine.release(req.seq, "abort" if req.outcome == State.ABORTED else "error")
+        for choice in req.choices:
+            self.engine.release(choice, "abort" if req.outcome == State.ABORTED else "error")
         self.requests.move(req, req.outcome)
 
     def close(self) -> None:
@@ -378,6 +412,15 @@ class DecodeWorker(WorkerBase):
 def _logprobs(out: StepOutput) -> list[TokenLogprobs] | None:
     """A step output's logprobs as a `RequestOutput` holds them: one per token."""
     return None if out.logprobs is None else [out.logprobs]
+
+
+def _fork_firsts(ready: KVReady, n_forks: int) -> list[tuple[int, bytes, TokenLogprobs | None]] | None:
+    """The first token, sampler state and logprobs of each fork that `ready` carries, or
+    None if it does not carry one of each (as many as the request's other choices)."""
+    states, lps = ready.fork_sampler_states, ready.fork_logprobs
+    if len(ready.fork_tokens) != n_forks or len(states) not in (0, n_forks) or len(lps) not in (0, n_forks):
+        return None
+    return [(t, states[i] if states else b"", lps[i] if lps else None) for i, t in enumerate(ready.fork_tokens)]
 
 
 def serve(engine_config: EngineConfig, worker_config: WorkerConfig) -> None:

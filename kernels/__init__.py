@@ -207,25 +207,40 @@ class LinearPlan:
     multiplies float32 activations into float32 (widened in registers: half the bytes
     streamed); off the native path its product is `F.linear` on the weight widened to the
     activations' dtype. A plan is for the weight as it is now: re-plan after writing it
-    (`common.models.layers.Linear` does, by the weight's version)."""
+    (`common.models.layers.Linear` does, by the weight's version).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
+    `quant` (a `kernels.quant.QuantWeight`): the weight is that weight-only int8 / int4 one
+    instead, multiplied natively with its blocks dequantized in registers (`kind` says
+    which: PD_W_* of kernels/csrc/gemm_tile.h); off the native path, `F.linear` on it
+    dequantized to float32 (`weight` may be empty then: it is not read)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quant=None) -> None:
+        self.weight, self.bias, self.quant = weight, bias, quant
         self.packed: torch.Tensor | None = None  # native layout, when `native`
         self.native = False
+        self.kind = 0  # PD_W_F32
         self._onednn: torch.Tensor | None = None
         native = _cpu_native()
         cpu = (weight.device.type == "cpu" and weight.dim() == 2 and (bias is None or bias.dtype == torch.float32)
                and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
         cpu_f32 = cpu and weight.dtype == torch.float32
-        if cpu and weight.dtype in native.PACKED_DTYPES and native.enabled() and native.library() is not None:
+        usable = native.enabled() and native.library() is not None
+        self._n, self._k = (quant.n, quant.k) if quant is not None else weight.shape
+        self._b = None if bias is None else bias.contiguous()
+        self._bp = 0 if self._b is None else self._b.data_ptr()
+        if quant is not None:
+            from .quant import dequantize
+            self.weight = None  # made from quant on first use off the native path
+            self._dequantize = lambda: dequantize(quant).to(weight.device)
+            if cpu and usable:
+                self.native, self.packed, self.kind = True, quant.data, quant.code
+                self._fn = native.library().pd_gemm_q
+        elif cpu and weight.dtype in native.PACKED_DTYPES and usable:
             self.native = True
             self.packed = native.pack_weight(weight)  # in the weight's own dtype
+            self.kind = int(self.packed.dtype == torch.bfloat16)  # PD_W_BF16
             lib = native.library()
-            self._fn = lib.pd_gemm_bf16 if self.packed.dtype == torch.bfloat16 else lib.pd_gemm
-            self._n, self._k = weight.shape
-            self._b = None if bias is None else bias.contiguous()
-            self._bp = 0 if self._b is None else self._b.data_ptr()
+            self._fn = lib.pd_gemm_bf16 if self.kind else lib.pd_gemm
         elif cpu_f32 and torch.backends.mkldnn.is_available():
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
 
@@ -234,12 +249,15 @@ class LinearPlan:
                 and x.device.type == "cpu"):
             m, n = x.shape[0], self._n
             y = torch.empty((m, n), dtype=torch.float32)
-            if m and self._fn(x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr(), self._bp, y.data_ptr(),
-                              n, n, torch.get_num_threads()):
+            args = (x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr())
+            if m and (self._fn(*args, self.kind, self._bp, y.data_ptr(), n, n, torch.get_num_threads()) if self.kind > 1
+                      else self._fn(*args, self._bp, y.data_ptr(), n, n, torch.get_num_threads())):
                 raise _cpu_native().NativeKernelError("native gemm: bad arguments")
             return y
         if self._onednn is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+        if self.weight is None:  # a quantized weight, off the native path
+            self.weight = self._dequantize()
         if x.dtype != self.weight.dtype:  # bf16 weights, float32 activations, off the native path
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
@@ -253,6 +271,8 @@ class LinearPlan:
         inter = self._n // 2 if self.native else 0
         if (self.native and self._b is None and self._n % (2 * _cpu_native().PANEL) == 0 and x.dim() == 2
                 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"):
+            if self.kind > 1:
+                return _cpu_native().gemm_silu_q(x, self.quant)
             return _cpu_native().gemm_silu(x, self.packed, inter)
         return silu_mul(self(x))
 

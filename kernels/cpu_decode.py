@@ -8,7 +8,7 @@ decode batch in one call, through the native kernels the per-op path calls one b
 (the same results up to float rounding in the q/k norm and rotary step).
 
 `DecodeStack.build` returns None where it does not apply (not CPU float32 activations,
-norms, float32 or bf16 packed weights and KV cache, the native
+norms, float32, bf16 or weight-only int8 / int4 packed weights, a float32 or bf16 KV cache, the native
 library unavailable or turned off with ``PDSERVE_CPU_ATTENTION=torch``, a weight without
 unit stride along its input); the caller keeps the per-op path then.
 """
@@ -19,27 +19,32 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_native
+from . import cpu_native, quant
 
 _POINTERS = ("input_norm", "post_norm", "qkv_p", "qkv_b", "q_norm", "k_norm", "o_p", "gate_up_p", "down_p",
              "k_cache", "v_cache")
 _STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
+_KINDS = ("qkv_kind", "o_kind", "gate_up_kind", "down_kind")  # each matrix's PD_W_*
+# what a packed matrix of each kind holds: float32 or bf16 [panels, k, 16] panels, or
+# kernels.quant's uint8 blocks [panels, k / 32 * block_bytes]
+_KIND_DTYPES = {0: torch.float32, 1: torch.bfloat16, **{c: torch.uint8 for c in quant.KIND_CODES.values()}}
 
 
 class _LayerStruct(ctypes.Structure):
     """pd_layer_t in decode_layers_cpu.c, field for field."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in _POINTERS] + [(name, ctypes.c_int64) for name in _STRIDES]
-                + [("weights_bf16", ctypes.c_int64), ("kv_bf16", ctypes.c_int64)])
+                + [(name, ctypes.c_int64) for name in _KINDS] + [("kv_bf16", ctypes.c_int64)])
 
 
 @dataclass(frozen=True)
 class LayerTensors:
     """One decoder layer's tensors as the native stack reads them. Matrices are
-    nn.Linear's [out, in] weights packed by `cpu_native.pack_weight`, all four float32 or
-    all four bf16 (widened in registers); caches float32 or bf16; the rest float32. qkv_b, q_norm and
-    k_norm may be None (q_norm and k_norm together); caches are [num_blocks, block_size,
-    Hkv, D]."""
+    nn.Linear's [out, in] weights packed by `cpu_native.pack_weight` (float32, or bf16
+    widened in registers) or `kernels.quant` (int8 / int4), of the kinds `kinds` gives
+    (qkv, o, gate_up, down: `kernels.LinearPlan.kind`); caches float32 or bf16; the rest
+    float32. qkv_b, q_norm and k_norm may be None (q_norm and k_norm together); caches are
+    [num_blocks, block_size, Hkv, D]."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -52,6 +57,7 @@ class LayerTensors:
     down_p: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    kinds: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.input_norm, self.post_norm, self.qkv_p, self.qkv_b, self.q_norm, self.k_norm,
@@ -74,6 +80,14 @@ def _panels(n: int) -> int:
     return -(-n // cpu_native.PANEL)
 
 
+def _packed_shape(kind: int, n: int, k: int) -> tuple[int, ...]:
+    """The packed form's shape of an [n, k] weight of this kind."""
+    if kind in (0, 1):
+        return (_panels(n), k, cpu_native.PANEL)
+    name = next(name for name, code in quant.KIND_CODES.items() if code == kind)
+    return (_panels(n), k // quant.GROUP * quant.block_bytes(name))
+
+
 def _eligible(layer: LayerTensors, d: StackDims) -> bool:
     nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
     sized = [(layer.input_norm, d.hidden), (layer.post_norm, d.hidden), (layer.qkv_b, nqkv),
@@ -81,10 +95,14 @@ def _eligible(layer: LayerTensors, d: StackDims) -> bool:
     vec = [t for t, _ in sized if t is not None]
     if any(t is not None and tuple(t.shape) != (n,) for t, n in sized):
         return False  # the native code reads exactly these lengths
-    mats = [(layer.qkv_p, (_panels(nqkv), d.hidden, cpu_native.PANEL)),
-            (layer.o_p, (_panels(d.hidden), d.num_heads * d.head_dim, cpu_native.PANEL)),
-            (layer.gate_up_p, (_panels(2 * d.intermediate), d.hidden, cpu_native.PANEL)),
-            (layer.down_p, (_panels(d.hidden), d.intermediate, cpu_native.PANEL))]
+    if any(kind not in _KIND_DTYPES for kind in layer.kinds):
+        return False
+    dims = ((nqkv, d.hidden), (d.hidden, d.num_heads * d.head_dim), (2 * d.intermediate, d.hidden),
+            (d.hidden, d.intermediate))
+    if any(kind > 1 and k % quant.GROUP for kind, (_, k) in zip(layer.kinds, dims)):
+        return False
+    mats = [(m, _packed_shape(kind, n, k)) for m, kind, (n, k)
+            in zip((layer.qkv_p, layer.o_p, layer.gate_up_p, layer.down_p), layer.kinds, dims)]
     caches = (layer.k_cache, layer.v_cache)
     if (layer.q_norm is None) != (layer.k_norm is None) or any(m is None for m, _ in mats):
         return False
@@ -94,8 +112,7 @@ def _eligible(layer: LayerTensors, d: StackDims) -> bool:
     if (any(c.device.type != "cpu" or c.dtype != caches[0].dtype for c in caches)
             or caches[0].dtype not in cpu_native.KV_DTYPES):
         return False
-    if (len({m.dtype for m, _ in mats}) != 1 or mats[0][0].dtype not in cpu_native.PACKED_DTYPES
-            or any(m.device.type != "cpu" for m, _ in mats)):
+    if any(m.dtype != _KIND_DTYPES[kind] or m.device.type != "cpu" for (m, _), kind in zip(mats, layer.kinds)):
         return False
     return (all(v.is_contiguous() for v in vec)
             and all(tuple(m.shape) == shape and m.is_contiguous() for m, shape in mats)
@@ -117,7 +134,8 @@ class DecodeStack:
                 setattr(s, name, 0 if t is None else t.data_ptr())
             s.k_sb, s.k_st, s.k_sh = layer.k_cache.stride()[:3]
             s.v_sb, s.v_st, s.v_sh = layer.v_cache.stride()[:3]
-            s.weights_bf16 = int(layer.qkv_p.dtype == torch.bfloat16)
+            for name, kind in zip(_KINDS, layer.kinds):
+                setattr(s, name, kind)
             s.kv_bf16 = int(layer.k_cache.dtype == torch.bfloat16)
         self.num_blocks, self.block_size = layers[0].k_cache.shape[:2] if layers else (0, 1)
 

@@ -27,15 +27,20 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import huge_pages
 
+if TYPE_CHECKING:
+    from .quant import QuantWeight
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
-SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
+SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("gemm_quant_cpu.c"),
+           SOURCE.with_name("elementwise_cpu.c"),
            SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"),
            # the two attention kernels again, reading a bf16 cache (they include the files above)
            SOURCE.with_name("paged_decode_attention_bf16_cpu.c"),
@@ -159,6 +164,11 @@ def library() -> ctypes.CDLL | None:
                    + [ctypes.c_int64] * 2 + [ctypes.c_int])
     fn = lib.pd_gemm_silu_bf16
     fn.restype, fn.argtypes = lib.pd_gemm_silu.restype, lib.pd_gemm_silu.argtypes
+    for name in ("pd_gemm_q", "pd_gemm_silu_q"):  # pd_gemm's / pd_gemm_silu's arguments, the weight's kind after p
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        args = getattr(lib, name.removesuffix("_q")).argtypes
+        fn.argtypes = args[:5] + [ctypes.c_int] + args[5:]
     fn = lib.pd_store_kv
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -327,6 +337,37 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor
     if fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), act.data_ptr(), inter, inter,
                         torch.get_num_threads()):
         raise NativeKernelError("native gemm_silu: bad arguments")
+    return act
+
+
+def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ w^T (+ bias [n]) -> [m, n] float32, w a weight-only quantized weight
+    (`kernels.quant`), dequantized in registers (kernels/csrc/gemm_quant_cpu.c): the same
+    bits as `gemm` on `quant.dequantize(w)` packed in float32."""
+    lib, x = _library_and_rows(x)
+    m, k = x.shape
+    if k != w.k:
+        raise ValueError(f"gemm_q: x [{m}, {k}] does not fit a weight [{w.n}, {w.k}]")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.empty((m, w.n), dtype=torch.float32)
+    if lib.pd_gemm_q(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, 0 if bias is None else bias.data_ptr(),
+                     y.data_ptr(), w.n, w.n, torch.get_num_threads()):
+        raise NativeKernelError("native gemm_q: bad arguments")
+    return y
+
+
+def gemm_silu_q(x: torch.Tensor, w: "QuantWeight") -> torch.Tensor:
+    """`gemm_silu` on a quantized [gate; up] weight (w.n / 2 a multiple of PANEL)."""
+    lib, x = _library_and_rows(x)
+    m, k = x.shape
+    inter = w.n // 2
+    if k != w.k or w.n % (2 * PANEL):
+        raise ValueError(f"gemm_silu_q: x [{m}, {k}] and a weight [{w.n}, {w.k}] do not fit")
+    act = torch.empty((m, inter), dtype=torch.float32)
+    if lib.pd_gemm_silu_q(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, act.data_ptr(), inter, inter,
+                          torch.get_num_threads()):
+        raise NativeKernelError("native gemm_silu_q: bad arguments")
     return act
 
 

@@ -29,7 +29,7 @@ class LayerPush:
             mark(job.timeline, Stamp.PREFILL_START, self.now, first=True)
             sender = self.senders[job.decode_id]
             lo, hi = job.pushed, p.complete_blocks
-            if hi <= lo or not sender.layerwise:
+            if hi <= lo or not sender.layerwise or job.seq.sampling_params.max_tokens == 0:  # scored only: no KV
                 continue
             src = job.seq.block_table[lo:hi]
             dst = job.dst_block_ids[lo - job.skip_blocks:hi - job.skip_blocks]

@@ -147,18 +147,26 @@ class PrefillWorker(WorkerBase):
                 self.hand_off(job, out, end)
 
     def hand_off(self, job: PrefillJob, out: StepOutput, prefill_end: float) -> None:
-        """The prompt is computed: send the KV D still lacks, then KVReady with the first token."""
+        """The prompt is computed: send the KV D still lacks, then KVReady with the first
+        token -- or, for a request that samples none (max_tokens 0: it was scored), no KV,
+        KVReady with first_token -1 and its prompt logprobs."""
         seq = job.seq
-        n_blocks = len(job.dst_block_ids)
+        scored = out.new_token < 0
+        n_blocks = 0 if scored else len(job.dst_block_ids)
         sender = self.senders[job.decode_id]
         mark(job.timeline, Stamp.PREFILL_END, prefill_end)
         mark(job.timeline, Stamp.TRANSFER_START, self.clock.time())
         ready = KVReady(job.request_id, out.new_token, n_blocks, timeline=job.timeline,
-                        sampler_state=self.engine.sampler_state(seq), first_logprobs=out.logprobs)
+                        sampler_state=self.engine.sampler_state(seq), first_logprobs=out.logprobs,
+                        fork_tokens=[f.new_token for f in out.forks], prompt_logprobs=out.prompt_logprobs)
+        if out.forks and ready.sampler_state:  # n > 1: each choice's first token and generator, one KV
+            ready.fork_sampler_states = [self.engine.sampler_state(f.seq) for f in out.forks]
+        if out.forks and out.logprobs is not None:
+            ready.fork_logprobs = [f.logprobs for f in out.forks if f.logprobs is not None]
         src = seq.block_table[job.skip_blocks:]
         try:
-            frames = [] if sender.layerwise else sender.send(ready, src, job.dst_block_ids)
-            if self.wconfig.verify_transfers:
+            frames = [] if sender.layerwise or scored else sender.send(ready, src, job.dst_block_ids)
+            if self.wconfig.verify_transfers and not scored:
                 ready.checksum = kv_checksum(self.engine.runner.kv_cache, src)
         except Exception as e:  # e.g. the process group broke: this job fails, the worker goes on
             self.log(f"request {job.request_id}: KV send failed: {e}")

@@ -28,7 +28,8 @@ if typing.TYPE_CHECKING:
 ENGINE_DEST = "engine_"
 WORKER_DEST = "worker_"
 ROUTER_DEST = "router_"
-FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice"}  # where config_flag()'s rule does not fit
+FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice",  # where config_flag()'s
+         "planner_interval_s": "--planner-interval-s", "planner_cooldown_s": "--planner-cooldown-s"}  # rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
     "": ("host", "http_port", "zmq_port", "routing", "curve"),
@@ -38,6 +39,8 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
     "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
                "disagg_tpot_guard_ms"),
+    "planner": ("planner", "slo_ttft_ms", "slo_tpot_ms", "planner_interval_s", "planner_max_workers", "planner_target",
+                "planner_sustain", "planner_cooldown_s", "planner_host_cores"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 
@@ -120,7 +123,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
-    print(f"model {model} in {llm.engine.config.device.dtype}: {len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    dev = llm.engine.config.device  # the precision it ran in: `auto` resolved
+    print(f"model {model} ({dev.dtype}, quantization {dev.quantization}): {len(outs)} prompts, {ntok} tokens "
+          f"in {dt:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -238,7 +243,8 @@ def _router_config(args: argparse.Namespace, model: str, options: EngineOptions,
     if no_http:
         router_fields["http_port"] = 0
     return RouterConfig(model_dir=model, model_name=args.served_model_name or Path(model).name,
-                        dtype=options.device.dtype, max_model_len=options.scheduler.max_model_len,
+                        dtype=options.device.dtype, quantization=options.device.quantization,
+                        max_model_len=options.scheduler.max_model_len,
                         block_size=options.cache.block_size, enable_http=not no_http, max_inflight=max_inflight,
                         api_key=api_key, **router_fields, **fields)
 
@@ -254,7 +260,8 @@ def _resolved_options(args: argparse.Namespace, here: bool = True) -> tuple[str,
         from common.checkpoint_dtype import resolve_dtype
         options = options.replace(dtype=resolve_dtype(options.device.dtype, model, options.device.device))
     engine = (options if here else options.replace(device="cpu")).engine_config(model)
-    return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype)
+    return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype,
+                                  quantization=engine.device.quantization if here else options.device.quantization)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -322,6 +329,8 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["chat"]], ROUTER_DEST)
     g = p.add_argument_group("conditional disaggregation (docs/slo.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["disagg"]], ROUTER_DEST)
+    g = p.add_argument_group("SLO planner (docs/slo.md)")
+    add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["planner"]], ROUTER_DEST)
     g = p.add_argument_group("fault tolerance (docs/reliability.md)")
     add_config_flags(g, [router_options[n] for n in SERVE_ROUTER_FIELDS["faults"]], ROUTER_DEST)
     return g
@@ -433,6 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pools", help="list a running deployment's workers by pool and state")
     control_client.add_common_arguments(p)
     p.set_defaults(func=control_client.pools_main)
+
+    from router.simulate import cli as simulate_cli
+    p = sub.add_parser("simulate", help="replay a trace against a simulated deployment (the router's routing, the "
+                                        "engine's schedulers, a latency model); --search finds the best split")
+    simulate_cli.add_arguments(p)
+    p.set_defaults(func=simulate_cli.main)
 
     from router.bench import cli as bench_cli
     p = sub.add_parser("bench", help="replay a workload against a running server and report latency/SLO metrics")

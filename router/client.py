@@ -11,7 +11,9 @@ Keyword arguments are sampling parameters (common/sampling_params.py), except th
 options of `SubmitRequest` (`PROMPT_OPTIONS`: add_special_tokens, add_generation_prompt,
 continue_final_message, chat_template_kwargs, tools; docs/protocol.md). The text comes as
 the model wrote it: `router.tool_parsers.parse_tool_calls` and
-`router.reasoning.split_reasoning` read tool calls and reasoning out of it.
+`router.reasoning.split_reasoning` read tool calls and reasoning out of it. With `n` > 1
+the stream interleaves the choices (`TokenOutput.index`) and ends when each has finished;
+`choices(...)` returns every choice's Completion, `generate` refuses n > 1.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ class Completion:
     timeline: dict[str, float] | None = None
     token_times: list[float] = field(default_factory=list)  # client clock, one per token
     logprobs: list[TokenLogprobs] | None = None  # one per token, when asked (`logprobs=n`)
+    index: int = 0  # the choice, of the request's n
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, when asked (`prompt_logprobs=n`)
 
 
 PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
@@ -74,7 +78,25 @@ def _submit(prompt: str | list[int] | None, messages_: list[dict[str, str]] | No
 def _merge(request_id: str, outs: list[TokenOutput], times: list[float]) -> Completion:
     res = merge_outputs(outs)
     return Completion(request_id, res.text, res.token_ids, res.finish_reason, res.num_prompt_tokens,
-                      res.num_cached_tokens, res.timeline, times, res.logprobs)
+                      res.num_cached_tokens, res.timeline, times, res.logprobs, res.index,
+                      res.prompt_logprobs)
+
+
+def _choices(outs: list[TokenOutput], times: list[float]) -> list[Completion]:
+    """Each choice's Completion, by index, from a request's interleaved outputs (`times`: one per token)."""
+    per: dict[int, tuple[list[TokenOutput], list[float]]] = {}
+    at = 0
+    for out in outs:
+        o, t = per.setdefault(out.index, ([], []))
+        o.append(out)
+        t += times[at:at + len(out.token_ids)]
+        at += len(out.token_ids)
+    return [_merge(o[-1].request_id, o, t) for _, (o, t) in sorted(per.items())]
+
+
+def _one_choice(kwargs: dict[str, Any]) -> None:
+    if kwargs.get("n", 1) != 1:
+        raise ValueError("n > 1 gives n completions: call choices() instead of generate()")
 
 
 def _socket(ctx: zmq.Context, address: str, server_key: str | None) -> zmq.Socket:
@@ -107,7 +129,7 @@ class Client:
         sub = _submit(prompt, messages, True, return_timeline, kwargs)
         self.sock.send(wire.encode(ClientHeartbeat(HEARTBEAT_S)))
         self.sock.send(wire.encode(sub))
-        finished = False
+        finished, left = False, sub.sampling.n  # choices not finished yet
         try:
             while not finished:
                 if not self._wait(sub.request_id):
@@ -118,7 +140,8 @@ class Client:
                 if isinstance(msg, ErrorReply):
                     finished = True
                     raise ServerError(msg)
-                finished = msg.finished
+                left -= msg.finished
+                finished = left == 0
                 yield msg
         finally:
             if not finished:
@@ -136,12 +159,17 @@ class Client:
         return False
 
     def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
+        _one_choice(kwargs)
+        return self.choices(prompt, **kwargs)[0]
+
+    def choices(self, prompt: str | list[int] | None = None, **kwargs: Any) -> list[Completion]:
+        """Every choice (`n` of them) of one request, by index."""
         import time
         outs, times = [], []
         for out in self.stream(prompt, **kwargs):
             outs.append(out)
             times += [time.perf_counter()] * len(out.token_ids)
-        return _merge(outs[-1].request_id, outs, times)
+        return _choices(outs, times)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -186,7 +214,7 @@ class AsyncClient:
             self._heartbeat = asyncio.create_task(self._beat())
         sub = _submit(prompt, messages, True, return_timeline, kwargs)
         q = self._queues[sub.request_id] = asyncio.Queue()
-        finished = False
+        finished, left = False, sub.sampling.n  # choices not finished yet
         try:
             await self.sock.send(wire.encode(sub))
             while not finished:
@@ -194,7 +222,8 @@ class AsyncClient:
                 if isinstance(msg, ErrorReply):
                     finished = True
                     raise ServerError(msg)
-                finished = msg.finished
+                left -= msg.finished
+                finished = left == 0
                 yield msg
         finally:
             self._queues.pop(sub.request_id, None)
@@ -202,12 +231,17 @@ class AsyncClient:
                 await self.sock.send(wire.encode(AbortRequest(sub.request_id)))
 
     async def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
+        _one_choice(kwargs)
+        return (await self.choices(prompt, **kwargs))[0]
+
+    async def choices(self, prompt: str | list[int] | None = None, **kwargs: Any) -> list[Completion]:
+        """As Client.choices."""
         import time
         outs, times = [], []
         async for out in self.stream(prompt, **kwargs):
             outs.append(out)
             times += [time.perf_counter()] * len(out.token_ids)
-        return _merge(outs[-1].request_id, outs, times)
+        return _choices(outs, times)
 
     async def close(self) -> None:
         for t in (self._reader, self._heartbeat):

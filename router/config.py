@@ -10,6 +10,8 @@ from router.policy import POLICIES
 from router.reasoning import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
 
+PLANNERS = ("none", "slo")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -19,6 +21,7 @@ class RouterConfig:
     model_dir: str
     model_name: str = "pdserve"
     dtype: str = "float32"  # the deployment\'s engine dtype (resolved, never "auto"): part of the model fingerprint
+    quantization: str = "none"  # its weight quantization (resolved, never "auto"): part of the fingerprint too
     host: str = option("127.0.0.1", "the address the HTTP, ZeroMQ and control sockets bind")
     http_port: int = option(8000, "OpenAI HTTP port; 0 picks a free port, -1 serves no HTTP")
     zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")
@@ -42,6 +45,19 @@ class RouterConfig:
     disagg_latency_model: str = option("", "cost mode: the latency model file that `pdserve profile` wrote")
     disagg_tpot_guard_ms: float = option(0.0, "cost mode: via a prefill worker whenever a step of the decode worker "
                                               "that prefills the prompt would last longer than this (0: no guard)")
+    # the SLO planner (router/planner.py, docs/slo.md "Planner")
+    planner: str = option("none", "'slo': watch TTFT/TPOT attainment, queues and KV use, and change the pools "
+                                  "(role changes, new workers, core sharing) to meet the SLOs; 'none': never")
+    slo_ttft_ms: float = option(0.0, "planner: the time-to-first-token SLO (ms)")
+    slo_tpot_ms: float = option(0.0, "planner: the time-per-output-token SLO (ms)")
+    planner_interval_s: float = option(5.0, "planner: the window (s): one decision per window")
+    planner_max_workers: int = option(0, "planner: workers it may grow the deployment to (0: role changes only)")
+    planner_target: float = option(0.9, "planner: the share of a window's requests that must meet each SLO")
+    planner_sustain: int = option(3, "planner: consecutive windows a condition must hold before a change")
+    planner_cooldown_s: float = option(30.0, "planner: no change this soon (s) after the last")
+    planner_host_cores: int = option(0, "planner: one host's cores the workers share; with it the planner also "
+                                        "trades one colocated worker on all of them for 1P+1D on half each "
+                                        "(0: it does not plan core sharing)")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
@@ -86,6 +102,7 @@ class RouterConfig:
             raise ConfigError("disagg cost needs disagg_latency_model (a file from `pdserve profile`)")
         if min(self.disagg_threshold_tokens, self.disagg_max_prefill_queue, self.disagg_tpot_guard_ms) < 0:
             raise ConfigError("disagg_threshold_tokens, disagg_max_prefill_queue and disagg_tpot_guard_ms must be >= 0")
+        self._check_planner()
         if self.retries < 0:
             raise ConfigError(f"retries must be >= 0, got {self.retries}")
         if not self.stale_after_s > 0 or not self.client_timeout_s > 0:
@@ -106,6 +123,16 @@ class RouterConfig:
             raise ConfigError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty (leave it out to serve without one)")
+
+    def _check_planner(self) -> None:
+        if self.planner not in PLANNERS:
+            raise ConfigError(f"planner {self.planner!r} is not one of {', '.join(PLANNERS)}")
+        if self.planner == "slo" and not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
+            raise ConfigError("planner slo needs slo_ttft_ms and slo_tpot_ms > 0 (--slo-ttft-ms, --slo-tpot-ms)")
+        if not self.planner_interval_s > 0 or self.planner_cooldown_s < 0 or self.planner_sustain < 1:
+            raise ConfigError("planner_interval_s must be > 0, planner_cooldown_s >= 0, planner_sustain >= 1")
+        if self.planner_max_workers < 0 or self.planner_host_cores < 0 or not 0 < self.planner_target <= 1:
+            raise ConfigError("planner_max_workers and planner_host_cores must be >= 0, planner_target in (0, 1]")
 
     @property
     def prompt_chars_limit(self) -> int:

@@ -5,6 +5,7 @@ Runs on one asyncio loop shared with the ZeroMQ and HTTP front ends."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +38,12 @@ from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
-from router.requests import InFlight, Prepared, RouteError, drain_outputs, last_timeline
+from router.requests import Choice, InFlight, Prepared, RouteError, drain_outputs, last_timeline
 
 
 ABORT_REPLY_WAIT_S = 2.0  # how long a stop-string finish waits for its worker's timeline (asked for only)
+FINISHED_LOG = 4096  # finished requests the router remembers for the SLO planner (router/planner_loop.py)
+
 
 class Router:
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
@@ -58,7 +61,7 @@ class Router:
         self._control_auth = Authenticator(self.key, "router control socket")
         self._worker_auth = Authenticator(self.key, "router worker sockets")  # one signer for every worker
         self.tokenizer = Tokenizer(config.model_dir)
-        self.model_fingerprint = model_fingerprint(config.model_dir, config.dtype)  # a worker must match it to register
+        self.model_fingerprint = model_fingerprint(config.model_dir, config.dtype, config.quantization)  # a worker must match it to register
         self.registry = WorkerRegistry(config.stale_after_s)
         self.metrics = RouterMetrics(config.model_name)
         self.rng = random.Random(config.seed)
@@ -74,6 +77,8 @@ class Router:
         self._worker_addr: dict[str, str] = {}
         self._worker_tasks: dict[str, asyncio.Task] = {}
         self.inflight: dict[str, InFlight] = {}
+        # finished requests, newest last: (monotonic s, TTFT s, TPOT s or None); the SLO planner's window
+        self.finished_log: collections.deque = collections.deque(maxlen=FINISHED_LOG)
         self.preparing = 0  # admitted requests being tokenized (in the pool), not yet in flight
         # tokenizers releases the GIL while encoding: the event loop keeps serving meanwhile
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -345,8 +350,9 @@ class Router:
         entry.cached.update(hashes)
 
     async def generate(self, request: SubmitRequest | Prepared) -> AsyncIterator[TokenOutput | ErrorReply]:
-        """Route one request and yield its outputs (text deltas filled); the last has
-        finished=True or is an ErrorReply. Cancelling the iterator aborts the request.
+        """Route one request and yield its outputs (text deltas filled), each for choice
+        `index` of the request's n; each choice's last has finished=True, or the last
+        output is an ErrorReply. Cancelling the iterator aborts the request.
         A SubmitRequest is prepared here; the HTTP front end prepares before it answers."""
         try:
             prep = request if isinstance(request, Prepared) else await self.prepare_async(request)
@@ -361,9 +367,9 @@ class Router:
         if sub.request_id in self.inflight:
             yield ErrorReply(sub.request_id, f"request id {sub.request_id!r} is already in flight")
             return
-        req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill,
-                       IncrementalDetokenizer.for_request(self.tokenizer, prep.params), len(prep.token_ids), self.clock.monotonic(),
-                       wire_id=sub.request_id, route=choice)
+        choices = [Choice(IncrementalDetokenizer.for_request(self.tokenizer, prep.params)) for _ in range(prep.params.n)]
+        req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill, choices, len(prep.token_ids),
+                       self.clock.monotonic(), wire_id=sub.request_id, route=choice)
         self.inflight[req.request_id] = req
         self._by_wire[req.wire_id] = req
         self._take_load(req)
@@ -375,7 +381,8 @@ class Router:
                     if out.request_id != req.wire_id:
                         continue  # a late reply to an earlier attempt
                     if isinstance(out, ErrorReply):
-                        if retryable(out, req.attempts, self.config.retries):
+                        # n > 1 resumes nothing: its choices retry only before any was streamed
+                        if retryable(out, req.attempts, self.config.retries) and (len(choices) == 1 or not req.streamed):
                             try:
                                 await self._retry(req, prep, out)
                                 continue
@@ -386,13 +393,15 @@ class Router:
                         out.request_id = req.request_id
                         yield out
                         return
-                    reply = self._relay(req, out)
-                    finished = reply.finished
-                    if finished and not out.finished:  # a stop string: the worker is still decoding it
-                        await self._abort_attempt(req)
-                        if sub.return_timeline:  # the worker's stamps come with its answer to the abort
+                    if not 0 <= out.index < len(choices) or choices[out.index].finished:
+                        continue  # a choice a stop string ended here: the worker's last entries for it
+                    reply = self._relay(req, choices[out.index], out)
+                    finished = all(c.finished for c in choices)
+                    if reply.finished and not out.finished:  # a stop string: the worker is still decoding it
+                        await self._abort_attempt(req, -1 if finished else out.index)
+                        if finished and sub.return_timeline and len(choices) == 1:  # with its answer to the abort
                             reply.timeline = await last_timeline(req, self.clock, ABORT_REPLY_WAIT_S)
-                    if finished:
+                    if reply.finished:
                         reply.num_prompt_tokens = len(prep.token_ids)
                         if reply.timeline is not None:
                             mark(reply.timeline, Stamp.ROUTER_DONE, self.clock.time())
@@ -405,12 +414,12 @@ class Router:
                 self.metrics.request_done("aborted")
                 await self._abort_attempt(req)
 
-    async def _abort_attempt(self, req: InFlight) -> None:
+    async def _abort_attempt(self, req: InFlight, index: int = -1) -> None:
         """Tell the current attempt's worker to stop and free the request (its replies
-        from now on find no request here and are dropped)."""
+        from now on find no request here and are dropped), or, `index` >= 0, that choice."""
         sock = self.worker_socks.get(req.decode.worker_id)
         if sock is not None:
-            await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.wire_id))])
+            await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.wire_id, index))])
 
     async def _send_attempt(self, req: InFlight, prep: Prepared, ids: list[int], hashes: list[int],
                             params: SamplingParams) -> None:
@@ -430,8 +439,9 @@ class Router:
         if req.prefill is not None and req.decode.alive:  # D reported it: its prefill worker or transfer failed
             failed = {req.prefill.worker_id}
         old_wire, old_decode = req.wire_id, req.decode
-        ids, hashes = resume_prompt(prep.token_ids, req.output_ids, self.config.block_size)
-        params = resume_params(prep.params, len(req.output_ids))
+        streamed = req.choices[0].output_ids if len(req.choices) == 1 else []  # n > 1 retries only unstreamed
+        ids, hashes = resume_prompt(prep.token_ids, streamed, self.config.block_size)
+        params = resume_params(prep.params, len(streamed))
         decode, prefill, req.route = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival), frozenset(failed))
         self._give_load(req)
         req.attempts += 1
@@ -440,7 +450,7 @@ class Router:
         req.wire_id = attempt_id(req.request_id, req.attempts)
         self._by_wire[req.wire_id] = req
         self._take_load(req)
-        kind = "resume" if req.output_ids else "reprefill"
+        kind = "resume" if streamed else "reprefill"
         self.metrics.recoveries.labels(kind).inc()
         print(f"router: request {req.request_id}: {err.code} ({err.message}); {kind} on {decode.worker_id}"
               f"{' via ' + prefill.worker_id if prefill else ''} (attempt {req.attempts + 1})",
@@ -458,22 +468,24 @@ class Router:
         req.decode.inflight -= 1
         self._release_prefill(req)
 
-    def _relay(self, req: InFlight, out: RequestOutput) -> TokenOutput:
+    def _relay(self, req: InFlight, choice: Choice, out: RequestOutput) -> TokenOutput:
         """The client's message for a worker's entry: its text delta, and the end of the
-        request where a stop string completed (its tokens up to and including the one that
+        choice where a stop string completed (its tokens up to and including the one that
         completed it, finish_reason "stop"; later tokens are dropped)."""
         if out.num_prompt_tokens:
             req.num_cached_tokens = out.num_cached_tokens
-        before = len(req.detok.token_ids)
-        text = req.detok.add(out.token_ids, out.finished)
+        before = len(choice.detok.token_ids)
+        text = choice.detok.add(out.token_ids, out.finished)
         ids, finished, reason = out.token_ids, out.finished, out.finish_reason
-        if req.detok.stopped:
-            ids, finished, reason = ids[:len(req.detok.token_ids) - before], True, "stop"
+        if choice.detok.stopped:
+            ids, finished, reason = ids[:len(choice.detok.token_ids) - before], True, "stop"
         # the counts go to the client on its last message only (docs/protocol.md)
         reply = TokenOutput(req.request_id, ids, text, finished, reason, 0, req.num_cached_tokens if finished else 0,
-                            out.timeline, out.logprobs[:len(ids)] if out.logprobs is not None else None)
+                            out.timeline, out.logprobs[:len(ids)] if out.logprobs is not None else None, out.index,
+                            prompt_logprobs=out.prompt_logprobs)
+        choice.output_ids += ids
+        choice.finished = finished
         self._account(req, reply)
-        req.output_ids += ids
         return reply
 
     def _account(self, req: InFlight, out: TokenOutput) -> None:
@@ -483,11 +495,16 @@ class Router:
             self._release_prefill(req)  # its prefill phase is over
             self.metrics.ttft(now - req.sent_at)
         req.num_output_tokens += len(out.token_ids)
-        if out.finished:
+        if all(c.finished for c in req.choices):  # n > 1: TPOT of the longest choice
             self.metrics.request_done(out.finish_reason or "stop")
             self.metrics.e2e(now - req.sent_at)
-            if req.num_output_tokens > 1 and req.first_token_at is not None:
-                self.metrics.tpot((now - req.first_token_at) / (req.num_output_tokens - 1))
+            longest = max(len(c.output_ids) for c in req.choices)
+            tpot = None
+            if longest > 1 and req.first_token_at is not None:
+                tpot = (now - req.first_token_at) / (longest - 1)
+                self.metrics.tpot(tpot)
+            if req.first_token_at is not None:
+                self.finished_log.append((now, req.first_token_at - req.sent_at, tpot))
             self.metrics.tokens(req.num_prompt_tokens, req.num_output_tokens)
 
     def _release_prefill(self, req: InFlight) -> None:

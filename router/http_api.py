@@ -59,9 +59,11 @@ class _Common(_NullIsDefault):
     # structured output (`structured_output` reads both): OpenAI's response_format and vLLM's field
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: each prompt token's logprob and the n most likely there (not with stream)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # OpenAI parameters pdserve does not implement: declared so that a request asking for
     # them is refused (unsupported()) instead of silently served without them
-    echo: Any = None
+    echo: Any = None  # served by completions (vLLM's chat echo, the last message again, is not)
     best_of: Any = None
     suffix: Any = None
     tools: Any = None
@@ -69,6 +71,10 @@ class _Common(_NullIsDefault):
     functions: Any = None
     function_call: Any = None
     SERVED: ClassVar[frozenset[str]] = frozenset()  # of those, the ones this endpoint serves after all
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens; None: the endpoint's default."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 # value(s) of an unsupported parameter that ask for nothing beyond what pdserve does
@@ -197,10 +203,20 @@ class CompletionBody(_Common):
     add_special_tokens: StrictBool = True  # vLLM: the tokenizer's BOS / post-processor applies
     # the legacy form: the sampled token's logprob and the `logprobs` most likely per token
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False  # the prompt comes first in the text (and in logprobs, when asked)
+    SERVED: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     def num_logprobs(self) -> int | None:
         """`SamplingParams.logprobs`: None when not asked."""
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """`SamplingParams.prompt_logprobs`, as vLLM: `prompt_logprobs`, else with echo the
+        `logprobs` (the echoed prompt's logprobs). Echo without either and max_tokens 0
+        asks for 0: a request that samples nothing must compute something."""
+        if self.prompt_logprobs is not None or not self.echo:
+            return self.prompt_logprobs
+        return self.logprobs if self.logprobs is not None else (0 if self.requested_max_tokens() == 0 else None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per choice."""
@@ -300,6 +316,9 @@ class ChatBody(_Common):
     def num_logprobs(self) -> int | None:
         """`SamplingParams.logprobs`: None when not asked."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
 
 class TokenizeBody(_NullIsDefault):

@@ -10,21 +10,21 @@ import importlib.metadata
 import json
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_N, SamplingParams
 from router.core import Router
 from router.requests import Prepared, RouteError
 from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, StructuredOutputError, TokenizeBody, sampling_fields,
                              structured_output, unknown_fields, unsupported)
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.chat_output import ChoiceOutput
-from router.logprobs import TokenText, chat_logprobs, completion_logprobs
+from router.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from router.reasoning import thinking_on
 from router.text import merge_outputs, openai_usage
 from router.tools import ToolError, ToolPlan, tool_plan, wire_tool_calls
@@ -46,12 +46,8 @@ def _route_error(e: RouteError) -> JSONResponse:
                  headers=headers)
 
 
-def _completion_logprobs(out: TokenOutput, text: TokenText, offset: int) -> dict:
-    return completion_logprobs(out.token_ids, out.logprobs or [], text, offset)
-
-
-def _chat_logprobs(out: TokenOutput, text: TokenText, offset: int) -> dict:
-    return chat_logprobs(out.token_ids, out.logprobs or [], text)
+def _chat_logprobs(ids: list[int], lps: list, text: TokenText, offset: int) -> dict:
+    return chat_logprobs(ids, lps, text)
 
 
 def _completion_content(text: str, first: bool | None) -> dict:
@@ -69,17 +65,42 @@ class Shape:
     """How one endpoint's responses read: the id prefix, the object names of a whole
     response and of a chunk, and a choice's text part (`content(text, first)`, where
     `first` is None for a whole response and says whether a chunk is the stream's first),
-    and its logprobs (`logprobs(out, token_text, text_offset)`, router/logprobs.py)."""
+    its logprobs (`logprobs(token_ids, logprobs, token_text, text_offset)`, router/logprobs.py)
+    and where vLLM puts `prompt_logprobs` (in each choice, or at the response's top level)."""
 
     prefix: str
     obj: str
     chunk_obj: str
     content: Callable[[str, bool | None], dict]
-    logprobs: Callable[[TokenOutput, TokenText, int], dict]
+    logprobs: Callable[[list[int], list, TokenText, int], dict]
+    prompt_logprobs_in_choice: bool
 
 
-COMPLETION = Shape("cmpl", "text_completion", "text_completion", _completion_content, _completion_logprobs)
-CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_content, _chat_logprobs)
+COMPLETION = Shape("cmpl", "text_completion", "text_completion", _completion_content, completion_logprobs, True)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_content, _chat_logprobs, False)
+
+
+@dataclass
+class PromptEcho:
+    """What a response shows of the prompts (one per prompt; choice i * n + j is prompt
+    i's choice j): with `echo`, each prompt's text (and its tokens' logprobs, when
+    `logprobs` are asked) before each of its choices' own; with `show_logprobs`, vLLM's
+    `prompt_logprobs`. The workers send a prompt's logprobs once, with its choice 0; the
+    envelope keeps them for the others (`seen`)."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    echo: bool
+    logprobs_asked: bool
+    show_logprobs: bool
+    n: int = 1
+    seen: dict[int, list] = field(default_factory=dict)  # prompt -> its logprobs, once they came
+
+    def logprobs_of(self, out: TokenOutput, index: int) -> list | None:
+        """The prompt logprobs of choice `index` (from `out`, or from its prompt's choice 0)."""
+        if out.prompt_logprobs is not None:
+            self.seen[index // self.n] = out.prompt_logprobs
+        return self.seen.get(index // self.n)
 
 
 class Envelope:
@@ -90,8 +111,9 @@ class Envelope:
     (router/chat_output.py)."""
 
     def __init__(self, shape: Shape, request_id: str, model: str, created: float, token_text: TokenText,
-                 shaping: ChoiceOutputs | None = None) -> None:
+                 prompts: PromptEcho | None = None, shaping: ChoiceOutputs | None = None) -> None:
         self.shape = shape
+        self.prompts = prompts  # None: neither echo nor prompt_logprobs
         self.shaping = shaping  # chat with tools or a reasoning parser: each choice's output state
         self.choice_outputs: dict[int, ChoiceOutput] = {}
         self.id = f"{shape.prefix}-{request_id}"
@@ -101,13 +123,33 @@ class Envelope:
         self.token_text = token_text
         self.offsets: dict[int, int] = {}  # choice -> text offset of its next token (sum of token strings)
 
-    def logprobs(self, out: TokenOutput, index: int) -> dict | None:
-        """`out`'s logprobs in the endpoint's shape, or None when the request did not ask."""
-        if out.logprobs is None:
+    def logprobs(self, out: TokenOutput, index: int, first: bool) -> dict | None:
+        """`out`'s logprobs in the endpoint's shape (on a choice's `first` output after the
+        echoed prompt's), or None when the request did not ask."""
+        ids, lps = out.token_ids, out.logprobs
+        p = self.prompts
+        if first and p is not None and p.echo and p.logprobs_asked:
+            prompt_ids = p.token_ids[index // p.n]
+            ids = prompt_ids + ids
+            lps = (p.logprobs_of(out, index) or [None] * len(prompt_ids)) + (lps or [])
+        if lps is None:
             return None
-        form = self.shape.logprobs(out, self.token_text, self.offsets.get(index, 0))
-        self.offsets[index] = self.offsets.get(index, 0) + sum(len(self.token_text(t)) for t in out.token_ids)
+        form = self.shape.logprobs(ids, lps, self.token_text, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(self.token_text(t)) for t in ids)
         return form
+
+    def text(self, out: TokenOutput, index: int, first: bool) -> str:
+        """The choice's text of `out`: the prompt's before its first output, with echo."""
+        p = self.prompts
+        return p.texts[index // p.n] + out.text if first and p is not None and p.echo else out.text
+
+    def prompt_logprobs(self, out: TokenOutput, index: int) -> dict:
+        """{"prompt_logprobs": vLLM's form} when the request shows them, else {}."""
+        p = self.prompts
+        lps = None if p is None or not p.show_logprobs else p.logprobs_of(out, index)
+        if lps is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs(p.token_ids[index // p.n], lps, self.token_text)}
 
     def wrap(self, kind: str, choices: list, usage: dict | None, timeline: dict | None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
@@ -120,13 +162,13 @@ class Envelope:
             return self.wrap(self.shape.chunk_obj, [], usage, None)
         first, reason = index not in self.started, out.finish_reason
         if self.shaping is None:
-            content = self.shape.content(out.text, first)
+            content = self.shape.content(self.text(out, index, first), first)
         else:
             state = self.choice_outputs.setdefault(index, self.shaping())
             delta = state.delta(out.text, out.finished)
             content = {"delta": {"role": "assistant", **delta} if first else delta}
             reason = state.finish_reason(reason) if out.finished else None
-        choice = {"index": index, **content, "token_ids": out.token_ids, "logprobs": self.logprobs(out, index),
+        choice = {"index": index, **content, "token_ids": out.token_ids, "logprobs": self.logprobs(out, index, first),
                   "finish_reason": reason}
         self.started.add(index)
         return self.wrap(self.shape.chunk_obj, [choice], usage, out.timeline)
@@ -134,20 +176,24 @@ class Envelope:
     def whole_choice(self, index: int, res: TokenOutput) -> dict:
         """One choice of a response that was not streamed (`res`: its merged outputs)."""
         if self.shaping is None:
-            body, reason = self.shape.content(res.text, None), res.finish_reason
+            body, reason = self.shape.content(self.text(res, index, True), None), res.finish_reason
         else:
             state = self.shaping()
             body = {"message": {"role": "assistant", **state.message(res.text)}}
             reason = state.finish_reason(res.finish_reason)
-        return {"index": index, **body, "token_ids": res.token_ids, "logprobs": self.logprobs(res, index),
-                "finish_reason": reason}
+        return {"index": index, **body, "token_ids": res.token_ids, "logprobs": self.logprobs(res, index, True),
+                "finish_reason": reason,
+                **(self.prompt_logprobs(res, index) if self.shape.prompt_logprobs_in_choice else {})}
 
     def whole(self, results: list[TokenOutput]) -> dict:
         """The response of a request that was not streamed (`results`: each choice's merged
         outputs, in `index` order)."""
         choices = [self.whole_choice(i, res) for i, res in enumerate(results)]
         timeline = results[0].timeline if len(results) == 1 else None
-        return self.wrap(self.shape.obj, choices, openai_usage(results), timeline)
+        whole = self.wrap(self.shape.obj, choices, openai_usage(results), timeline)
+        if not self.shape.prompt_logprobs_in_choice:
+            whole.update(self.prompt_logprobs(results[0], 0))
+        return whole
 
 
 def _version() -> str:
@@ -313,11 +359,17 @@ class OpenAIServer:
         self.log_unknown(body)
         if (wrong := self.wrong_model(body.model)) is not None:
             return wrong
-        if body.n != 1:
-            return error(400, f"n={body.n} is not supported; only n=1", param="n")
+        if not 1 <= body.n <= MAX_N:
+            return error(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
         if (name := unsupported(body)) is not None:
             return error(400, f"{name} is not supported by this server; leave it out", param=name,
                          code="unsupported_parameter")
+        if body.requested_max_tokens() == 0 and not (isinstance(body, CompletionBody) and body.echo):
+            return error(400, "max_tokens 0 (generate nothing) is served only on /v1/completions with echo=true "
+                              "(scoring the prompt), as vLLM", param="max_tokens")
+        if body.prompt_logprobs is not None and body.stream:
+            return error(400, "prompt_logprobs are not available when stream=true (as vLLM); with echo, "
+                              "logprobs carry the prompt's in the first chunk", param="prompt_logprobs")
         try:
             structured_output(body, check=True)
         except StructuredOutputError as e:
@@ -327,13 +379,14 @@ class OpenAIServer:
     def submit_request(self, body: Body, default_max_tokens: int, **prompt: Any) -> SubmitRequest:
         """The wire request for one prompt of `body` (`max_tokens` left out: `default_max_tokens`,
         which the router lowers to what fits the context)."""
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = body.requested_max_tokens()
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         sampling = SamplingParams.unchecked(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                                             stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
                                             logprobs=body.num_logprobs(), structured=structured_output(body),
-                                            **sampling_fields(body))
+                                            prompt_logprobs=body.num_prompt_logprobs(),
+                                            n=body.n, **sampling_fields(body))
         return SubmitRequest(request_id=uuid.uuid4().hex, sampling=sampling, stream=body.stream,
                              return_timeline=body.return_timeline, **prompt)
 
@@ -351,16 +404,16 @@ class OpenAIServer:
 
     async def respond(self, body: Body, subs: list[SubmitRequest], shape: Shape,
                       shaping: ChoiceOutputs | None = None) -> Response | dict:
-        """One OpenAI response, streamed (SSE) or whole, with a choice per request."""
+        """One OpenAI response, streamed (SSE) or whole, with n choices per request."""
         preps = await self.admitted(subs)
         if isinstance(preps, JSONResponse):
             return preps
         envelope = Envelope(shape, preps[0].sub.request_id, self.model_name, self.router.clock.time(), self.token_text,
-                            shaping)
+                            self.prompt_echo(body, preps), shaping)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.sse(preps, envelope, include_usage), media_type="text/event-stream")
-        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        outs: list[list[TokenOutput]] = [[] for _ in range(len(preps) * body.n)]
         async with contextlib.aclosing(self.outputs(preps)) as stream:
             async for i, out in stream:
                 if isinstance(out, ErrorReply):
@@ -368,12 +421,26 @@ class OpenAIServer:
                 outs[i].append(out)
         return envelope.whole([merge_outputs(o) for o in outs])
 
+    def prompt_echo(self, body: Body, preps: list[Prepared]) -> PromptEcho | None:
+        """What the response shows of the prompts (completions' echo, vLLM's prompt_logprobs
+        -- shown also for echo with logprobs, as vLLM), or None when nothing."""
+        echo = isinstance(body, CompletionBody) and body.echo
+        show = body.prompt_logprobs is not None or (echo and body.num_logprobs() is not None)
+        if not echo and not show:
+            return None
+        texts = [p.sub.prompt if p.sub.prompt is not None
+                 else self.router.tokenizer.decode(p.token_ids, skip_special_tokens=False) if echo else ""
+                 for p in preps]
+        return PromptEcho(texts, [p.token_ids for p in preps], echo, body.num_logprobs() is not None, show, body.n)
+
     async def outputs(self, preps: list[Prepared]) -> AsyncIterator[tuple[int, TokenOutput | ErrorReply]]:
         """(choice index, output) of every request as they come; closing this generator
-        cancels (aborts) those still running."""
+        cancels (aborts) those still running. Request i's choice j (of n) is choice
+        i * n + j, vLLM's order."""
+        n = preps[0].params.n
         if len(preps) == 1:
             async for out in self.router.generate(preps[0]):
-                yield 0, out
+                yield getattr(out, "index", 0), out
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -396,7 +463,7 @@ class OpenAIServer:
                 elif isinstance(out, Exception):
                     raise out
                 else:
-                    yield i, out
+                    yield i * n + getattr(out, "index", 0), out
         finally:
             for t in tasks:
                 t.cancel()
@@ -404,7 +471,7 @@ class OpenAIServer:
     async def sse(self, preps: list[Prepared], envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
         """The event stream; an error after the 200 is one `data: {"error": ...}` event, and
         `data: [DONE]` always ends the stream."""
-        outs: list[list[TokenOutput]] = [[] for _ in preps]
+        outs: list[list[TokenOutput]] = [[] for _ in range(len(preps) * preps[0].params.n)]
         finished = 0
         try:
             async with contextlib.aclosing(self.outputs(preps)) as stream:
@@ -415,7 +482,7 @@ class OpenAIServer:
                     outs[i].append(out)
                     yield f"data: {json.dumps(envelope.chunk(out, index=i))}\n\n"
                     finished += out.finished
-                    if finished == len(preps) and include_usage:
+                    if finished == len(outs) and include_usage:
                         use = openai_usage(merge_outputs(o) for o in outs)
                         yield f"data: {json.dumps(envelope.chunk(None, usage=use))}\n\n"
         except Exception as e:  # the headers are out: say it in the stream

@@ -11,8 +11,10 @@ launch.py runs), writing the spec into the worker's stdin: the secret is never o
 so an actor killed at any moment leaves none behind.
 
 The worker watches its actor as its parent (WorkerConfig.router_pid): when Ray kills the
-actor, or loses its node, the worker stops. When the worker exits on its own the actor
-exits too, so that Ray restarts both."""
+actor, or loses its node, the worker stops. When the worker fails (exits with a code other
+than 0) the actor exits too, so that Ray restarts both. A worker that exits with code 0 was
+drained (the router shrank its pool, router/control.py): the actor stays, says so through
+`exit_code`, and the driver ends it for good (router/ray_launch.py's RayPool)."""
 from __future__ import annotations
 
 import contextlib
@@ -86,10 +88,20 @@ class WorkerActor:
 
     def _watch(self) -> None:
         code = self.proc.wait()
-        if not self._stopping:
-            print(f"pdserve: worker {self.worker_id} exited with code {code}: its actor exits, and Ray starts "
-                  f"both again", file=sys.stderr, flush=True)
-            os._exit(1)  # an actor's unexpected exit is what Ray restarts
+        if self._stopping:
+            return
+        if code == 0:
+            print(f"pdserve: worker {self.worker_id} drained and exited: its actor waits for the driver to end it",
+                  file=sys.stderr, flush=True)
+            return
+        print(f"pdserve: worker {self.worker_id} exited with code {code}: its actor exits, and Ray starts "
+              f"both again", file=sys.stderr, flush=True)
+        os._exit(1)  # an actor's unexpected exit is what Ray restarts
+
+    def exit_code(self) -> int | None:
+        """The worker's exit code once it has exited (code 0: drained; this actor stays
+        until the driver ends it), else None."""
+        return self.proc.poll()
 
     def info(self) -> dict:
         """The worker's ready info (address, pid, blocks) and where it runs."""

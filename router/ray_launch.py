@@ -17,10 +17,14 @@ sent in the clear unless Ray's own TLS is on. Each actor is given the path of th
 file instead, which must be present on every node (as a mounted Kubernetes secret is)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import math
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +33,12 @@ from common.config import ConfigError
 from common.worker.spec import WorkerSpec
 from router.deploy import DeploymentConfig, RayPlacement
 from router.launch import LaunchError
+from router.registry import PoolError
 from router.ray_actor import WorkerActor
 
 READY_TIMEOUT_S = 300.0  # placement (a node may still be joining) plus the model's load
+POLL_S = 0.5  # how often RayPool asks the actors whether their worker exited
+NAME_FREE_S = 10.0  # how long an ended actor's name may take to be free again
 
 
 def import_ray() -> Any:
@@ -133,15 +140,22 @@ class RayLauncher:
         """Start every worker of the deployment; return once each is ready."""
         self.wait_ready([self._start(spec) for spec in self.dep.workers])
 
-    def spawn(self, role: str) -> RayWorker:
-        """One more worker of `role`, like the deployment's others, named ROLE-N; it is
-        ready when `wait_ready` returns."""
+    def spawn(self, role: str, worker_id: str = "", engine: dict[str, Any] | None = None) -> RayWorker:
+        """One more worker of `role`, like the deployment's others but for the engine
+        options in `engine`, named `worker_id` or ROLE-N; it is ready when `wait_ready`
+        returns. ConfigError for a role the deployment has none of, or a wrong option."""
         if role not in self.templates:
-            raise ConfigError(f"this deployment has no {role} workers to add to")
-        template, n = self.templates[role], self.spawned[role]
-        self.spawned[role] = n + 1
-        return self._start(dataclasses.replace(template, worker=dataclasses.replace(template.worker,
-                                                                                   worker_id=f"{role}-{n}")))
+            raise ConfigError(f"this deployment has no {role} workers to add to (Ray places prefill and "
+                              f"decode workers)")
+        template = self.templates[role]
+        options = template.engine.replace(**engine) if engine else template.engine
+        taken = {h.name for h in self.workers}
+        while not worker_id:
+            n = self.spawned[role]
+            self.spawned[role] = n + 1
+            worker_id = "" if f"{role}-{n}" in taken else f"{role}-{n}"
+        return self._start(dataclasses.replace(template, engine=options, worker=dataclasses.replace(
+            template.worker, worker_id=worker_id)))
 
     def _start(self, spec: WorkerSpec) -> RayWorker:
         if spec.worker.secret:
@@ -180,16 +194,32 @@ class RayLauncher:
         self._stop_all([handle], timeout)
 
     def _stop_all(self, handles: list[RayWorker], timeout: float) -> None:
+        self.end(handles, timeout)
+        for h in handles:
+            if h in self.workers:
+                self.workers.remove(h)
+
+    def end(self, handles: list[RayWorker], timeout: float) -> list[int | None]:
+        """Drain the workers (SIGTERM, SIGKILL after `timeout`) and end their actors for
+        good; their exit codes (None: the actor did not answer). Their handles stay in
+        `workers`."""
         ray = self.ray
         refs = [h.actor.stop.remote(timeout) for h in handles]
+        codes = []
         for ref in refs:
             try:
-                ray.get(ref, timeout=timeout + 5)
+                codes.append(ray.get(ref, timeout=timeout + 5))
             except ray.exceptions.RayError:
-                pass  # already gone, or not answering: killed below either way
+                codes.append(None)  # already gone, or not answering: killed below either way
         for h in handles:
-            ray.kill(h.actor, no_restart=True)
-            self.workers.remove(h)
+            self.kill(h)
+        return codes
+
+    def kill(self, handle: RayWorker, restart: bool = False) -> None:
+        """End the worker's actor at once (and the worker with it); Ray starts it again
+        only if `restart`."""
+        with contextlib.suppress(self.ray.exceptions.RayError):  # already dead
+            self.ray.kill(handle.actor, no_restart=not restart)
 
     def close(self, timeout: float = 15.0) -> None:
         """Stop every worker and leave the cluster."""
@@ -197,3 +227,132 @@ class RayLauncher:
             self._stop_all(list(self.workers), timeout)
         finally:
             self.ray.shutdown()
+
+
+class RayPool:
+    """The pool control API's launcher under Ray (router/pool_launch.py's WorkerLauncher,
+    router/control.py): a new worker is one more actor placed by its role's resources; a
+    stopped one drains and its actor ends for good. It owns every worker of the deployment.
+
+    Its watch, on the router's loop (`watching(control)`, then `start`), asks each actor
+    whether its worker has exited. A worker that exited with code 0 (router/ray_actor.py:
+    its actor stays) and that the router let go has its actor ended for good -- Ray does
+    not restart it -- and is reported to the control plane with its exit code; one that
+    exited 0 unasked has its actor ended so that Ray restarts both, as for a failure."""
+
+    def __init__(self, launcher: RayLauncher, stop_timeout_s: float = 15.0) -> None:
+        self.launcher = launcher
+        self.stop_timeout_s = stop_timeout_s
+        self.control: Any = None  # router/control.py's ControlPlane: worker_exited, leaving
+        self.names: set[str] = set()  # every worker it started (the deployment's: in launcher.workers)
+        self._ended: queue.SimpleQueue[tuple[RayWorker, int | None]] = queue.SimpleQueue()
+        self._stopping: set[str] = set()  # workers whose `stop` is under way
+        self._polls: dict[str, tuple[RayWorker, Any]] = {}  # worker -> its unanswered exit_code call
+        self._task: asyncio.Task | None = None
+
+    def spawn(self, role: str, worker_id: str = "", engine: dict[str, Any] | None = None) -> str:
+        try:
+            handle = self.launcher.spawn(role, worker_id, engine)
+        except ConfigError as e:
+            raise PoolError(str(e)) from None
+        self.names.add(handle.name)
+        return handle.name
+
+    def stop(self, worker_id: str) -> None:
+        """Drain the worker and end its actor, off the router's loop (it may take up to
+        the stop timeout); the watch reports its exit."""
+        handle = self._handle(worker_id)
+        if handle is None or worker_id in self._stopping:
+            return
+        self._stopping.add(worker_id)
+        threading.Thread(target=self._end, args=(handle,), name=f"stop-{worker_id}", daemon=True).start()
+
+    def owns(self, worker_id: str) -> bool:
+        return worker_id in self.names or self._handle(worker_id) is not None
+
+    def watching(self, control: Any) -> "RayPool":
+        """Report exits to `control` once started."""
+        self.control = control
+        return self
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                await self.tick()
+            except Exception as e:  # a bug, or Ray not answering: the next turn tries again
+                print(f"pdserve: watching the Ray workers: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    async def tick(self) -> None:
+        """End the actors of the workers that exited; report those the router let go."""
+        for handle, code in await asyncio.to_thread(self.exited):
+            if handle.name in self._stopping:
+                continue  # its `stop` ends it and reports it
+            leaving = self.control.leaving(handle.name)
+            await asyncio.to_thread(self._kill, handle, leaving)
+            if leaving:
+                self._ended.put((handle, code))
+        while not self._ended.empty():
+            handle, code = self._ended.get()
+            self._stopping.discard(handle.name)
+            if handle in self.launcher.workers:
+                self.launcher.workers.remove(handle)  # first: a role change starts one under its name
+            self.control.worker_exited(handle.name, code)
+
+    def exited(self) -> list[tuple[RayWorker, int]]:
+        """The workers whose process has exited while their actor stays, as far as their
+        actors have answered (one starting or restarting is asked again later)."""
+        ray = self.launcher.ray
+        for h in list(self.launcher.workers):
+            if h.name not in self._polls and h.name not in self._stopping:
+                self._polls[h.name] = (h, h.actor.exit_code.remote())
+        if not self._polls:
+            return []
+        refs = [ref for _, ref in self._polls.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for name, (h, ref) in list(self._polls.items()):
+            if ref not in ready:
+                continue
+            del self._polls[name]
+            try:
+                code = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # the actor died: Ray starts it again, or it was ended
+            if code is not None:
+                out.append((h, code))
+        return out
+
+    def _end(self, handle: RayWorker) -> None:
+        code = self.launcher.end([handle], self.stop_timeout_s)[0]
+        self._wait_gone(handle.name)
+        self._ended.put((handle, code))
+
+    def _kill(self, handle: RayWorker, leaving: bool) -> None:
+        if leaving:
+            print(f"pdserve: worker {handle.name} drained: its actor ends", file=sys.stderr, flush=True)
+        else:
+            print(f"pdserve: worker {handle.name} exited unasked: Ray starts it again", file=sys.stderr, flush=True)
+        self.launcher.kill(handle, restart=not leaving)
+        if leaving:
+            self._wait_gone(handle.name)
+
+    def _wait_gone(self, name: str) -> None:
+        """Until Ray has freed the actor's name (a role change starts a worker under it)."""
+        ray, deadline = self.launcher.ray, time.monotonic() + NAME_FREE_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=self.launcher.placement.namespace)
+            except ValueError:
+                return
+            time.sleep(0.1)
+
+    def _handle(self, worker_id: str) -> RayWorker | None:
+        return next((h for h in self.launcher.workers if h.name == worker_id), None)

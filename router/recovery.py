@@ -38,8 +38,11 @@ def resume_prompt(prompt_ids: list[int], output_ids: list[int], block_size: int)
 
 
 def resume_params(params: SamplingParams, num_streamed: int) -> SamplingParams:
-    """The sampling parameters of a resumed attempt: as many tokens fewer."""
-    return dataclasses.replace(params, max_tokens=params.max_tokens - num_streamed)
+    """The sampling parameters of a resumed attempt: as many tokens fewer, and no prompt
+    logprobs once tokens were streamed (they went with the first)."""
+    if not num_streamed:
+        return params
+    return dataclasses.replace(params, max_tokens=params.max_tokens - num_streamed, prompt_logprobs=None)
 
 
 def attempt_id(request_id: str, attempt: int) -> str:

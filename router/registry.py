@@ -62,9 +62,10 @@ def refusal(hello: WorkerHello, block_size: int, model_fingerprint: str) -> str 
         diffs.append(f"block_size {hello.block_size} (router: {block_size})")
     if hello.model_fingerprint != model_fingerprint:
         (theirs, their_dtype), (ours, our_dtype) = map(fingerprint_parts, (hello.model_fingerprint, model_fingerprint))
-        if theirs == ours:  # the same weights in another precision
+        if theirs == ours:  # the same weights in another precision (dtype[+quantization])
+            dtype, _, quantization = our_dtype.partition("+")
             diffs.append(f"dtype {their_dtype or '?'} (router: {our_dtype or '?'}; start the worker with "
-                         f"--dtype {our_dtype})")
+                         f"--dtype {dtype} --quantization {quantization or 'none'})")
         else:
             diffs.append(f"model fingerprint {hello.model_fingerprint!r} (router: {model_fingerprint!r})")
     if not diffs:

@@ -37,16 +37,26 @@ class Prepared:
 
 
 @dataclass
+class Choice:
+    """One choice's relay state (a request has `n`): its detokenizer -- the text and the
+    stop strings belong to the client request, not to an attempt -- the tokens the caller
+    has been sent, and whether it has ended."""
+
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
 class InFlight:
     """One client request the router is relaying, across its attempts (router/recovery.py):
-its workers, its queue of worker outputs, and its detokenizer -- the text and the stop
-strings belong to the client request, not to an attempt."""
+its workers, its queue of worker outputs, and its choices (`SamplingParams.n`)."""
 
     request_id: str
     queue: asyncio.Queue
     decode: WorkerEntry
     prefill: WorkerEntry | None
-    detok: IncrementalDetokenizer
+    choices: list[Choice]
     num_prompt_tokens: int
     sent_at: float
     timeline: dict[str, float] = field(default_factory=dict)
@@ -55,9 +65,13 @@ strings belong to the client request, not to an attempt."""
     prefill_released: bool = False  # its prefill worker's share of load was given back
     wire_id: str = ""  # the id the current attempt travels under (router/recovery.py)
     attempts: int = 0  # attempts after the first (re-routed after a worker failed)
-    output_ids: list[int] = field(default_factory=list)  # every token the caller has been sent
     num_cached_tokens: int = 0  # the current attempt's, from its first output
     route: Decision | None = None  # the current attempt's disaggregation decision (P + D pairs)
+
+    @property
+    def streamed(self) -> int:
+        """Tokens the caller has been sent, every choice together."""
+        return sum(len(c.output_ids) for c in self.choices)
 
 
 def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> list[RequestOutput | ErrorReply]:
@@ -70,7 +84,7 @@ def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> li
         nxt = queue.get_nowait()
         last = outs[-1]
         if isinstance(nxt, RequestOutput) and isinstance(last, RequestOutput) and not last.finished \
-                and nxt.request_id == last.request_id:  # never across attempts (router/recovery.py)
+                and nxt.request_id == last.request_id and nxt.index == last.index:  # never across attempts or choices
             last.token_ids = [*last.token_ids, *nxt.token_ids]
             if nxt.logprobs:  # one per token when the request asks
                 last.logprobs = [*(last.logprobs or ()), *nxt.logprobs]
@@ -78,6 +92,8 @@ def drain_outputs(queue: asyncio.Queue, first: RequestOutput | ErrorReply) -> li
             if nxt.num_prompt_tokens:  # counts ride on an attempt's first and last entries only
                 last.num_prompt_tokens, last.num_cached_tokens = nxt.num_prompt_tokens, nxt.num_cached_tokens
             last.timeline = nxt.timeline
+            if nxt.prompt_logprobs is not None:  # an attempt's first entry carries them
+                last.prompt_logprobs = nxt.prompt_logprobs
         else:
             outs.append(nxt)
     return outs

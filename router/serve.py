@@ -15,7 +15,7 @@ import signal
 import ssl
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
@@ -28,6 +28,8 @@ from router.core import Router
 from router.deploy import DeploymentConfig
 from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
+from router.planner import PlannerConfig
+from router.planner_loop import Planner
 from router.pool_launch import LocalLauncher
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
@@ -79,13 +81,14 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
     launcher, start, stop_all = _launcher(dep, router)
-    local = LocalLauncher(launcher, dep, router.control_address) if dep.workers and dep.ray is None else None
-    control = ControlPlane(router, local, f"pdserve worker --role {{role}} --join {router.control_address} "
+    pool = _pool_launcher(dep, launcher, router)
+    control = ControlPlane(router, pool, f"pdserve worker --role {{role}} --join {router.control_address} "
                                           f"--secret-file FILE {config.model_dir}")
     control.start()
     secret_file = _secret_file(launcher, dep.secret) if dep.ray is None else dep.ray.secret_file
-    supervisor = Supervisor(router, launcher, config.restart_workers, control) if dep.ray is None else None  # Ray restarts its own
-    http = http_task = None
+    supervisor = (Supervisor(router, launcher, config.restart_workers, control) if dep.ray is None
+                  else pool.watching(control))  # Ray restarts failed workers; RayPool ends drained ones
+    http = http_task = planner = None
     try:
         http = http_server(router) if config.enable_http else None  # a bad key or cert: refused before any worker
         launch = asyncio.ensure_future(asyncio.to_thread(start))
@@ -96,6 +99,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
         if supervisor is not None:
             supervisor.start()
+        planner = start_planner(control)
         http_url = "(disabled)"
         if http is not None:
             http_task = asyncio.create_task(http.serve())
@@ -109,7 +113,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
         print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
-              f"in {config.dtype}\n"
+              f"({config.dtype}, quantization {config.quantization})\n"
               f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}"
               f"{f' (CurveZMQ, server key {front.server_key})' if front.server_key else ''}\n"
               f"  Workers join: {router.control_address} (CurveZMQ {'on' if curve else 'off'})\n"
@@ -128,6 +132,8 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         print("pdserve: stopping", file=sys.stderr, flush=True)
         if supervisor is not None:
             supervisor.close()
+        if planner is not None:
+            planner.close()
         control.close()
         if http_task is not None:
             http.should_exit = True
@@ -136,6 +142,19 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         front.close()
         await asyncio.to_thread(stop_all)
         await router.close()
+
+
+def start_planner(control: ControlPlane) -> Planner | None:
+    """The SLO planner the router's config asks for (docs/slo.md "Planner"), started; None if none."""
+    c = control.router.config
+    if c.planner != "slo":
+        return None
+    cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
+                        cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
+                        host_cores=c.planner_host_cores)
+    planner = Planner(control, cfg, c.planner_interval_s)
+    planner.start()
+    return planner
 
 
 def _secret_file(launcher: Launcher, given: str) -> str:
@@ -184,6 +203,15 @@ def http_server(router: Router) -> _QuietServer:
         raise ConfigError(f"cannot serve HTTP over TLS with --ssl-keyfile {config.ssl_keyfile} --ssl-certfile "
                           f"{config.ssl_certfile}: {e}") from None
     return _QuietServer(http)
+
+
+def _pool_launcher(dep: DeploymentConfig, launcher: Launcher | RayLauncher, router: Router) -> Any:
+    """Who starts and stops workers for the pool control API: Ray's actors
+    (router/ray_launch.py's RayPool), this machine's processes, or none (`pdserve router`)."""
+    if dep.ray is not None:
+        from router.ray_launch import RayPool
+        return RayPool(launcher)
+    return LocalLauncher(launcher, dep, router.control_address) if dep.workers else None
 
 
 async def _until(fut: asyncio.Future, stop: asyncio.Event) -> None:

@@ -20,7 +20,9 @@ def merge_outputs(outs: Iterable[TokenOutput]) -> TokenOutput:
                        text="".join(o.text for o in outs), finished=last.finished,
                        finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
                        num_cached_tokens=last.num_cached_tokens, timeline=last.timeline,
-                       logprobs=[lp for o in outs for lp in o.logprobs or ()] if any(o.logprobs for o in outs) else None)
+                       logprobs=[lp for o in outs for lp in o.logprobs or ()] if any(o.logprobs for o in outs) else None,
+                       index=last.index,
+                       prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None))
 
 
 def usage(out: TokenOutput) -> dict[str, int]:
@@ -32,11 +34,12 @@ def usage(out: TokenOutput) -> dict[str, int]:
 
 def openai_usage(outs: Iterable[TokenOutput]) -> dict:
     """OpenAI `usage` of one or more merged (final) outputs (a completion with several
-    prompts sums them), with `prompt_tokens_details.cached_tokens`: the prompt tokens the
-    serving worker found in its prefix cache."""
+    prompts sums them; the n choices of one request count its prompt once, as vLLM), with
+    `prompt_tokens_details.cached_tokens`: the prompt tokens the serving worker found in
+    its prefix cache."""
     outs = list(outs)
-    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for out in outs:
-        for key, n in usage(out).items():
-            total[key] += n
-    return {**total, "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+    prompts = {o.request_id: o for o in outs}.values()  # one per request
+    n_prompt = sum(o.num_prompt_tokens for o in prompts)
+    n_out = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in prompts)}}

@@ -94,15 +94,15 @@ class ZmqFrontend:
         # clients pick their own ids: qualify them by connection so two clients cannot collide
         internal = dataclasses.replace(sub, request_id=f"{identity.hex()}/{sub.request_id}")
         try:
-            pending: list = []
+            pending: dict[int, list] = {}  # choice -> its outputs so far
             async for out in self.router.generate(internal):
                 out.request_id = sub.request_id
                 if sub.stream or isinstance(out, ErrorReply):
                     await self._send(identity, out)
                     continue
-                pending.append(out)  # non-streaming: one final message
+                pending.setdefault(out.index, []).append(out)  # non-streaming: one final message per choice
                 if out.finished:
-                    await self._send(identity, merge_outputs(pending))
+                    await self._send(identity, merge_outputs(pending.pop(out.index)))
         except asyncio.CancelledError:
             await self._send(identity, ErrorReply(sub.request_id, "aborted by client", "aborted"))
         finally:

@@ -99,6 +99,32 @@ class BlockManager:
         seq.block_table.extend(sorted(self._pop_free() for _ in range(need)))
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (holding nothing) parent's computed prompt: its full blocks shared
+        (one more reference each), its last block, if partial, copied into a new block,
+        since both will write their next tokens there. Returns (src, dst) of the KV the
+        caller must copy, or None when no copy is needed. The caller checks room
+        (`fork_blocks_needed`)."""
+        assert not child.block_table and child.num_computed_tokens == 0
+        n_full = parent.num_computed_tokens // self.block_size
+        shared = parent.block_table[:n_full]
+        for b in shared:
+            self._ref(b)
+        child.block_table = list(shared)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_hashed_blocks = parent.num_hashed_blocks
+        child.block_hashes = list(parent.block_hashes)
+        if self.fork_blocks_needed(parent) == 0:
+            return None
+        dst = self._pop_free()
+        child.block_table.append(dst)
+        return parent.block_table[n_full], dst
+
+    def fork_blocks_needed(self, parent: Sequence) -> int:
+        """New blocks a fork of `parent` takes: 1 for the copy of a partial last block."""
+        return 1 if parent.num_computed_tokens % self.block_size else 0
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -5,7 +5,7 @@ handed off after its first token, its KV blocks reported as they complete)."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -29,13 +29,18 @@ __all__ = ["KVProgress", "KVWriter", "LLMEngine", "RequestError", "StepOutput"]
 @dataclass
 class StepOutput:
     """What one step produced for one sequence. `error` set: the step failed for this
-    sequence alone (new_token is -1); the engine has released it, its caller answers it."""
+    sequence alone (new_token is -1); the engine has released it, its caller answers it.
+    new_token -1 without an error: the prompt is computed and nothing is sampled
+    (max_tokens 0). `prompt_logprobs` ride on the output that ends the prompt."""
 
     seq: Sequence
     new_token: int
     finished: bool
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request asks (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
+    # prefill-only engine, n > 1: the first tokens of the other choices, sampled from the same logits
+    forks: list["StepOutput"] = field(default_factory=list)
 
 
 @dataclass
@@ -114,7 +119,10 @@ class LLMEngine:
             prompt_hashes = block_hashes(token_ids, self.config.cache.block_size)
         elif len(prompt_hashes) != n_full:
             raise RequestError(f"{len(prompt_hashes)} block hashes given for a prompt of {n_full} full blocks")
-        return Sequence(self._ids.next(), token_ids, params, prompt_hashes=list(prompt_hashes))
+        seq = Sequence(self._ids.next(), token_ids, params, prompt_hashes=list(prompt_hashes))
+        seq.forks = [Sequence(self._ids.next(), list(token_ids), params, prompt_hashes=list(prompt_hashes), index=i)
+                     for i in range(1, params.n)]
+        return seq
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Queue a prompt to be computed here (offline, colocated)."""
@@ -134,32 +142,72 @@ class LLMEngine:
         return None if cached is None else seq.block_table[cached:]
 
     def start_decoding(self, seq: Sequence, first_token: int, sampler_state: bytes = b"",
-                       logprobs: TokenLogprobs | None = None) -> StepOutput:
+                       logprobs: TokenLogprobs | None = None,
+                       forks: list[tuple[int, bytes, TokenLogprobs | None]] = ()) -> list[StepOutput]:
         """Decode role: `seq`'s prompt KV has landed in its reserved blocks and a prefill
         worker sampled `first_token` (with its generator left at `sampler_state`, and its
-        `logprobs` when the request asks).
-        Raises ValueError if the sampler state does not fit this engine (the seed alone
-        then goes on) after the sequence is running."""
+        `logprobs` when the request asks); `forks` are the same for each of `seq.forks`
+        (n > 1), which take the prompt's blocks here. One output per choice, in order. A
+        sampler state that does not fit this engine is logged; the seed alone goes on.
+        first_token -1: it sampled nothing (max_tokens 0, n 1) and sent no KV; the sequence
+        ends here ("length"), its blocks freed uncached."""
         assert seq.status == SequenceStatus.RESERVED, seq.status
+        seq.prompt_logprobs = None  # computed, and sent, by the prefill worker
+        if first_token < 0:
+            self.release(seq, "length")
+            return [StepOutput(seq, -1, True)]
+        assert len(forks) == len(seq.forks), "one first token per fork"
         seq.num_computed_tokens = len(seq)
         self.block_manager.cache_full_blocks(seq)
-        seq.token_ids.append(first_token)
         self.scheduler.start_running(seq)
-        out = self._finish_if_stopped(seq, first_token, logprobs)
-        if not out.finished and sampler_state:
-            self.runner.restore_generator(seq, sampler_state)
-        return out
+        firsts = [(first_token, sampler_state, logprobs), *forks]
+        choices = [seq, *seq.forks]
+        self.fork(seq)
+        outs = []
+        for choice, (token, state, lps) in zip(choices, firsts):
+            choice.token_ids.append(token)
+            out = self._finish_if_stopped(choice, token, lps)
+            if not out.finished and state:
+                try:
+                    self.runner.restore_generator(choice, state)
+                except ValueError as e:  # a P on another kind of device
+                    print(f"[engine] sequence {choice.seq_id}: {e}; sampling goes on from the seed alone",
+                          file=sys.stderr, flush=True)
+            outs.append(out)
+        return outs
+
+    def fork(self, seq: Sequence) -> None:
+        """`seq`'s prompt is computed: each of its forks takes the prompt's blocks (the
+        full ones shared, a partial last one copied) and joins the batch -- or, with no
+        block free for its copy, waits to be computed again (as a preempted sequence)."""
+        bm = self.block_manager
+        copies = []
+        forks, seq.forks = seq.forks, []
+        for child in forks:
+            if bm.num_free_blocks >= bm.fork_blocks_needed(seq):
+                if (pair := bm.fork(seq, child)) is not None:
+                    copies.append(pair)
+                self.scheduler.add_forked(child)
+            else:
+                self.scheduler.requeue(child)
+        self.runner.copy_blocks(copies)
 
     def sampler_state(self, seq: Sequence) -> bytes:
         """The state of a seeded request's generator (b"" if none): hand it with the KV."""
         return self.runner.generator_state(seq.seq_id)
 
     def release(self, seq: Sequence, reason: str = "abort") -> None:
-        """End `seq` here whatever its state, freeing its blocks and generator."""
+        """End `seq` here whatever its state, freeing its blocks and generator, and its
+        forks' (choices not forked off yet hold nothing else)."""
         if seq.status != SequenceStatus.FINISHED:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq.seq_id)
         seq.grammar = None
+        for child in seq.forks:
+            child.status, child.finish_reason = SequenceStatus.FINISHED, reason
+            self.runner.release(child.seq_id)
+            child.grammar = None
+        seq.forks = []
 
     def abort(self, seq: Sequence) -> None:
         self.release(seq, "abort")
@@ -185,7 +233,7 @@ class LLMEngine:
             if kv_writer.plan(progress):
                 layer_hook = kv_writer.write_layer
         failed: dict[int, str] = {}
-        generators = self.runner.generator_states(batch.seqs)
+        generators = self.runner.generator_states([r for s in batch.seqs for r in (s, *s.forks)])
         try:
             sampled = self.runner.execute(batch, layer_hook)
         except Exception as e:
@@ -205,13 +253,35 @@ class LLMEngine:
             s = sampled.get(seq.seq_id)
             if s is None:
                 continue
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # None unless asked; sent once
+            if seq.sampling_params.max_tokens == 0:  # the prompt is scored: nothing is sampled
+                outputs.append(self._unsampled(seq, prompt_lps))
+                continue
             seq.token_ids.append(s.token)
+            choices = [seq, *seq.forks]
+            for child in seq.forks:
+                child.token_ids.append(sampled[child.seq_id].token)
             if self.prefill_only:
                 self.scheduler.detach(seq)
-                outputs.append(StepOutput(seq, s.token, True, logprobs=s.logprobs))
-            else:
-                outputs.append(self._finish_if_stopped(seq, s.token, s.logprobs))
+                forks = [StepOutput(c, c.token_ids[-1], True, logprobs=sampled[c.seq_id].logprobs) for c in seq.forks]
+                outputs.append(StepOutput(seq, s.token, True, logprobs=s.logprobs, forks=forks,
+                                          prompt_logprobs=prompt_lps))
+                continue
+            if seq.forks:
+                self.fork(seq)
+            outs = [self._finish_if_stopped(c, c.token_ids[-1], sampled[c.seq_id].logprobs) for c in choices]
+            outs[0].prompt_logprobs = prompt_lps  # once per request: on choice 0's first output
+            outputs += outs
         return outputs
+
+    def _unsampled(self, seq: Sequence, prompt_logprobs: list[TokenLogprobs | None] | None) -> StepOutput:
+        """A max_tokens 0 sequence whose prompt is computed: it ends ("length"), or, prefill
+        only, is PREFILLED for its KV's hand-off."""
+        if self.prefill_only:
+            self.scheduler.detach(seq)
+        else:
+            self.release(seq, "length")
+        return StepOutput(seq, -1, True, prompt_logprobs=prompt_logprobs)
 
     def _isolate(self, batch: ScheduledBatch, error: Exception, generators: dict[int, bytes]
                  ) -> tuple[dict[int, Sampled], dict[int, str]]:
@@ -232,7 +302,7 @@ class LLMEngine:
                 parts += [part[:len(part) // 2], part[len(part) // 2:]]
                 continue
             sub = ScheduledBatch([batch.seqs[i] for i in part], [batch.num_tokens[i] for i in part])
-            self.runner.restore_generator_states(sub.seqs, generators)
+            self.runner.restore_generator_states([r for s in sub.seqs for r in (s, *s.forks)], generators)
             try:
                 sampled.update(self.runner.execute(sub))
             except Exception as e:

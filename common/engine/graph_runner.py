@@ -50,7 +50,8 @@ class GraphRunner(ModelRunner):
 
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> dict[int, Sampled]:
         bucket = pick_bucket(len(batch), self.buckets)
-        if layer_hook is not None or bucket is None or any(n != 1 for n in batch.num_tokens):
+        if layer_hook is not None or bucket is None or any(n != 1 for n in batch.num_tokens) \
+                or any(s.prompt_logprobs is not None for s in batch.seqs):  # a 1-token prompt chunk's logits
             return super().execute(batch, layer_hook)
         self.fill(batch, bucket)
         hidden = self.run_bucket(bucket)  # [bucket, hidden]

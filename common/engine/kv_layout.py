@@ -12,17 +12,19 @@ import torch
 
 from common.checkpoint_dtype import dtype_name
 from common.config import EngineConfig
+from common.quantization import precision
 from common.wire.messages import KVLayout
 from kernels import huge_pages
 
 _CHUNK = 1 << 20  # bytes hashed from each end of a weight file
 
 
-def model_fingerprint(model_dir: str | Path, dtype: str = "float32") -> str:
+def model_fingerprint(model_dir: str | Path, dtype: str = "float32", quantization: str = "none") -> str:
     """What a model computes with: 16 hex digits identifying a model directory's config
-    and weights, then ":" and the engine dtype it runs in ("3f...9a:bfloat16"), so that a
-    bfloat16 worker cannot join a float32 deployment (its logits and KV differ). Readable
-    apart: `fingerprint_parts`.
+    and weights, then ":" and the engine dtype it runs in, with its weight quantization
+    when it has one ("3f...9a:bfloat16", "3f...9a:float32+int4"), so that a bfloat16 or int4
+    worker cannot join a float32 deployment (its logits and KV differ). Readable apart:
+    `fingerprint_parts`.
 
     config.json in full, and of each *.safetensors file its name, size, head (header and
     first tensors) and tail: cheap for big checkpoints, and different whenever the weights
@@ -36,18 +38,19 @@ def model_fingerprint(model_dir: str | Path, dtype: str = "float32") -> str:
             h.update(f.read(_CHUNK))
             f.seek(max(0, size - _CHUNK))
             h.update(f.read(_CHUNK))
-    return f"{h.hexdigest()}:{dtype_name(dtype)}"
+    return f"{h.hexdigest()}:{precision(dtype_name(dtype), quantization)}"
 
 
 def fingerprint_parts(fingerprint: str) -> tuple[str, str]:
-    """(weights digest, dtype) of a `model_fingerprint` ("" for a part it lacks)."""
+    """(weights digest, precision: the dtype[+quantization]) of a `model_fingerprint` ("" for a part it lacks)."""
     digest, _, dtype = fingerprint.partition(":")
     return digest, dtype
 
 
 def layout_of(config: EngineConfig) -> KVLayout:
     m = config.model
-    return KVLayout(model_fingerprint=model_fingerprint(m.model_dir, config.device.dtype), dtype=config.device.dtype,
+    fingerprint = model_fingerprint(m.model_dir, config.device.dtype, config.device.quantization)
+    return KVLayout(model_fingerprint=fingerprint, dtype=config.device.dtype,
                     block_size=config.cache.block_size, num_layers=m.num_layers,
                     num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
 

@@ -30,7 +30,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[dict[str, Any]]:
         """One result dict per prompt, in order: text, token_ids, prompt_token_ids,
         finish_reason, num_cached_tokens; `logprobs` (a `TokenLogprobs` per output token)
-        when its params ask."""
+        and `prompt_logprobs` (one per prompt token, the first None) when its params ask.
+        With n > 1, `outputs` holds such a dict per choice (index order) and the top level
+        is choice 0's (prompt logprobs: choice 0's only)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         if sampling_params is None:
@@ -40,9 +42,11 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise RequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         # Validate everything before queueing anything, so bad input changes nothing.
-        seqs = [self.engine.new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
+        parents = [self.engine.new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in parents:
             self.engine.add(seq)
+        choices = [[s, *s.forks] for s in parents]  # the forks leave `s.forks` once forked
+        seqs = [c for cs in choices for c in cs]
         # stop strings are matched on the text, as the router does: one detokenizer per
         # sequence that has them, fed after each step; the others are decoded once at the end
         detoks = {s.seq_id: IncrementalDetokenizer.for_request(self.tokenizer, s.sampling_params)
@@ -50,6 +54,7 @@ class LLM:
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         errors: dict[int, str] = {}  # seq_id -> why the engine failed it (finish_reason "error")
         logprobs: dict[int, list[TokenLogprobs]] = {s.seq_id: [] for s in seqs if s.sampling_params.logprobs is not None}
+        prompt_logprobs: dict[int, list[TokenLogprobs | None] | None] = {}
         try:
             while self.engine.has_work():
                 outputs = self.engine.step()
@@ -58,8 +63,10 @@ class LLM:
                 for o in outputs:
                     if o.logprobs is not None:
                         logprobs[o.seq.seq_id].append(o.logprobs)
+                    if o.prompt_logprobs is not None:
+                        prompt_logprobs[o.seq.seq_id] = o.prompt_logprobs
                     detok = detoks.get(o.seq.seq_id)
-                    if detok is None or o.error:
+                    if detok is None or o.error or o.new_token < 0:
                         continue
                     detok.add([o.new_token], o.finished)
                     if detok.stopped:
@@ -74,13 +81,16 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [{
-            "text": detoks[s.seq_id].text if s.seq_id in detoks
-            else self.tokenizer.decode(s.output_token_ids, s.sampling_params.skip_special_tokens),
-            "token_ids": s.output_token_ids,
-            "prompt_token_ids": s.token_ids[:s.num_prompt_tokens],
-            "finish_reason": s.finish_reason,
-            "num_cached_tokens": s.num_cached_tokens,
-            **({"error": errors[s.seq_id]} if s.seq_id in errors else {}),
-            **({"logprobs": logprobs[s.seq_id]} if s.seq_id in logprobs else {}),
-        } for s in seqs]
+
+        def result(s: Any) -> dict[str, Any]:
+            text = detoks[s.seq_id].text if s.seq_id in detoks \
+                else self.tokenizer.decode(s.output_token_ids, s.sampling_params.skip_special_tokens)
+            return {"text": text, "token_ids": s.output_token_ids, "prompt_token_ids": s.token_ids[:s.num_prompt_tokens],
+                    "finish_reason": s.finish_reason, "num_cached_tokens": s.num_cached_tokens,
+                    **({"error": errors[s.seq_id]} if s.seq_id in errors else {}),
+                    **({"logprobs": logprobs[s.seq_id]} if s.seq_id in logprobs else {}),
+                    **({"prompt_logprobs": prompt_logprobs.get(s.seq_id)}
+                       if s.sampling_params.prompt_logprobs is not None else {})}
+
+        return [{**result(cs[0]), "outputs": [result(c) for c in cs]} if len(cs) > 1 else result(cs[0])
+                for cs in choices]

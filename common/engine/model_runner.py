@@ -16,11 +16,14 @@ from common.malloc_tuning import keep_freed_memory
 from common.models import DecoderForCausalLM
 from common.models.precision import cast_model, kv_cache_dtype
 from common.engine.grammar import Grammars
-from common.engine.logprobs import raw_logprobs, token_logprobs
+from common.engine.logprobs import fill_prompt_logprobs, prompt_spans, raw_logprobs, token_logprobs
 from common.engine.sampler import Sampler, make_generator
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
+from common.loading.gguf_quant import gguf_linears
 from common.loading.weights import load_weights
+from common.models.quantize import quantize_linears, set_quantized
+from common.quantization import gguf_source
 from common.logprobs import TokenLogprobs
 
 
@@ -56,6 +59,19 @@ def decide_num_blocks(config: EngineConfig) -> int:
     return n
 
 
+def quantize(model: DecoderForCausalLM, config: EngineConfig) -> None:
+    """The model's linears in the engine's weight-only quantization (common/quantization.py)."""
+    q = config.device.quantization
+    if q in ("int8", "int4"):
+        quantize_linears(model, q)
+    elif q == "gguf":
+        source = gguf_source(config.model.model_dir)
+        if source is None:
+            raise ConfigError(f"quantization 'gguf': the GGUF file {config.model.model_dir} was converted from "
+                              "is gone or changed")
+        set_quantized(model, gguf_linears(source, config.model))
+
+
 class Sampled(NamedTuple):
     """One sequence's sampled token and, when its request asks, its log-probabilities."""
     token: int
@@ -77,6 +93,7 @@ class ModelRunner:
         model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
         load_weights(model, config.model.model_dir)
         self.model = cast_model(model, dev).eval().requires_grad_(False)  # bf16 on the CPU: stored, not computed in
+        quantize(self.model, config)
         self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
         if kv_cache is None:
             self.num_blocks = decide_num_blocks(config)
@@ -128,15 +145,27 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_tokens[i] for i in order]
         input_ids, positions, meta, sample_idx, sample_seqs = self.prepare(seqs, counts)
-        hidden = self.model(input_ids, positions, meta, layer_hook, keep=sample_idx)  # [S, hidden]
+        spans = prompt_spans(seqs, counts)  # [] unless a sequence asks for its prompt's logprobs
+        if spans:
+            rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]).to(self.device)
+            hidden = self.model(input_ids, positions, meta, layer_hook, keep=torch.cat([rows, sample_idx]))
+            fill_prompt_logprobs(self.model.compute_logits, hidden[:len(rows)], spans)
+            hidden = hidden[len(rows):]  # [S, hidden]
+        else:
+            hidden = self.model(input_ids, positions, meta, layer_hook, keep=sample_idx)  # [S, hidden]
         if not sample_seqs:
             return {}
         return self.sample(hidden, sample_seqs)
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sampled]:
-        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
+        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}. A seq with
+        forks (n > 1, its prompt just computed) lends its logits row to each of them: every
+        choice samples its first token from the same logits with its own generator."""
         logits = self.model.compute_logits(hidden)  # [S, V]
+        if any(s.forks for s in seqs):
+            logits = logits[[i for i, s in enumerate(seqs) for _ in range(1 + len(s.forks))]]  # [S + forks, V]
+            seqs = [r for s in seqs for r in (s, *s.forks)]
         params = [s.sampling_params for s in seqs]
         raw = raw_logprobs(logits, params)  # None unless a row asks; taken before the grammar's mask
         # one check: a step without structured-output rows fills no mask
@@ -197,11 +226,19 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.int64, device=dev), sample_seqs
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of block src into block dst, every layer, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, device=self.kv_cache.device) for x in zip(*pairs))
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [2, layers, len(pairs), block, heads, dim]
+
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed
         if seed is None or seq.sampling_params.greedy:
             return None
         gen = self._generators.get(seq.seq_id)
-        if gen is None:
-            gen = self._generators[seq.seq_id] = make_generator(seed, self.config.device.device)
+        if gen is None:  # choice i of n: seed + i, so choice 0 keeps the stream an n = 1 request has
+            gen = self._generators[seq.seq_id] = make_generator(seed + seq.index, self.config.device.device)
         return gen

@@ -54,7 +54,7 @@ class Scheduler:
         Returns how many leading blocks came from the prefix cache, or None when the
         sequence limit or the free blocks do not allow it now (the caller retries later,
         in arrival order). A RESERVED seq holds its blocks until `start_running` or `finish`."""
-        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+        if not self._has_seats(seq, self._seats_taken()):
             return None
         bm = self.block_manager
         cached = bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
@@ -67,6 +67,30 @@ class Scheduler:
         seq.status = SequenceStatus.RESERVED
         self.reserved.append(seq)
         return len(cached)
+
+    def _seats_taken(self) -> int:
+        """Batch slots held: one per running or reserved sequence, and one per choice that
+        a sequence not yet forked will fork into (n > 1)."""
+        forks = sum(len(s.forks) for s in self.reserved) + sum(len(s.forks) for s in self.running)
+        return len(self.running) + len(self.reserved) + forks
+
+    def _has_seats(self, seq: Sequence, taken: int) -> bool:
+        """Whether `seq` and its forks fit max_num_seqs; a request of more choices than
+        that is admitted into an empty batch (so it runs, alone)."""
+        return taken == 0 or taken + 1 + len(seq.forks) <= self.config.max_num_seqs
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A choice just forked off a running sequence, holding its blocks: in the batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A sequence holding no blocks goes first in the queue, to be computed (a forked
+        choice that found no block for its copy is recomputed, as a preempted one is)."""
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
     def start_running(self, seq: Sequence) -> None:
         """A reserved seq whose prompt KV has landed: decode it from the next step on."""
@@ -104,9 +128,11 @@ class Scheduler:
                 i += 1
         if batch.preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
+        taken = self._seats_taken() if self.waiting else 0
+        while self.waiting and budget > 0 and self._has_seats(self.waiting[0], taken):
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
+            # prompt logprobs need every prompt position's logits: no prefix-cache reuse
+            cached = [] if seq.prompt_logprobs is not None else bm.find_cached_prefix(seq.token_ids, seq.prompt_hashes)
             n = len(seq) - len(cached) * bm.block_size
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -118,6 +144,7 @@ class Scheduler:
             allocated = bm.allocate(seq, n)
             assert allocated, "can_admit promised room"
             self.waiting.popleft()
+            taken += 1 + len(seq.forks)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.logprobs import TokenLogprobs
 from common.sampling_params import SamplingParams
 
 
@@ -44,10 +45,23 @@ class Sequence:
     # structured output: the grammar matcher (common/engine/grammar.py), made on first use and
     # advanced only through appended tokens, so it survives preemption; dropped on release
     grammar: Any = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first stays None), written
+    # by position as the prompt's chunks are computed (a recomputed chunk overwrites its own);
+    # None once they are sent (with the first output) or when not asked: a plain attribute, so
+    # the per-step checks of every sequence cost one read
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # n > 1: which choice this is (0: the sequence that computes the prompt), and, until the
+    # prompt is computed, the other choices: they sample their first tokens from the same
+    # logits, then take the prompt's KV blocks (LLMEngine.fork) and go on on their own
+    index: int = 0
+    forks: list["Sequence"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None and self.index == 0:
+            # the request's prompt logprobs: computed and sent once, by the choice that computes the prompt
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

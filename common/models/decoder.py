@@ -190,21 +190,24 @@ class DecoderForCausalLM(nn.Module):
         if self._stack_linears is None:  # module lookups cost ~1 us each: once, not per step
             self._stack_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                     layer.mlp.down_proj) for layer in self.model.layers]
-        packed = [[lin.plan().packed for lin in four] for four in self._stack_linears]
+        plans = [[lin.plan() for lin in four] for four in self._stack_linears]
+        packed = [[plan.packed for plan in four] for four in plans]
         if self._stack_of is not None:
             caches, params, ptrs = self._stack_of
             # the stack holds the packed copies it reads, so a re-packed weight has a new address
             if caches is self.kv_caches and ptrs == [p.data_ptr() for p in params]:
                 return self._stack
         layers = []
-        for layer, (k_cache, v_cache), (qkv_p, o_p, gate_up_p, down_p) in zip(self.model.layers, self.kv_caches, packed):
+        for layer, (k_cache, v_cache), (qkv_p, o_p, gate_up_p, down_p), four in zip(self.model.layers, self.kv_caches,
+                                                                                     packed, plans):
             attn = layer.self_attn
             layers.append(LayerTensors(
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                 qkv_p=qkv_p, qkv_b=attn.qkv_proj.bias,
                 q_norm=None if attn.q_norm is None else attn.q_norm.weight,
                 k_norm=None if attn.k_norm is None else attn.k_norm.weight,
-                o_p=o_p, gate_up_p=gate_up_p, down_p=down_p, k_cache=k_cache, v_cache=v_cache))
+                o_p=o_p, gate_up_p=gate_up_p, down_p=down_p, k_cache=k_cache, v_cache=v_cache,
+                kinds=tuple(plan.kind for plan in four)))
         cfg = self.config
         dims = StackDims(hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,

@@ -12,17 +12,25 @@ class Linear(nn.Linear):
     """nn.Linear whose product goes through a `kernels.LinearPlan` (CPU float32: the native
     GEMM on a packed copy of the weight; the same result up to float rounding order). The
     plan is made on first use and again whenever the weight or the bias has been written
-    since."""
+    since, or `quant` set.
+
+    `quant`: a weight-only int8 / int4 form of the weight (`kernels.quant.QuantWeight`,
+    set once loaded: `common.models.quantization`), which the plan multiplies by instead of
+    `weight`."""
 
     _plan: kernels.LinearPlan | None = None
     _plan_of: tuple[int, ...] | None = None
+    quant = None  # kernels.quant.QuantWeight | None
 
     def plan(self) -> kernels.LinearPlan:
         """The plan for the weight and bias as they are now."""
         w, b = self.weight, self.bias
-        key = (w.data_ptr(), w._version) if b is None else (w.data_ptr(), w._version, b.data_ptr(), b._version)
+        key = (w.data_ptr(), w._version, id(self.quant))
+        if b is not None:
+            key += (b.data_ptr(), b._version)
         if self._plan_of != key:
-            self._plan, self._plan_of = kernels.LinearPlan(w.detach(), None if b is None else b.detach()), key
+            self._plan = kernels.LinearPlan(w.detach(), None if b is None else b.detach(), self.quant)
+            self._plan_of = key
         return self._plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ from common.sampling_params import SamplingParams, StructuredOutput
 
 PROTOCOL_VERSION = 3  # 2: workers send one `step_outputs` per step instead of a `token_output` per token;
 # 3: `submit` carries `tools` and chat messages their tool calls and replies; the pool control API
-# (`pools_request` ... `worker_drain`)
+# (`pools_request` ... `worker_drain`); n > 1 (sampling `n`; `index` on outputs and abort; kv_ready's
+# fork_* fields); prompt logprobs
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
@@ -126,7 +127,10 @@ class WorkerHello:
 
 @message("abort")
 class AbortRequest:
+    """Stop a request; router -> decode worker, `index` >= 0 stops that choice alone (n > 1:
+    a stop string ended it), -1 every choice."""
     request_id: str
+    index: int = -1
 
 
 @message("token_output")
@@ -142,6 +146,9 @@ class TokenOutput:
     num_cached_tokens: int = 0
     timeline: dict[str, float] | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
+    index: int = 0  # the choice these tokens belong to (n > 1); each choice has its own last message
+    # since 3: one per prompt token (the first None), on the request's first entry, when it asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("request_output", since=2)
@@ -157,6 +164,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     timeline: dict[str, float] | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks
+    index: int = 0  # the choice (n > 1); each choice ends with its own finished entry
+    # since 3: one per prompt token (the first None), on the request's first entry, when it asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("step_outputs", since=2)
@@ -244,6 +254,13 @@ class KVReady:
     sampler_state: bytes = b""
     checksum: int = -1  # kv_transfer.integrity.kv_checksum of the sent blocks; -1: not computed
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asks
+    # n > 1: choices 1..n-1, sampled from the same logits as `first_token`; the KV is sent once
+    fork_tokens: list[int] = field(default_factory=list)
+    fork_sampler_states: list[bytes] = field(default_factory=list)  # one per fork of a seeded request, else none
+    fork_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per fork when the request asks, else none
+    # since 3: one per prompt token (the first None), when the request asks; first_token is -1
+    # when it samples none (max_tokens 0): D then ends it ("length") without decoding
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message("prefill_failed")
@@ -364,7 +381,7 @@ def _to_wire(msg: Any) -> dict[str, Any]:
         v = getattr(msg, f.name)
         if dataclasses.is_dataclass(v):
             v = _to_wire(v)
-        elif type(v) is list and v and dataclasses.is_dataclass(v[0]):  # a list of nested structures
-            v = [_to_wire(x) for x in v]
+        elif type(v) is list and v and (dataclasses.is_dataclass(v[-1]) or dataclasses.is_dataclass(v[0])):
+            v = [None if x is None else _to_wire(x) for x in v]  # nested structures (prompt logprobs: first None)
         out[f.name] = v
     return out

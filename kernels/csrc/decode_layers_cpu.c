@@ -1,5 +1,5 @@
 /* A decode step's decoder layers on CPU in one native call: the CPU's counterpart of
- * replaying a captured CUDA graph. float32, with float32 or bf16 weight panels and a
+ * replaying a captured CUDA graph. float32, with float32, bf16 or int8 / int4 weight panels and a
  * float32 or bf16 KV cache.
  *
  * For a batch of `m` sequences with one new token each (m small: a decode batch), every
@@ -32,17 +32,13 @@
 
 #include "gemm_tile.h"
 
-int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
-            int64_t ldy, int64_t n, int num_threads);
-int pd_gemm_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, const float *bias, float *y,
-                 int64_t ldy, int64_t n, int num_threads);
+int pd_gemm_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
+              int64_t ldy, int64_t n, int num_threads);
 int pd_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, float *out, float *res_out,
                     int64_t rows, int64_t dim, int64_t ldx, int64_t ldr, int num_threads);
 int pd_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim, int64_t ld, int num_threads);
-int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, float *act, int64_t lda,
-                 int64_t inter, int num_threads);
-int pd_gemm_silu_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, float *act, int64_t lda,
-                      int64_t inter, int num_threads);
+int pd_gemm_silu_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+                   int64_t lda, int64_t inter, int num_threads);
 void pd_norm_rope_head(const float *src, const float *norm_w, float eps, const float *cos, const float *sin,
                        float *dst, float *tmp, int64_t d);
 int pd_paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *tables,
@@ -58,8 +54,9 @@ int pd_paged_decode_attention_bf16(const float *q, const uint16_t *k, const uint
 void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n);
 
 /* One layer's weights and cache (kernels.cpu_decode._LayerStruct mirrors this). Weight
- * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), all four float32
- * or all four bf16 (weights_bf16: pd_gemm_bf16, widened in registers); the rest float32. */
+ * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), each of its own
+ * kind (PD_W_*: float32, bf16 widened in registers, or weight-only int8 / int4
+ * dequantized in registers); the rest float32. */
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     const void *qkv_p;                    /* [(hq + 2 hkv) d, hidden] packed */
@@ -70,7 +67,7 @@ typedef struct {
     const void *down_p;                   /* [hidden, inter] packed */
     void *k_cache, *v_cache;              /* [num_blocks, block_size, hkv, d] by element strides */
     int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
-    int64_t weights_bf16;                 /* 0: float32 panels, 1: bf16 panels */
+    int64_t qkv_kind, o_kind, gate_up_kind, down_kind; /* PD_W_* of gemm_tile.h */
     int64_t kv_bf16;                      /* 0: float32 cache, 1: bf16 cache (stored rounded to nearest even) */
 } pd_layer_t;
 
@@ -87,16 +84,10 @@ static int attention_w(const pd_layer_t *L, const float *q, const int32_t *table
                                      scale, num_threads);
 }
 
-/* pd_gemm / pd_gemm_silu on a layer's panels of either dtype */
-static int gemm_w(const pd_layer_t *L, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p,
-                  const float *bias, float *y, int64_t ldy, int64_t n, int num_threads) {
-    return L->weights_bf16 ? pd_gemm_bf16(x, ldx, m, k, p, bias, y, ldy, n, num_threads)
-                           : pd_gemm(x, ldx, m, k, p, bias, y, ldy, n, num_threads);
-}
-static int gemm_silu_w(const pd_layer_t *L, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p,
-                       float *act, int64_t lda, int64_t inter, int num_threads) {
-    return L->weights_bf16 ? pd_gemm_silu_bf16(x, ldx, m, k, p, act, lda, inter, num_threads)
-                           : pd_gemm_silu(x, ldx, m, k, p, act, lda, inter, num_threads);
+/* pd_gemm on panels of a kind (PD_W_*) */
+static int gemm_w(int64_t kind, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, const float *bias,
+                  float *y, int64_t ldy, int64_t n, int num_threads) {
+    return pd_gemm_q(x, ldx, m, k, p, (int)kind, bias, y, ldy, n, num_threads);
 }
 
 int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, int64_t hidden, int64_t hq,
@@ -124,7 +115,7 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         status = pd_add_rms_norm(h, l ? residual : NULL, L->input_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                  num_threads);
         if (!status)
-            status = gemm_w(L, x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
+            status = gemm_w(L->qkv_kind, x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
         if (status) break;
         /* rows apart: each writes its own q rows and cache slot */
 #pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
@@ -153,18 +144,20 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         status = attention_w(L, q, tables, lens, att, m, hq, hkv, d, block_size, max_blocks, num_blocks, scale,
                              num_threads);
         if (!status)
-            status = gemm_w(L, att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
+            status = gemm_w(L->o_kind, att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
         if (!status)
             status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                      num_threads);
         if (!status && inter % PD_NR == 0) /* whole panels: gate and up in one pass */
-            status = gemm_silu_w(L, x, hidden, m, hidden, L->gate_up_p, act, inter, inter, num_threads);
+            status = pd_gemm_silu_q(x, hidden, m, hidden, L->gate_up_p, (int)L->gate_up_kind, act, inter, inter,
+                                    num_threads);
         else if (!status) {
-            status = gemm_w(L, x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter, num_threads);
+            status = gemm_w(L->gate_up_kind, x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter,
+                            num_threads);
             if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
         }
         if (!status)
-            status = gemm_w(L, act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
+            status = gemm_w(L->down_kind, act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
     }
     free(buf);
     return status;

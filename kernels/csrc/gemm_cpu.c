@@ -294,24 +294,37 @@ void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_
 }
 #endif
 
-/* One or two panels' tile on a packed weight of either element type: p is float32
-   (bf16 == 0) or bf16, and o0 / o1 are the panels' element offsets into it. */
-static inline void tile_any(int bf16, int two, int rows, int64_t kc, const float *x, int64_t rs, const void *p,
-                            int64_t o0, int64_t o1, float *y, int64_t ldy, int accumulate, const float *bias,
-                            int ncols) {
-    if (bf16) {
+/* One or two panels' tile (panels j0 and j1, k from k0) on a packed weight of any kind
+   (PD_W_*): float32 and bf16 panels are [k][16] elements, a quantized one k / 32 blocks. */
+static inline void tile_any(int kind, int two, int rows, int64_t kc, const float *x, int64_t rs, const void *p,
+                            int64_t j0, int64_t j1, int64_t k0, int64_t k, float *y, int64_t ldy, int accumulate,
+                            const float *bias, int ncols) {
+    const int64_t o0 = (j0 * k + k0) * NR, o1 = (j1 * k + k0) * NR;
+    if (kind == PD_W_BF16) {
         const uint16_t *w = p;
         if (two)
             pd_gemm_tile2_bf16(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
         else
             pd_gemm_tile_bf16(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
-    } else {
+    } else if (kind == PD_W_F32) {
         const float *w = p;
         if (two)
             pd_gemm_tile2(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
         else
             pd_gemm_tile(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
+    } else {
+        const int64_t panel = k / PD_QGROUP * pd_quant_block_bytes(kind);
+        const uint8_t *w = p;
+        pd_gemm_tile_q(kind, rows, kc, x, rs, w + j0 * panel, k0, y, ldy, accumulate, bias, two ? NR : ncols);
+        if (two)
+            pd_gemm_tile_q(kind, rows, kc, x, rs, w + j1 * panel, k0, y + NR, ldy, accumulate, bias ? bias + NR : 0,
+                           ncols);
     }
+}
+
+/* Whether a weight of this kind can have k inputs: a quantized one in whole groups. */
+static inline int kind_fits(int kind, int64_t k) {
+    return kind == PD_W_F32 || kind == PD_W_BF16 || (pd_quant_block_bytes(kind) > 0 && k % PD_QGROUP == 0);
 }
 
 /* MKL's split of k (see the top): two equal halves up to 2 KC, KC at a time past it. */
@@ -320,7 +333,7 @@ static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 :
 /* Panels [pb, pe) of y for m <= MC rows of x, each read where it lies, two panels at a
  * time where the tile takes them. A panel's k slices follow each other, so w streams in
  * its own order. */
-static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int bf16, const float *bias,
+static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
                        float *y, int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
     const int64_t kstep = k_step(k);
     for (int64_t j = pb, step; j < pe; j += step) {
@@ -333,10 +346,9 @@ static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const 
         const float *bj = bias ? bias + j * NR : 0;
         for (int64_t k0 = 0; k0 < k; k0 += kstep) {
             const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-            const int64_t oj = (j * k + k0) * NR;
             for (int64_t i = 0; i < m; i += MR) {
                 const int rows = m - i < MR ? (int)(m - i) : MR;
-                tile_any(bf16, step == 2, rows, kc, x + i * ldx + k0, ldx, p, oj, oj + k * NR, y + i * ldy + j * NR,
+                tile_any(kind, step == 2, rows, kc, x + i * ldx + k0, ldx, p, j, j + 1, k0, k, y + i * ldy + j * NR,
                          ldy, k0 > 0, bj, ncols);
             }
         }
@@ -354,9 +366,9 @@ static inline int64_t bound(int64_t panels, int t, int threads) {
 #endif
 }
 
-static int gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int bf16, const float *bias,
+static int gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
                 float *y, int64_t ldy, int64_t n, int num_threads) {
-    if (m < 0 || n < 0 || k <= 0 || ldx < k || ldy < n || num_threads < 1) return 1;
+    if (m < 0 || n < 0 || k <= 0 || ldx < k || ldy < n || num_threads < 1 || !kind_fits(kind, k)) return 1;
     if (m == 0 || n == 0) return 0;
     if (m * n * k < PARALLEL_MIN_MACS) num_threads = 1;
     const int64_t panels = (n + NR - 1) / NR;
@@ -368,20 +380,26 @@ static int gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p
     for (int t = 0; t < num_threads; t++) {
         const int64_t pb = bound(panels, t, num_threads), pe = bound(panels, t + 1, num_threads);
         for (int64_t r0 = 0; r0 < m; r0 += MC)
-            run_panels(x + r0 * ldx, ldx, m - r0 < MC ? m - r0 : MC, k, p, bf16, bias, y + r0 * ldy, ldy, n, pb, pe);
+            run_panels(x + r0 * ldx, ldx, m - r0 < MC ? m - r0 : MC, k, p, kind, bias, y + r0 * ldy, ldy, n, pb, pe);
     }
     return 0;
 }
 
 int pd_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, const float *bias, float *y,
             int64_t ldy, int64_t n, int num_threads) {
-    return gemm(x, ldx, m, k, p, 0, bias, y, ldy, n, num_threads);
+    return gemm(x, ldx, m, k, p, PD_W_F32, bias, y, ldy, n, num_threads);
 }
 
 /* pd_gemm on bf16 panels (see the top): float32 x, bias and y */
 int pd_gemm_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, const float *bias, float *y,
                  int64_t ldy, int64_t n, int num_threads) {
-    return gemm(x, ldx, m, k, p, 1, bias, y, ldy, n, num_threads);
+    return gemm(x, ldx, m, k, p, PD_W_BF16, bias, y, ldy, n, num_threads);
+}
+
+/* pd_gemm on panels of any kind (PD_W_*; quantized: gemm_quant_cpu.c, k a multiple of 32) */
+int pd_gemm_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
+              int64_t ldy, int64_t n, int num_threads) {
+    return gemm(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
 }
 
 void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n); /* elementwise_cpu.c */
@@ -393,9 +411,11 @@ void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n); /* el
  * then pd_silu_mul_row writes act's 16 columns. The [m, 2 inter] product is never
  * written out and read back. Each sum is pd_gemm's, in the same order, so act equals
  * pd_silu_mul(pd_gemm(x, p)) bit for bit. Threads split the gate panels. */
-static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int bf16, float *act,
+static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
                      int64_t lda, int64_t inter, int num_threads) {
-    if (m < 0 || k <= 0 || inter <= 0 || inter % NR || ldx < k || lda < inter || num_threads < 1) return 1;
+    if (m < 0 || k <= 0 || inter <= 0 || inter % NR || ldx < k || lda < inter || num_threads < 1
+        || !kind_fits(kind, k))
+        return 1;
     if (m == 0) return 0;
     if (m * 2 * inter * k < PARALLEL_MIN_MACS) num_threads = 1;
     const int64_t panels = inter / NR, kstep = k_step(k);
@@ -410,10 +430,9 @@ static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const vo
             for (int64_t j = pb; j < pe; j++) {
                 for (int64_t k0 = 0; k0 < k; k0 += kstep) {
                     const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-                    const int64_t og = (j * k + k0) * NR, ou = ((panels + j) * k + k0) * NR;
                     for (int64_t i = 0; i < mb; i += MR)
-                        tile_any(bf16, 1, mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, p, og, ou,
-                                 gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
+                        tile_any(kind, 1, mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, p, j,
+                                 panels + j, k0, k, gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
                 }
                 for (int64_t i = 0; i < mb; i++)
                     pd_silu_mul_row(gu + i * 2 * NR, gu + i * 2 * NR + NR, act + (r0 + i) * lda + j * NR, NR);
@@ -425,11 +444,17 @@ static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const vo
 
 int pd_gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const float *p, float *act, int64_t lda,
                  int64_t inter, int num_threads) {
-    return gemm_silu(x, ldx, m, k, p, 0, act, lda, inter, num_threads);
+    return gemm_silu(x, ldx, m, k, p, PD_W_F32, act, lda, inter, num_threads);
 }
 
 /* pd_gemm_silu on bf16 panels (see the top) */
 int pd_gemm_silu_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p, float *act, int64_t lda,
                       int64_t inter, int num_threads) {
-    return gemm_silu(x, ldx, m, k, p, 1, act, lda, inter, num_threads);
+    return gemm_silu(x, ldx, m, k, p, PD_W_BF16, act, lda, inter, num_threads);
+}
+
+/* pd_gemm_silu on panels of any kind (PD_W_*) */
+int pd_gemm_silu_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+                   int64_t lda, int64_t inter, int num_threads) {
+    return gemm_silu(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
 }

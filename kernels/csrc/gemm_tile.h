@@ -5,10 +5,26 @@
 #include <stdint.h>
 
 #define PD_NR 16 /* columns per panel of a packed operand */
+#define PD_QGROUP 32 /* k values per scale of a quantized panel (gemm_quant_cpu.c) */
+
+/* What a packed weight's panels hold (kernels.cpu_native.WEIGHT_KINDS) */
+#define PD_W_F32 0
+#define PD_W_BF16 1  /* widened to float32 in registers */
+#define PD_W_Q8 2    /* int8, a float16 scale per 32 along k (GGUF Q8_0) */
+#define PD_W_Q4 3    /* int4 with offset 8, a float16 scale per 32 (GGUF Q4_0) */
+#define PD_W_Q4M 4   /* int4, a float16 scale and minimum per 32 (GGUF Q4_1) */
 #if defined(__AVX512F__)
 #define PD_MR 8 /* rows per tile: by two panels, 16 accumulators of 16 lanes */
 #else
 #define PD_MR 6 /* rows per tile: by one panel, 12 accumulators of 8 lanes */
+
+/* pd_gemm_tile on one panel of a quantized weight (gemm_quant_cpu.c): `panel` is its first
+ * block, k0 the k where x's columns start; x's columns are unit stride. */
+void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,
+                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols);
+/* Bytes of one block (one group of one panel) of a quantized kind; 0 for another kind. */
+int64_t pd_quant_block_bytes(int kind);
+
 #endif
 
 /* y[0:rows, 0:ncols] (+)= x[0:rows, 0:kc] @ p[0:kc, 0:ncols], rows <= PD_MR, ncols <= PD_NR.
@@ -22,5 +38,13 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
  * y; bias, when given, covers both): one tile on AVX-512, two one-panel tiles otherwise. */
 void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
+
+
+/* pd_gemm_tile on one panel of a quantized weight (gemm_quant_cpu.c): `panel` is its first
+ * block, k0 the k where x's columns start; x's columns are unit stride. */
+void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,
+                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols);
+/* Bytes of one block (one group of one panel) of a quantized kind; 0 for another kind. */
+int64_t pd_quant_block_bytes(int kind);
 
 #endif

@@ -264,12 +264,12 @@ def test_start_decoding_first_token_can_finish(model_dir, torch_one_thread):
     d = LLMEngine(config(model_dir))
     seq = d.new_sequence(prompt(20, 50), SamplingParams(temperature=0.0, max_tokens=1))
     d.reserve(seq)
-    out = d.start_decoding(seq, 42)
+    out, = d.start_decoding(seq, 42)
     assert out.finished and seq.status == SequenceStatus.FINISHED and seq.finish_reason == "length"
     assert seq.output_token_ids == [42]
     eos = d.new_sequence(prompt(20, 51), SamplingParams(temperature=0.0, max_tokens=5))
     d.reserve(eos)
-    out = d.start_decoding(eos, min(d.eos_token_ids))
+    out, = d.start_decoding(eos, min(d.eos_token_ids))
     assert out.finished and eos.finish_reason == "stop"
     check_baseline(d)
 

@@ -4,13 +4,14 @@ with its own raylet and node id, all on loopback): each worker lands on a node w
 role's custom resource, P and D on two node ids and so on two hosts (tcp, never shm), and
 greedy output equals transformers'. Removing the node of a prefill worker under traffic
 loses no request, and Ray starts that worker again on a node that joins with the
-resource.
+resource. `pdserve scale --prefill +1` adds an actor placed by the prefill resource, which
+serves; draining it (`--worker prefill-2 --drain`) loses no request and ends its actor
+for good (Ray does not restart it).
 
 Ray starts only inside this test (imported in it, never at collection), and the test
 stops every Ray process and worker it started, whatever happens."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -25,13 +26,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.config import EngineOptions
+import pytest
+
 from common.text.tokenizer import Tokenizer
 from common.worker.liveness import process_alive
-from router.config import RouterConfig
-from router.deploy import DeploymentConfig, RayPlacement, plan_deployment
-from router.ray_launch import RayLauncher
-from router.serve import with_curve
 from tests.helpers import one_torch_thread
 
 MAX_TOKENS = 8
@@ -174,18 +172,31 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         _wait_health(base, 2)
         traffic.wait_for(len(traffic.results) + 6, 60)  # the restarted worker takes its share
 
-        # the launcher's own calls, under the same traffic: one more prefill worker, then stopped
-        launcher = RayLauncher(with_curve(_same_deployment(model, cluster.address, str(secret)), info["curve"]),
-                               info["control"], 60)
-        extra = launcher.spawn("prefill")
-        launcher.wait_ready([extra])
-        assert (extra.name, extra.info["node_id"]) == ("prefill-2", new_node.node_id)
+        # the pool control API under the same traffic: one more prefill worker, placed by the
+        # prefill resources (only the new node has one free), then drained: its actor ends for good
+        def scale(*flags: str) -> list[dict]:
+            done = subprocess.run([sys.executable, "-m", "router.cli", "scale", "--router", info["control"],
+                                   "--secret-file", str(secret), "--json", *flags], capture_output=True, text=True,
+                                  timeout=150)
+            assert done.returncode == 0, done.stderr + log.read_text(errors="replace")[-3000:]
+            return json.loads(done.stdout)
+
+        scale("--prefill", "+1", "--wait", "90")
+        extra = _info(ray, ray.get_actor("prefill-2"))
+        assert extra is not None and extra["node_id"] == new_node.node_id, extra
+        worker_pids.append(extra["pid"])
         _wait_health(base, 3)
-        traffic.wait_for(len(traffic.results) + 4, 60)
-        launcher.stop(extra)
-        _wait_until(lambda: not process_alive(extra.info["pid"]), 10, "a stopped worker still runs")
+        _wait_until(lambda: _pool(base)["prefill-2"]["routed"] >= 2, 60, "the new worker takes no traffic")
+        pools = {w["worker_id"]: w for w in scale("--worker", "prefill-2", "--drain", "--wait", "60")}
+        assert pools["prefill-2"]["state"] == "exited" and pools["prefill-2"]["exit_code"] == 0, pools
+        assert pools["prefill-2"]["routed"] >= 2 and pools["prefill-2"]["managed"], pools
+        _wait_until(lambda: not process_alive(extra["pid"]), 10, "a drained worker still runs")
         _wait_health(base, 2)
         traffic.wait_for(len(traffic.results) + 2, 60)
+        time.sleep(3.0)  # time enough for Ray to have restarted it, were it to
+        with pytest.raises(ValueError):  # ended for good: its name is free, no restarted actor holds it
+            ray.get_actor("prefill-2")
+        assert sorted(w for w, e in _pool(base).items() if e["role"] == "prefill") == ["prefill-0", "prefill-1"]
         traffic.stop()
 
         errors = [r for r in traffic.results if isinstance(r[1], str)]
@@ -222,12 +233,9 @@ def _wait_health(base: str, prefill: int) -> None:
                 f"never {prefill} live prefill workers: {_get(base + '/health')}")
 
 
-def _same_deployment(model: str, address: str, secret_file: str) -> DeploymentConfig:
-    """The deployment `serve` runs in the test, as data (what RayLauncher spawns more of)."""
-    options = EngineOptions.of(dtype="float32", num_threads=1, num_kv_blocks=128, max_model_len=256)
-    dep = plan_deployment(RouterConfig(model_dir=model, max_model_len=256), options, kv_transfer="tcp",
-                          prefill_devices=("cpu", "cpu"), decode_devices=("cpu",))
-    return dataclasses.replace(dep, ray=RayPlacement(address, {"prefill": {"prefill_pool": 1}}, secret_file))
+def _pool(base: str) -> dict[str, dict]:
+    """The router's workers by id, as /health lists them."""
+    return json.loads(_get(base + "/health")[1])["pools"]
 
 
 def _info(ray, actor) -> dict | None:

@@ -392,3 +392,20 @@ def test_failed_send_fails_only_its_job(h, monkeypatch, model_dirs, hf_greedy):
     assert isinstance(failed, PrefillFailed) and "connection reset" in failed.message
     ready = h.terminal("a")
     assert isinstance(ready, KVReady) and ready.first_token == hf_greedy(model_dirs["qwen3"], good, 1)[0]
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_a_scored_prompt_sends_no_kv(prefill_config, layerwise):
+    """max_tokens 0 with prompt_logprobs: P computes the 100-token prompt in four steps,
+    writes nothing into D's blocks, and answers KVReady(first_token -1) with one logprob
+    per prompt token; it holds no block afterwards."""
+    h = Harness(prefill_config, layerwise)
+    prompt = [random.Random(9).randrange(1, 200) for _ in range(100)]
+    h.prefill("scored", prompt, max_tokens=0, prompt_logprobs=1)
+    h.run()
+    ready = h.terminal("scored")
+    assert isinstance(ready, KVReady) and ready.first_token == -1 and ready.num_blocks == 0
+    assert len(ready.prompt_logprobs) == 100 and ready.prompt_logprobs[0] is None
+    assert all(lp is not None and len(lp.top_ids) == 1 for lp in ready.prompt_logprobs[1:])
+    assert h.sender.layer_writes == [] and h.sender.sends == []
+    assert h.state("scored") is None and h.worker.engine.block_manager.num_free_blocks == h.baseline

@@ -94,3 +94,16 @@ def test_unknown_names_are_logged_once_each_and_boundedly(capsys):
         OpenAIServer.log_unknown(server, body(f"f{i}"))
     assert len(server.logged_unknown) == MAX_LOGGED_UNKNOWN + 1
     assert capsys.readouterr().err.count("logged once") == MAX_LOGGED_UNKNOWN - 2
+
+
+def test_echo_and_prompt_logprobs_as_vllm():
+    """Completions serve echo (chat's echo is refused); prompt_logprobs defaults to logprobs
+    under echo, and echo with max_tokens 0 asks for 0 (the request must compute something)."""
+    assert unsupported(ChatBody(messages=[{"role": "user", "content": "x"}], echo=True)) == "echo"
+    assert unsupported(CompletionBody(prompt="x", echo=True)) is None
+    assert CompletionBody(prompt="x", echo=True, logprobs=3).num_prompt_logprobs() == 3
+    assert CompletionBody(prompt="x", echo=True, max_tokens=0).num_prompt_logprobs() == 0
+    assert CompletionBody(prompt="x", echo=True).num_prompt_logprobs() is None
+    assert CompletionBody(prompt="x", echo=True, logprobs=1, prompt_logprobs=5).num_prompt_logprobs() == 5
+    assert CompletionBody(prompt="x", logprobs=1).num_prompt_logprobs() is None
+    assert ChatBody(messages=[{"role": "user", "content": "x"}], prompt_logprobs=2).num_prompt_logprobs() == 2

@@ -36,7 +36,7 @@ BAD_HTTP = [  # (name, path, body, text the error message must contain)
     ("malformed_json", "completions", b'{"prompt": "hi", "max_tokens": ', "JSON"),
     ("max_tokens_not_int", "completions", {"prompt": "hi", "max_tokens": "x"}, "max_tokens"),
     ("max_tokens_zero", "completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("n_2", "completions", {"prompt": "hi", "n": 2}, "n=2"),
+    ("n_zero", "completions", {"prompt": "hi", "n": 0}, "n must be in [1, 128]"),
     ("prompt_too_long", "completions", {"prompt": [5] * MAX_MODEL_LEN}, "max_model_len"),
     ("negative_temperature", "completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("token_outside_vocab", "completions", {"prompt": [1, 10**9]}, "vocabulary"),

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 PD_TIMELINE = ["arrival", "routed", "decode_arrival", "decode_reserved", "prefill_queued", "prefill_start",
                "prefill_end", "transfer_start", "transfer_end", "kv_ready", "first_token", "finish", "router_done"]
 TOKEN_OUTPUT_FIELDS = {"request_id", "token_ids", "text", "finished", "finish_reason", "num_prompt_tokens",
-                       "num_cached_tokens", "timeline", "logprobs"}
+                       "num_cached_tokens", "timeline", "logprobs", "index", "prompt_logprobs"}
 
 
 # ---- ZeroMQ: a raw client written from docs/protocol.md --------------------------------

@@ -1,0 +1,165 @@
+"""Weight-only int8 / int4 weights in the packed layout the native GEMM dequantizes in
+registers (kernels/csrc/gemm_quant_cpu.c, whose header draws the layout).
+
+Three kinds, each GGUF's own block math with a float16 scale per 32 values along k:
+    q8_0  int8 q                  w = d * q          (`--quantization int8`; GGUF Q8_0)
+    q4_0  int4 q in 0..15         w = d * (q - 8)    (GGUF Q4_0)
+    q4_1  int4 q in 0..15         w = d * q + m      (`--quantization int4`; GGUF Q4_1)
+`quantize` makes them from float weights; `from_gguf` repacks a GGUF tensor's raw blocks as
+they are (no dequantize and re-quantize: the same weights bit for bit); `dequantize` is
+the float32 weight the kernel computes with, as gguf-py dequantizes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import huge_pages
+
+GROUP = 32  # k values per scale (PD_QGROUP)
+PANEL = 16  # output columns per panel (PD_NR)
+KIND_CODES = {"q8_0": 2, "q4_0": 3, "q4_1": 4}  # PD_W_* of kernels/csrc/gemm_tile.h
+# what --quantization names make from float weights
+FROM_FLOAT = {"int8": "q8_0", "int4": "q4_1"}
+
+
+def block_bytes(kind: str) -> int:
+    """Bytes of one group of one panel: scales, (mins,) data."""
+    data = GROUP * PANEL if kind == "q8_0" else GROUP * PANEL // 2
+    return (4 if kind == "q4_1" else 2) * PANEL + data
+
+
+@dataclass(frozen=True, eq=False)
+class QuantWeight:
+    """A [n, k] weight packed for the native GEMM: `data` [ceil(n / 16), k / 32 * block_bytes]
+    uint8, panel by panel."""
+
+    kind: str
+    n: int
+    k: int
+    data: torch.Tensor
+
+    @property
+    def code(self) -> int:
+        return KIND_CODES[self.kind]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _check(kind: str, n: int, k: int) -> None:
+    if kind not in KIND_CODES:
+        raise ValueError(f"quantized kind {kind!r} is not one of {sorted(KIND_CODES)}")
+    if k % GROUP or n <= 0:
+        raise ValueError(f"a [{n}, {k}] weight cannot be quantized in groups of {GROUP} along its {k} inputs")
+
+
+def pack(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> QuantWeight:
+    """q [n, k] integer codes (q8_0: -128..127; q4: 0..15), d (and for q4_1 m) [n, k / 32]
+    float16 -> the packed weight (columns past n: zero scales, zero codes)."""
+    n, k = q.shape
+    _check(kind, n, k)
+    g = k // GROUP
+    if d.shape != (n, g) or (kind == "q4_1") != (m is not None) or (m is not None and m.shape != (n, g)):
+        raise ValueError(f"pack: scales {tuple(d.shape)} (mins {None if m is None else tuple(m.shape)}) "
+                         f"do not fit a {kind} weight [{n}, {k}]")
+    pad = -n % PANEL
+    panels = (n + pad) // PANEL
+
+    def panel_major(t: torch.Tensor) -> torch.Tensor:  # [n, g, ...] -> [panels, g, ..., 16]
+        t = torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
+        t = t.reshape(panels, PANEL, *t.shape[1:])
+        return t.movedim(1, -1)
+
+    head = [panel_major(d.to(torch.float16)).contiguous().view(torch.uint8)]  # [panels, g, 32]
+    if m is not None:
+        head.append(panel_major(m.to(torch.float16)).contiguous().view(torch.uint8))
+    codes = panel_major(q.reshape(n, g, GROUP))  # [panels, g, 32 rows, 16 columns]
+    if kind == "q8_0":
+        body = codes.to(torch.int8).contiguous().view(torch.uint8).reshape(panels, g, -1)
+    else:
+        c = codes.to(torch.uint8)
+        body = (c[..., :8] | (c[..., 8:] << 4)).reshape(panels, g, -1)  # column c low, c + 8 high nibble
+    blocks = torch.cat((*head, body), dim=-1).reshape(panels, -1)
+    out = huge_pages.empty(tuple(blocks.shape), torch.uint8)  # streamed every decode step
+    out.copy_(blocks)
+    return QuantWeight(kind, n, k, out)
+
+
+def unpack(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q [n, k], d [n, k / 32] float16, m or None): `pack`'s inverse."""
+    g, hdr = w.k // GROUP, (4 if w.kind == "q4_1" else 2) * PANEL
+    blocks = w.data.reshape(w.data.shape[0], g, -1)
+
+    def row_major(t: torch.Tensor) -> torch.Tensor:  # [panels, g, ..., 16] -> [n, g, ...]
+        return t.movedim(-1, 1).reshape(-1, *t.shape[1:-1])[:w.n]
+
+    d = row_major(blocks[..., :2 * PANEL].contiguous().view(torch.float16))
+    m = row_major(blocks[..., 2 * PANEL:4 * PANEL].contiguous().view(torch.float16)) if w.kind == "q4_1" else None
+    body = blocks[..., hdr:]
+    if w.kind == "q8_0":
+        codes = body.contiguous().view(torch.int8).reshape(*body.shape[:2], GROUP, PANEL)
+    else:
+        b = body.reshape(*body.shape[:2], GROUP, PANEL // 2)
+        codes = torch.cat((b & 15, b >> 4), dim=-1)
+    return row_major(codes).reshape(w.n, w.k), d, m
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The float32 [n, k] weight the kernel computes with (gguf-py's arithmetic)."""
+    q, d, m = unpack(w)
+    d = d.float().repeat_interleave(GROUP, dim=1)
+    if w.kind == "q8_0":
+        return q.float() * d
+    if w.kind == "q4_0":
+        return (q.to(torch.int8) - 8).float() * d
+    return q.float() * d + m.float().repeat_interleave(GROUP, dim=1)
+
+
+def quantize(weight: torch.Tensor, kind: str) -> QuantWeight:
+    """A float weight [n, k] as q8_0 (symmetric, d = max |w| / 127) or q4_1 (d = (max -
+    min) / 15, m = min), per group of 32 along k; each code rounded against the float16
+    scale it is stored with."""
+    n, k = weight.shape
+    _check(kind, n, k)
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    if kind == "q8_0":
+        d = (w.abs().amax(-1) / 127).to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1 / d.float())
+        q = torch.round(w * inv.unsqueeze(-1)).clamp(-127, 127)
+        return pack(kind, q.reshape(n, k).to(torch.int8), d)
+    if kind == "q4_1":
+        lo, hi = w.amin(-1), w.amax(-1)
+        d, m = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1 / d.float())
+        q = torch.round((w - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15)
+        return pack(kind, q.reshape(n, k).to(torch.uint8), d, m)
+    raise ValueError(f"quantize: no quantizer from float for {kind!r} (use {sorted(FROM_FLOAT.values())})")
+
+
+# GGUF block forms (ggml-common.h): bytes per 32 values, and the kinds kept quantized
+GGUF_KINDS = {"Q8_0": ("q8_0", 34), "Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20)}
+
+
+def from_gguf(type_name: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
+    """A GGUF tensor's raw blocks (uint8, n rows of k / 32 blocks; type Q8_0, Q4_0 or Q4_1)
+    repacked as they are."""
+    kind, size = GGUF_KINDS[type_name]
+    _check(kind, n, k)
+    g = k // GROUP
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, g, size))  # a copy: the file is mapped read-only
+    d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, g)
+    if kind == "q8_0":
+        return pack(kind, blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), d)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, g) if kind == "q4_1" else None
+    qs = blocks[..., 4 if m is not None else 2:]  # byte j: value j low nibble, value j + 16 high
+    codes = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(n, k)
+    return pack(kind, codes, d, m)
+
+
+def permute_rows(w: QuantWeight, order: torch.Tensor) -> QuantWeight:
+    """w with its output rows taken in `order` (llama's q/k rows un-permuted)."""
+    q, d, m = unpack(w)
+    return pack(w.kind, q[order], d[order], None if m is None else m[order])

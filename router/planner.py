@@ -1,0 +1,204 @@
+"""The SLO planner's rule: from one window's figures (`Snapshot`) and what it remembers
+(`PlannerState`), one pool change or none (`Plan`). Pure: no clock, no I/O; the loop
+that samples the router, applies a plan and exports the figures is router/planner_loop.py.
+docs/slo.md "Planner".
+
+Each window the rule names what the figures ask for (its wish):
+  prefill    TTFT attainment below target, and prompts wait on the prefill pool at least
+             as much as on the decode pool: more prefill capacity
+  decode     TPOT attainment below target, or decode KV use above `kv_high`, or TTFT
+             below target with requests waiting for a decode worker: more decode capacity
+  split      (one host, `host_cores` >= 2) colocated workers only and TPOT below target:
+             prefills stall the decodes they share a worker with; 1P+1D with half the
+             cores each
+  merge      (one host) a P/D split whose TTFT is below target while neither pool has a
+             queue and TPOT has room: the prompt itself is slow on its share of the
+             cores; one colocated worker with all of them
+  none       both within target (or no finished request to judge by)
+
+A wish becomes a plan only after it held `sustain` consecutive windows, not within
+`cooldown_s` of the last plan, not while an earlier change is under way, and only if its
+predicted effect would not make the opposite rule fire (the dead band): capacity moves
+from the other pool only while that pool's attainment is `margin` above target and its
+KV use would stay below `kv_high` with one worker fewer. Capacity comes from the other
+pool (a role change) where it can, else from a new worker while the deployment holds
+fewer than `max_workers`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+NONE, ADD, REROLE, SPLIT, MERGE = "none", "add", "re_role", "split", "merge"
+WISHES = ("prefill", "decode", "split", "merge")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The targets and the hysteresis. SLOs in seconds; `target` is the share of a
+    window's requests that must meet each SLO."""
+
+    ttft_slo_s: float
+    tpot_slo_s: float
+    target: float = 0.9
+    margin: float = 0.05      # dead band: the donor pool's attainment must exceed target + margin
+    kv_high: float = 0.9      # decode KV use above this asks for decode capacity
+    sustain: int = 3          # consecutive windows a wish must hold
+    cooldown_s: float = 30.0  # no plan this soon after the last
+    max_workers: int = 0      # workers the planner may grow the deployment to (0: role changes only)
+    host_cores: int = 0       # one host: the cores its workers share (0: core sharing is not planned)
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
+            raise ValueError("planner SLOs must be > 0")
+        if not 0 < self.target <= 1 or self.margin < 0 or not 0 < self.kv_high <= 1:
+            raise ValueError("planner target must be in (0, 1], margin >= 0, kv_high in (0, 1]")
+        if self.sustain < 1 or self.cooldown_s < 0 or self.max_workers < 0 or self.host_cores < 0:
+            raise ValueError("planner sustain must be >= 1; cooldown, max_workers and host_cores >= 0")
+
+
+@dataclass(frozen=True)
+class Pools:
+    """Serving workers per role, and workers on their way in or out (starting, draining, exiting)."""
+
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+    changing: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One window's figures. Attainments are None where no finished request had the
+    figure. Queues count requests: prompts routed to prefill workers and not yet
+    prefilled; requests waiting on decode (or colocated) workers."""
+
+    now: float  # monotonic seconds at the window's end
+    finished: int
+    ttft_attainment: float | None
+    tpot_attainment: float | None
+    prefill_queue: int
+    decode_queue: int
+    decode_kv_use: float  # share of the decode (or colocated) pool's KV blocks in use
+    pools: Pools
+
+    def figures(self) -> dict[str, float]:
+        """The numbers a decision is logged and exported with."""
+        out = {"finished": self.finished, "prefill_queue": self.prefill_queue, "decode_queue": self.decode_queue,
+               "decode_kv_use": round(self.decode_kv_use, 3), "prefill": self.pools.prefill,
+               "decode": self.pools.decode, "colocated": self.pools.colocated, "changing": self.pools.changing}
+        for name in ("ttft_attainment", "tpot_attainment"):
+            if getattr(self, name) is not None:
+                out[name] = round(getattr(self, name), 3)
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do: `action` of `role` (add: a new worker; re_role: one `from_role`
+    worker restarted as `role`; split / merge: new workers with `num_threads` each, then
+    the old ones drained), and why."""
+
+    action: str
+    reason: str
+    role: str = ""
+    from_role: str = ""
+    count: int = 0
+    num_threads: int = 0  # 0: the deployment's own
+    figures: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        what = {NONE: "no change", ADD: f"add {self.count} {self.role} worker(s)",
+                REROLE: f"re-role a {self.from_role} worker to {self.role}",
+                SPLIT: f"split colocated into 1 prefill + 1 decode worker with {self.num_threads} thread(s) each",
+                MERGE: f"merge prefill + decode into 1 colocated worker with {self.num_threads} thread(s)"}[self.action]
+        figs = " ".join(f"{k}={v}" for k, v in self.figures.items())
+        return f"planner: {what} ({self.reason}): {figs}"
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """What the rule remembers between windows."""
+
+    wish: str = NONE
+    streak: int = 0
+    last_plan_at: float | None = None
+
+
+def decide(snap: Snapshot, state: PlannerState, cfg: PlannerConfig) -> tuple[Plan, PlannerState]:
+    """This window's plan and the state the next window starts from."""
+    figs = snap.figures()
+    if snap.pools.changing:
+        return Plan(NONE, "changing", figures=figs), replace(state, wish=NONE, streak=0)
+    if state.last_plan_at is not None and snap.now - state.last_plan_at < cfg.cooldown_s:
+        return Plan(NONE, "cooldown", figures=figs), replace(state, wish=NONE, streak=0)
+    wish, why = _wish(snap, cfg)
+    streak = state.streak + 1 if wish == state.wish else 1
+    if wish == NONE:
+        return Plan(NONE, why, figures=figs), PlannerState(NONE, 0, state.last_plan_at)
+    held = replace(state, wish=wish, streak=streak)
+    if streak < cfg.sustain:
+        return Plan(NONE, f"{why}_pending", figures=figs), held
+    plan = _plan(wish, why, snap, cfg)
+    if plan.action == NONE:
+        return replace(plan, figures=figs), held
+    return replace(plan, figures=figs), PlannerState(NONE, 0, snap.now)
+
+
+def _wish(snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str]:
+    """What this window's figures ask for, and the reason's name."""
+    ttft_low = _below(snap.ttft_attainment, cfg.target)
+    tpot_low = _below(snap.tpot_attainment, cfg.target)
+    kv_high = snap.decode_kv_use > cfg.kv_high
+    p = snap.pools
+    if snap.finished == 0 and not kv_high:
+        return NONE, "idle"
+    if cfg.host_cores >= 2 and p.colocated and not (p.prefill or p.decode):
+        return (SPLIT, "tpot_interference") if tpot_low else (NONE, "within_slo")
+    if not (p.prefill and p.decode):
+        return NONE, "within_slo" if not (ttft_low or tpot_low) else "no_pd_pools"
+    if tpot_low or kv_high:
+        return "decode", "decode_kv" if kv_high and not tpot_low else "tpot_low"
+    if ttft_low and snap.decode_queue > snap.prefill_queue:
+        return "decode", "decode_queue"
+    if ttft_low and cfg.host_cores >= 2 and snap.prefill_queue == 0 and snap.decode_queue == 0 \
+            and not _below(snap.tpot_attainment, cfg.target + cfg.margin):
+        return MERGE, "ttft_unqueued"
+    if ttft_low:
+        return "prefill", "ttft_low"
+    return NONE, "within_slo"
+
+
+def _plan(wish: str, why: str, snap: Snapshot, cfg: PlannerConfig) -> Plan:
+    """The change that grants `wish`, or none (and why not)."""
+    p = snap.pools
+    if wish == SPLIT:
+        return Plan(SPLIT, why, num_threads=cfg.host_cores // 2)
+    if wish == MERGE:
+        return Plan(MERGE, why, num_threads=cfg.host_cores)
+    donor = "decode" if wish == "prefill" else "prefill"
+    if _donor_has_slack(donor, snap, cfg):
+        return Plan(REROLE, why, role=wish, from_role=donor, count=1)
+    if cfg.host_cores:
+        return Plan(NONE, f"{why}_no_core_free")  # one host: a new worker would take a core in use
+    if p.total < cfg.max_workers:
+        return Plan(ADD, why, role=wish, count=1)
+    return Plan(NONE, f"{why}_at_max_workers")
+
+
+def _donor_has_slack(donor: str, snap: Snapshot, cfg: PlannerConfig) -> bool:
+    """Whether `donor` can give up a worker without the opposite rule wanting it back."""
+    n = snap.pools.prefill if donor == "prefill" else snap.pools.decode
+    if n < 2:
+        return False
+    good = cfg.target + cfg.margin
+    if donor == "decode":
+        kv_after = snap.decode_kv_use * n / (n - 1)
+        return not _below(snap.tpot_attainment, good) and kv_after <= cfg.kv_high and snap.decode_queue == 0
+    return not _below(snap.ttft_attainment, good) and snap.prefill_queue == 0
+
+
+def _below(attainment: float | None, bar: float) -> bool:
+    return attainment is not None and attainment < bar

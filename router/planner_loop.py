@@ -1,0 +1,191 @@
+"""The SLO planner in the router process: every `interval_s` it reads a `Snapshot` of
+the router (the requests that finished in the window, the pools' queues and KV use),
+asks the rule (router/planner.py) for a plan, applies it through the pool control API
+(router/control.py), logs it with its figures and exports them as metrics.
+
+A split or merge (one host, docs/slo.md "Planner") starts the new workers first and
+drains the old ones only once every new one serves: a deployment never drops to no
+worker able to serve, as the control API's last-worker rule demands."""
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from common.clock import Clock
+from router.control import ControlPlane
+from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Plan, PlannerConfig, PlannerState, Pools, Snapshot, \
+    decide
+from router.registry import SERVING, PoolError
+
+CHANGING = ("starting", "draining", "exiting")
+
+
+@dataclass
+class Swap:
+    """A split or merge under way: the new workers, and the old ones drained once they all serve."""
+
+    new: list[str]
+    old: list[str]
+    started_at: float
+
+
+@dataclass
+class PlannerMetrics:
+    """The planner's series, in the router's registry."""
+
+    decisions: Counter
+    gauges: dict[str, Gauge] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> PlannerMetrics:
+        decisions = Counter("pdserve_planner_decisions", "SLO planner decisions, one per window, by action "
+                            "(none, add, re_role, split, merge) and reason", ["action", "reason"], registry=registry)
+        gauges = {name: Gauge(f"pdserve_planner_{name}", doc, registry=registry) for name, doc in (
+            ("ttft_attainment", "Share of the last window's requests within the TTFT SLO (NaN: none finished)"),
+            ("tpot_attainment", "Share of the last window's requests within the TPOT SLO (NaN: none finished)"),
+            ("prefill_queue", "Prompts routed to prefill workers and not yet prefilled, at the last window's end"),
+            ("decode_queue", "Requests waiting on decode or colocated workers, at the last window's end"),
+            ("decode_kv_use", "Share of the decode (or colocated) pool's KV blocks in use, at the last window's end"))}
+        return cls(decisions, gauges)
+
+    def export(self, snap: Snapshot, plan: Plan) -> None:
+        self.decisions.labels(plan.action, plan.reason).inc()
+        for name, gauge in self.gauges.items():
+            value = getattr(snap, name)
+            gauge.set(math.nan if value is None else value)
+
+
+class Planner:
+    """Samples the router owned by `control`, decides, applies. `step()` is one window
+    (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
+
+    def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"planner interval must be > 0 s, got {interval_s}")
+        self.control = control
+        self.router = control.router
+        self.cfg = cfg
+        self.interval_s = interval_s
+        self.swap_timeout_s = swap_timeout_s  # a swap whose new workers never all serve is abandoned
+        self.state = PlannerState()
+        self.swap: Swap | None = None
+        self.metrics = PlannerMetrics.create(self.router.metrics.registry)
+        self.last: tuple[Snapshot, Plan] | None = None
+        self._last_reason = ""
+        self._task: asyncio.Task | None = None
+
+    @property
+    def clock(self) -> Clock:
+        return self.router.clock
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await self.clock.sleep_async(self.interval_s)
+            try:
+                self.step()
+            except Exception as e:  # a bug must not end planning, nor the router
+                print(f"planner: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def step(self) -> Plan:
+        """One window: advance a swap under way, then sample, decide, apply, log, export."""
+        self._advance_swap()
+        snap = self.snapshot()
+        plan, self.state = decide(snap, self.state, self.cfg)
+        refusal = self._apply(plan) if plan.action != NONE else None
+        logged = plan.line() + (f": refused: {refusal}" if refusal else "")
+        if refusal:
+            plan = Plan(plan.action, "refused", plan.role, plan.from_role, plan.count, plan.num_threads, plan.figures)
+        self.metrics.export(snap, plan)
+        if plan.action != NONE or plan.reason != self._last_reason:
+            print(logged, file=sys.stderr, flush=True)
+        self._last_reason = plan.reason
+        self.last = (snap, plan)
+        return plan
+
+    # ---- sampling ------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        now = self.clock.monotonic()
+        window = [r for r in self.router.finished_log if r[0] > now - self.interval_s]
+        ttft = [t for _, t, _ in window]
+        tpot = [t for _, _, t in window if t is not None]
+        reg = self.router.registry
+        prefill, kv_side = reg.live(("prefill",)), reg.live(("decode", "colocated"))
+        total = sum(e.status.total_blocks for e in kv_side if e.status)
+        free = sum(e.status.free_blocks for e in kv_side if e.status)
+        return Snapshot(now, len(window), _share(ttft, self.cfg.ttft_slo_s), _share(tpot, self.cfg.tpot_slo_s),
+                        sum(e.inflight for e in prefill), sum(e.status.waiting for e in kv_side if e.status),
+                        1 - free / total if total else 0.0, self.pools())
+
+    def pools(self) -> Pools:
+        counts = {"prefill": 0, "decode": 0, "colocated": 0}
+        changing = int(self.swap is not None)
+        for w in self.control.pools():
+            if w.state == SERVING and w.role in counts:
+                counts[w.role] += 1
+            changing += w.state in CHANGING
+        return Pools(counts["prefill"], counts["decode"], counts["colocated"], changing)
+
+    # ---- applying ------------------------------------------------------------------------
+    def _apply(self, plan: Plan) -> str | None:
+        """Start `plan`; the control API's refusal, if it refused (the plan is counted
+        under reason `refused`)."""
+        try:
+            if plan.action == ADD:
+                self.control.scale(plan.role, plan.count)
+            elif plan.action == REROLE:
+                donors = sorted(self.router.registry.live((plan.from_role,)), key=lambda e: (e.inflight, e.worker_id))
+                self.control.change_role(donors[0].worker_id, plan.role)
+            elif plan.action in (SPLIT, MERGE):
+                self._start_swap(plan)
+        except PoolError as e:
+            return str(e)
+        return None
+
+    def _start_swap(self, plan: Plan) -> None:
+        engine = {"num_threads": plan.num_threads}
+        if plan.action == SPLIT:
+            old = [e.worker_id for e in self.router.registry.live(("colocated",))]
+            new = self.control.scale("prefill", 1, engine).worker_ids + self.control.scale("decode", 1, engine).worker_ids
+        else:
+            old = [e.worker_id for e in self.router.registry.live(("prefill", "decode"))]
+            new = self.control.scale("colocated", 1, engine).worker_ids
+        self.swap = Swap(list(new), old, self.clock.monotonic())
+
+    def _advance_swap(self) -> None:
+        """Drain a swap's old workers once all its new ones serve; abandon it (old ones
+        kept) if a new one left or the swap outlived `swap_timeout_s`."""
+        swap = self.swap
+        if swap is None:
+            return
+        reg = self.router.registry
+        states = {w.worker_id: w.state for w in self.control.pools()}
+        if all(w in reg.workers and reg.workers[w].alive and reg.workers[w].state == SERVING for w in swap.new):
+            self.swap = None
+            old = [w for w in swap.old if w in reg.workers and reg.workers[w].state == SERVING]
+            try:
+                if old:
+                    self.control.drain(old)
+                said = f"draining {', '.join(old) or 'none'}"
+            except PoolError as e:
+                said = f"keeping {', '.join(old)}: {e}"
+            print(f"planner: new workers {', '.join(swap.new)} serve; {said}", file=sys.stderr, flush=True)
+        elif any(states.get(w) in ("exited", None) for w in swap.new) or \
+                self.clock.monotonic() - swap.started_at > self.swap_timeout_s:
+            self.swap = None
+            print(f"planner: abandoned a swap: new workers {', '.join(f'{w}={states.get(w)}' for w in swap.new)}; "
+                  f"keeping {', '.join(swap.old)}", file=sys.stderr, flush=True)
+
+
+def _share(values: list[float], slo_s: float) -> float | None:
+    return sum(v <= slo_s for v in values) / len(values) if values else None

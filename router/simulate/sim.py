@@ -1,0 +1,280 @@
+"""The discrete-event simulation: a heap of events on a virtual clock (a ManualClock,
+the clock seam of common/clock.py), workers that are a real Scheduler + BlockManager
+(common/engine) whose steps take what the latency model says, KV transfers priced by
+blocks, and routing by the router's own code (router/simulate/routing.py).
+
+A worker steps whenever its scheduler has work: the step's batch is the scheduler's,
+its time is prefill_s(prompt tokens in the batch) + decode_step_s(decoding sequences,
+their mean context). A sequence whose tokens are all computed after a step samples a
+token (its value is irrelevant; outputs run to their trace length, as with ignore_eos).
+A disaggregated request reserves its blocks on D when it arrives (FIFO, as the decode
+worker does), is prefilled on P, and its KV moves once both are done; its first token
+reaches the client when the KV lands on D. Heartbeats are instant: after every step the
+router sees the worker's load, free blocks and prefix-cache events.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from common.clock import ManualClock
+from common.config import SchedulerConfig
+from common.engine.block_manager import BlockManager
+from common.engine.scheduler import ScheduledBatch, Scheduler
+from common.engine.sequence import Sequence, SequenceStatus
+from common.hashing import block_hashes
+from common.sampling_params import SamplingParams
+from router.bench.metrics import RequestRecord
+from router.config import RouterConfig
+from router.disagg_policy import Decision
+from router.latency_model import LatencyModel
+from router.registry import WorkerEntry
+from router.simulate.routing import SimRouter
+
+SAMPLED_TOKEN = 1  # the value of every generated token
+ARRIVE, STEP_DONE, KV_LANDED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Workers per role and what each holds."""
+
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    num_blocks: int = 4096
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.colocated) < 0 or self.num_blocks < 1:
+            raise ValueError("worker counts must be >= 0 and num_blocks >= 1")
+        if not (self.prefill and self.decode) and not self.colocated:
+            raise ValueError("a deployment needs a prefill and a decode worker, or a colocated one")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("simulate either prefill + decode workers or colocated ones, not both")
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+    @property
+    def label(self) -> str:
+        return f"{self.colocated}C" if self.colocated else f"{self.prefill}P+{self.decode}D"
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request; also what the router's disaggregation reads of an InFlight."""
+
+    request_id: str
+    token_ids: list[int]
+    output_len: int
+    arrival: float
+    block_hashes: list[int]
+    record: RequestRecord
+    timeline: dict[str, float] = field(default_factory=dict)
+    decode: WorkerEntry | None = None
+    prefill: WorkerEntry | None = None
+    route: Decision | None = None
+    first_token_at: float | None = None
+    num_output_tokens: int = 0
+    p_seq: Sequence | None = None
+    d_seq: Sequence | None = None
+    prefilled: bool = False
+    reserved_blocks: int = -1  # blocks D lacks once reserved; -1 before
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class SimWorker:
+    """One worker: its engine's scheduler and block manager, and whether it is stepping."""
+
+    def __init__(self, worker_id: str, role: str, dep: Deployment, block_size: int) -> None:
+        self.worker_id, self.role = worker_id, role
+        self.block_manager = BlockManager(dep.num_blocks, block_size, dep.scheduler.enable_prefix_caching)
+        self.scheduler = Scheduler(dep.scheduler, self.block_manager)
+        self.busy = False
+        self.pending: list[SimRequest] = []  # decode role: waiting for a reservation, FIFO
+        self.reqs: dict[int, SimRequest] = {}  # seq id -> request
+        self.steps = 0
+
+
+class Simulation:
+    """Runs requests through a deployment; `run` returns their records."""
+
+    def __init__(self, dep: Deployment, model: LatencyModel, config: RouterConfig) -> None:
+        self.dep, self.model, self.config = dep, model, config
+        self.clock = ManualClock(start=0.0, epoch=0.0)
+        self.router = SimRouter(config)
+        self.workers: dict[str, SimWorker] = {}
+        for role, n in (("prefill", dep.prefill), ("decode", dep.decode), ("colocated", dep.colocated)):
+            for i in range(n):
+                w = SimWorker(f"{role}-{i}", role, dep, config.block_size)
+                self.workers[w.worker_id] = w
+                self.router.register(w.worker_id, role, dep.num_blocks, 0.0)
+        self._events: list[tuple[float, int, int, object]] = []
+        self._order = itertools.count()
+        self._seq_ids = itertools.count()
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self, requests: list[tuple[float, list[int], int]]) -> list[SimRequest]:
+        """`requests`: (arrival s, prompt token ids, output tokens). Runs until all are done."""
+        reqs = []
+        for i, (arrival, ids, out) in enumerate(requests):
+            hashes = block_hashes(ids, self.config.block_size)
+            r = SimRequest(f"r{i}", ids, max(1, out), arrival, hashes, RequestRecord(arrival, prompt_len=len(ids)))
+            reqs.append(r)
+            self._push(arrival, ARRIVE, r)
+        handlers = {ARRIVE: self._arrive, STEP_DONE: self._step_done, KV_LANDED: self._kv_landed}
+        while self._events:
+            t, _, kind, obj = heapq.heappop(self._events)
+            self.clock.advance(max(0.0, t - self.clock.monotonic()))
+            handlers[kind](obj)
+        return reqs
+
+    @property
+    def now(self) -> float:
+        return self.clock.monotonic()
+
+    def _push(self, t: float, kind: int, obj: object) -> None:
+        heapq.heappush(self._events, (t, next(self._order), kind, obj))
+
+    # ---- arrivals and routing ----------------------------------------------------------
+    def _arrive(self, r: SimRequest) -> None:
+        r.timeline["arrival"] = self.now
+        if not self._fits(r):
+            r.record.success, r.record.error = False, "prompt + output exceed a worker's KV cache"
+            return
+        decode, prefill, choice = self.router.route(r)
+        r.decode, r.prefill, r.route = decode, prefill, choice
+        self.router.inflight[r.request_id] = r
+        decode.take()
+        d = self.workers[decode.worker_id]
+        if prefill is None:  # colocated, or prefilled on D
+            r.d_seq = self._seq(r, r.output_len)
+            self._queue(d, r, r.d_seq)
+            return
+        prefill.take()
+        r.p_seq, r.d_seq = self._seq(r, 1), self._seq(r, r.output_len)
+        self._queue(self.workers[prefill.worker_id], r, r.p_seq)
+        d.pending.append(r)
+        self._try_reserve(d)
+
+    def _fits(self, r: SimRequest) -> bool:
+        need = -(-(len(r.token_ids) + r.output_len) // self.config.block_size)
+        return need <= self.dep.num_blocks
+
+    def _seq(self, r: SimRequest, max_tokens: int) -> Sequence:
+        return Sequence(next(self._seq_ids), list(r.token_ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                        prompt_hashes=list(r.block_hashes))
+
+    def _queue(self, w: SimWorker, r: SimRequest, seq: Sequence) -> None:
+        r.timeline.setdefault("prefill_queued", self.now)
+        w.reqs[seq.seq_id] = r
+        w.scheduler.add(seq)
+        self._kick(w)
+
+    def _try_reserve(self, d: SimWorker) -> None:
+        while d.pending:
+            r = d.pending[0]
+            cached = d.scheduler.reserve(r.d_seq)
+            if cached is None:
+                return
+            d.pending.pop(0)
+            d.reqs[r.d_seq.seq_id] = r
+            r.reserved_blocks = len(r.d_seq.block_table) - cached
+            self._maybe_transfer(r)
+
+    # ---- steps -------------------------------------------------------------------------
+    def _kick(self, w: SimWorker) -> None:
+        if w.busy or not w.scheduler.has_work():
+            return
+        batch = w.scheduler.schedule()
+        while not batch.seqs and batch.preempted:  # it freed room: what waits may fit now
+            batch = w.scheduler.schedule()
+        if not batch.seqs:
+            return
+        w.busy, w.steps = True, w.steps + 1
+        for seq in batch.seqs:
+            w.reqs[seq.seq_id].timeline.setdefault("prefill_start", self.now)
+        self._push(self.now + self.step_seconds(batch), STEP_DONE, (w, batch))
+
+    def step_seconds(self, batch: ScheduledBatch) -> float:
+        """prefill_s(prompt tokens computed) + decode_step_s(decoding seqs, their mean context)."""
+        prompt_tokens = decodes = context = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decodes += 1
+                context += seq.num_computed_tokens + 1
+            else:
+                prompt_tokens += n
+        step = self.model.prefill_s(prompt_tokens)
+        return step + (self.model.decode_step_s(decodes, context / decodes) if decodes else 0.0)
+
+    def _step_done(self, item: tuple[SimWorker, ScheduledBatch]) -> None:
+        w, batch = item
+        w.busy = False
+        w.scheduler.advance(batch)
+        for seq in batch.seqs:
+            if seq.num_computed_tokens == len(seq.token_ids) and seq.status == SequenceStatus.RUNNING:
+                self._sampled(w, seq)
+        self._heartbeat(w)
+        if w.role == "decode":
+            self._try_reserve(w)
+        self._kick(w)
+
+    def _sampled(self, w: SimWorker, seq: Sequence) -> None:
+        r = w.reqs[seq.seq_id]
+        if seq is r.p_seq:  # P sampled the first token: its KV goes to D
+            w.scheduler.detach(seq)
+            r.timeline["prefill_end"] = self.now
+            r.prefilled = True
+            self._maybe_transfer(r)
+            return
+        if seq.num_output_tokens == 0:
+            r.timeline.setdefault("prefill_end", self.now)
+        seq.token_ids.append(SAMPLED_TOKEN)
+        self._token(w, r, seq)
+
+    def _token(self, w: SimWorker, r: SimRequest, seq: Sequence) -> None:
+        r.record.token_times.append(self.now)
+        r.num_output_tokens += 1
+        if r.first_token_at is None:
+            r.first_token_at = r.timeline["first_token"] = self.now
+            if r.prefill is not None:  # as the router: P's share of load ends with the first token
+                r.prefill.inflight -= 1
+        if seq.num_output_tokens >= r.output_len:
+            w.scheduler.finish(seq, "length")
+            del w.reqs[seq.seq_id]
+            r.timeline["finish"] = self.now
+            r.decode.inflight -= 1
+            del self.router.inflight[r.request_id]
+
+    def _heartbeat(self, w: SimWorker) -> None:
+        bm = w.block_manager
+        self.router.heartbeat(w.worker_id, w.role, len(w.scheduler.waiting), len(w.scheduler.running),
+                              bm.num_free_blocks, bm.num_blocks, bm.take_events(), self.now)
+
+    # ---- transfers ---------------------------------------------------------------------
+    def _maybe_transfer(self, r: SimRequest) -> None:
+        if r.prefilled and r.reserved_blocks >= 0:
+            self._push(self.now + self.model.transfer_s(r.reserved_blocks), KV_LANDED, r)
+
+    def _kv_landed(self, r: SimRequest) -> None:
+        """P releases its copy; D starts decoding as LLMEngine.start_decoding does."""
+        p = self.workers[r.prefill.worker_id]
+        p.scheduler.finish(r.p_seq, "transferred")
+        del p.reqs[r.p_seq.seq_id]
+        self._heartbeat(p)
+        self._kick(p)
+        d, seq = self.workers[r.decode.worker_id], r.d_seq
+        r.timeline["kv_ready"] = self.now
+        seq.num_computed_tokens = len(seq)
+        d.block_manager.cache_full_blocks(seq)
+        seq.token_ids.append(SAMPLED_TOKEN)
+        d.scheduler.start_running(seq)
+        self._token(d, r, seq)
+        self._kick(d)

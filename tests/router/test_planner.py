@@ -1,0 +1,143 @@
+"""The SLO planner's rule (router/planner.py) on constructed windows: which pool it
+grows, where capacity comes from, and the hysteresis (sustain, cooldown, dead band)."""
+from __future__ import annotations
+
+import pytest
+
+from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, PlannerConfig, PlannerState, Pools, Snapshot, decide
+
+CFG = PlannerConfig(ttft_slo_s=0.5, tpot_slo_s=0.05, sustain=3, cooldown_s=30.0, max_workers=4)
+P1_D2 = Pools(1, 2)
+START = PlannerState()
+
+
+def snap(now: float, ttft: float | None = 1.0, tpot: float | None = 1.0, pq: int = 0, dq: int = 0, kv: float = 0.2,
+         pools: Pools = P1_D2, finished: int = 20) -> Snapshot:
+    return Snapshot(now, finished, ttft, tpot, pq, dq, kv, pools)
+
+
+def run(snaps: list[Snapshot], cfg: PlannerConfig = CFG, state: PlannerState = START):
+    plans = []
+    for s in snaps:
+        plan, state = decide(s, state, cfg)
+        plans.append(plan)
+    return plans, state
+
+
+def test_ttft_bound_moves_a_decode_worker_with_slack_to_prefill_after_sustained_windows():
+    plans, state = run([snap(t * 5.0, ttft=0.4, pq=6) for t in range(3)])
+    assert [p.action for p in plans] == [NONE, NONE, REROLE]
+    assert plans[0].reason == "ttft_low_pending"
+    last = plans[-1]
+    assert (last.role, last.from_role, last.reason) == ("prefill", "decode", "ttft_low")
+    assert last.figures["ttft_attainment"] == 0.4 and last.figures["prefill_queue"] == 6
+    assert state.last_plan_at == 10.0
+
+
+def test_ttft_bound_adds_a_prefill_worker_when_decode_has_no_worker_to_spare():
+    plans, _ = run([snap(t * 5.0, ttft=0.2, pq=4, pools=Pools(1, 1)) for t in range(3)])
+    assert (plans[-1].action, plans[-1].role, plans[-1].count) == (ADD, "prefill", 1)
+
+
+def test_at_max_workers_nothing_is_added():
+    cfg = PlannerConfig(0.5, 0.05, sustain=1, max_workers=2)
+    plans, _ = run([snap(0.0, ttft=0.2, pq=4, pools=Pools(1, 1))], cfg)
+    assert (plans[0].action, plans[0].reason) == (NONE, "ttft_low_at_max_workers")
+
+
+def test_tpot_bound_grows_decode():
+    plans, _ = run([snap(t * 5.0, tpot=0.5, pools=Pools(2, 1)) for t in range(3)])
+    assert (plans[-1].action, plans[-1].role, plans[-1].from_role, plans[-1].reason) == \
+        (REROLE, "decode", "prefill", "tpot_low")
+
+
+def test_decode_kv_use_high_grows_decode_even_within_slo():
+    plans, _ = run([snap(t * 5.0, kv=0.95, pools=Pools(1, 1)) for t in range(3)])
+    assert (plans[-1].action, plans[-1].role, plans[-1].reason) == (ADD, "decode", "decode_kv")
+
+
+def test_ttft_low_with_requests_waiting_for_decode_grows_decode():
+    plans, _ = run([snap(t * 5.0, ttft=0.3, pq=0, dq=5, pools=Pools(1, 1)) for t in range(3)])
+    assert (plans[-1].role, plans[-1].reason) == ("decode", "decode_queue")
+
+
+def test_steady_within_slo_changes_nothing():
+    plans, state = run([snap(t * 5.0) for t in range(50)])
+    assert {(p.action, p.reason) for p in plans} == {(NONE, "within_slo")}
+    assert state == PlannerState()
+
+
+def test_no_finished_request_is_idle():
+    plans, _ = run([snap(t * 5.0, ttft=None, tpot=None, finished=0) for t in range(5)])
+    assert {(p.action, p.reason) for p in plans} == {(NONE, "idle")}
+
+
+def test_oscillating_input_keeps_it_still():
+    """TTFT-bound and TPOT-bound windows in turn: neither holds `sustain` windows."""
+    ttft_bound, tpot_bound = dict(ttft=0.2, pq=5), dict(tpot=0.2)
+    snaps = [snap(t * 5.0, **(ttft_bound if t % 2 else tpot_bound)) for t in range(40)]
+    plans, _ = run(snaps)
+    assert {p.action for p in plans} == {NONE}
+    # and a bad window between good ones never adds up either
+    plans, _ = run([snap(t * 5.0, **(ttft_bound if t % 3 == 2 else {})) for t in range(40)])
+    assert {p.action for p in plans} == {NONE}
+
+
+def test_cooldown_after_a_plan():
+    snaps = [snap(t * 5.0, ttft=0.2, pq=5, pools=Pools(1, 1)) for t in range(12)]
+    plans, _ = run(snaps)
+    acted = [s.now for s, p in zip(snaps, plans) if p.action != NONE]
+    assert acted == [10.0, 50.0], acted  # cooldown until 40 s, then `sustain` windows again (40, 45, 50)
+    assert plans[3].reason == "cooldown"
+
+
+def test_no_plan_while_a_change_is_under_way():
+    plans, state = run([snap(t * 5.0, ttft=0.2, pq=5, pools=Pools(1, 1, changing=1)) for t in range(6)])
+    assert {(p.action, p.reason) for p in plans} == {(NONE, "changing")} and state.streak == 0
+
+
+def test_dead_band_keeps_a_donor_that_would_need_its_worker_back():
+    """TTFT-bound, but decode's TPOT is only just within target, or its KV use would go
+    over kv_high with one worker fewer: no role change (it would be reversed); a new
+    worker instead."""
+    marginal = run([snap(t * 5.0, ttft=0.2, pq=5, tpot=0.92) for t in range(3)])[0][-1]
+    assert (marginal.action, marginal.role) == (ADD, "prefill")
+    full = run([snap(t * 5.0, ttft=0.2, pq=5, kv=0.6) for t in range(3)])[0][-1]  # 0.6 x 2/1 > 0.9
+    assert (full.action, full.role) == (ADD, "prefill")
+    roomy = run([snap(t * 5.0, ttft=0.2, pq=5, kv=0.4, tpot=1.0) for t in range(3)])[0][-1]
+    assert (roomy.action, roomy.from_role) == (REROLE, "decode")
+
+
+def test_one_host_colocated_with_tpot_low_splits_into_p_and_d_on_half_the_cores():
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, host_cores=2)
+    plans, _ = run([snap(t * 5.0, tpot=0.5, pools=Pools(0, 0, 1)) for t in range(2)], cfg)
+    assert (plans[-1].action, plans[-1].num_threads, plans[-1].reason) == (SPLIT, 1, "tpot_interference")
+    within, _ = run([snap(t * 5.0, pools=Pools(0, 0, 1)) for t in range(5)], cfg)
+    assert {p.action for p in within} == {NONE}
+
+
+def test_one_host_split_with_slow_unqueued_prompts_merges_onto_all_cores():
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, host_cores=2)
+    plans, _ = run([snap(t * 5.0, ttft=0.3, pools=Pools(1, 1)) for t in range(2)], cfg)
+    assert (plans[-1].action, plans[-1].num_threads) == (MERGE, 2)
+    # TPOT without room: merging would bring the interference back that a split removes
+    tight, _ = run([snap(t * 5.0, ttft=0.3, tpot=0.92, pools=Pools(1, 1)) for t in range(2)], cfg)
+    assert tight[-1].action == NONE and tight[-1].reason == "ttft_low_no_core_free"
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError):
+        PlannerConfig(0.0, 0.05)
+    with pytest.raises(ValueError):
+        PlannerConfig(0.5, 0.05, sustain=0)
+
+
+def test_router_config_checks_the_planner_flags():
+    from common.config import ConfigError
+    from router.config import RouterConfig
+    assert RouterConfig("m", planner="slo", slo_ttft_ms=200, slo_tpot_ms=40).planner == "slo"
+    for bad, field in ((dict(planner="slo"), "slo_ttft_ms"), (dict(planner="fast"), "planner"),
+                       (dict(planner_interval_s=0.0), "planner_interval_s"),
+                       (dict(planner_target=1.5), "planner_target")):
+        with pytest.raises(ConfigError, match=field):
+            RouterConfig("m", **bad)

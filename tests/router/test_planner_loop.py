@@ -1,0 +1,159 @@
+"""The SLO planner's loop (router/planner_loop.py) on a ManualClock, against a fake
+control plane and a synthetic load whose TTFT depends on the prefill pool's size: the
+planner moves capacity once, then, the load steady and within SLO, changes nothing;
+a split on one host drains the colocated worker only after both new workers serve;
+decisions are exported as metrics."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import re
+from types import SimpleNamespace
+
+from common.clock import ManualClock
+from common.wire.messages import PoolWorker, WorkerHello, WorkerStatus
+from router.metrics import RouterMetrics
+from router.planner import NONE, REROLE, SPLIT, PlannerConfig
+from router.planner_loop import Planner
+from router.registry import SERVING, WorkerRegistry
+
+INTERVAL = 5.0
+
+
+class FakeControl:
+    """The control API's in-process methods over a real registry: a new or re-roled
+    worker registers `delay` windows after it is asked for; a drained one leaves at once."""
+
+    def __init__(self, clock: ManualClock, roles: dict[str, str]) -> None:
+        self.router = SimpleNamespace(clock=clock, registry=WorkerRegistry(stale_after_s=1e9), metrics=RouterMetrics(),
+                                      finished_log=collections.deque())
+        self.calls: list[tuple] = []
+        self.starting: dict[str, tuple[str, float]] = {}
+        for wid, role in roles.items():
+            self.register(wid, role)
+
+    def register(self, wid: str, role: str) -> None:
+        hello = WorkerHello(wid, role, f"tcp://127.0.0.1:{7000 + len(self.router.registry.workers)}", "cpu", 100, 16,
+                            "fp")
+        entry = self.router.registry.hello(hello, self.router.clock.monotonic())
+        entry.status = WorkerStatus(wid, role, 0, 0, 70, 100)
+
+    def scale(self, role: str, delta: int, engine: dict | None = None):
+        self.calls.append(("scale", role, delta, engine))
+        wid = f"{role}-new{len(self.calls)}"
+        self.starting[wid] = (role, self.router.clock.monotonic() + INTERVAL)
+        return SimpleNamespace(worker_ids=[wid])
+
+    def change_role(self, worker_id: str, role: str, engine: dict | None = None):
+        self.calls.append(("change_role", worker_id, role))
+        self.router.registry.workers.pop(worker_id)
+        self.starting[worker_id] = (role, self.router.clock.monotonic() + INTERVAL)
+
+    def drain(self, worker_ids: list[str]):
+        self.calls.append(("drain", *worker_ids))
+        for w in worker_ids:
+            self.router.registry.workers.pop(w)
+
+    def pools(self) -> list[PoolWorker]:
+        now = self.router.clock.monotonic()
+        for wid, (role, at) in list(self.starting.items()):
+            if now >= at:
+                del self.starting[wid]
+                self.register(wid, role)
+        out = [PoolWorker(e.worker_id, e.role, e.state) for e in self.router.registry.workers.values()]
+        return out + [PoolWorker(w, role, "starting") for w, (role, _) in self.starting.items()]
+
+    def serving(self, role: str) -> int:
+        return sum(e.role == role and e.state == SERVING for e in self.router.registry.workers.values())
+
+
+def load(control: FakeControl, rng: random.Random, demand: float, per_window: int = 20) -> None:
+    """The coming window's finished requests: TTFT within 0.5 s when the prefill pool (or the
+    colocated workers) can take `demand`, prompts queued otherwise; TPOT within SLO
+    unless a colocated worker's prefills stall its decodes."""
+    now = control.router.clock.monotonic()
+    prefill = control.serving("prefill") or control.serving("colocated")
+    colocated_only = control.serving("colocated") and not control.serving("prefill")
+    for i in range(per_window):
+        ttft = rng.uniform(0.1, 0.4) if prefill >= demand else rng.uniform(0.3, 2.0)
+        tpot = rng.uniform(0.06, 0.2) if colocated_only else rng.uniform(0.01, 0.04)
+        control.router.finished_log.append((now + (i + 1) * INTERVAL / per_window, ttft, tpot))
+    for e in control.router.registry.workers.values():
+        if e.role == "prefill":
+            e.inflight = 0 if prefill >= demand else 4
+
+
+async def drive(planner: Planner, control: FakeControl, windows: int, demand: float) -> list:
+    """Run the planner's own loop for `windows` windows of the manual clock."""
+    rng = random.Random(0)
+    clock = control.router.clock
+    plans = []
+    planner.start()
+    try:
+        for _ in range(windows):
+            await asyncio.sleep(0)  # the loop sleeps on the clock
+            load(control, rng, demand)
+            clock.advance(INTERVAL)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            plans.append(planner.last[1])
+    finally:
+        planner.close()
+    return plans
+
+
+def test_under_a_steady_load_it_moves_capacity_once_then_changes_nothing():
+    clock = ManualClock()
+    control = FakeControl(clock, {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=3, cooldown_s=30.0, max_workers=4), INTERVAL)
+    plans = asyncio.run(drive(planner, control, 60, demand=2))
+    acted = [(i, p) for i, p in enumerate(plans) if p.action != NONE]
+    assert [(i, p.action, p.role) for i, p in acted] == [(2, REROLE, "prefill")], acted
+    assert control.calls == [("change_role", "decode-0", "prefill")]
+    assert (control.serving("prefill"), control.serving("decode")) == (2, 1)
+    assert {p.reason for p in plans[10:]} == {"within_slo"}  # settled: no change for 50 windows
+    text = control.router.metrics.render().decode()
+    assert re.search(r'^pdserve_planner_decisions_total\{action="re_role",reason="ttft_low"\} 1\.0$', text, re.M)
+    assert re.search(r'^pdserve_planner_decisions_total\{action="none",reason="within_slo"\} (\d+)', text, re.M)
+    assert re.search(r"^pdserve_planner_ttft_attainment 1\.0$", text, re.M), text
+
+
+def test_steady_load_within_slo_from_the_start_changes_nothing():
+    clock = ManualClock()
+    control = FakeControl(clock, {"prefill-0": "prefill", "decode-0": "decode"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=3, max_workers=8), INTERVAL)
+    plans = asyncio.run(drive(planner, control, 40, demand=1))
+    assert {p.action for p in plans} == {NONE} and control.calls == []
+
+
+def test_one_host_split_starts_p_and_d_first_then_drains_the_colocated_worker():
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=30.0, host_cores=2), INTERVAL)
+    plans = asyncio.run(drive(planner, control, 30, demand=1))
+    assert [p.action for p in plans if p.action != NONE] == [SPLIT]
+    engine = {"num_threads": 1}
+    assert control.calls == [("scale", "prefill", 1, engine), ("scale", "decode", 1, engine),
+                             ("drain", "colocated-0")]
+    assert (control.serving("prefill"), control.serving("decode"), control.serving("colocated")) == (1, 1, 0)
+    assert {p.reason for p in plans[10:]} == {"within_slo"}
+
+
+def test_a_refused_change_is_logged_and_counted_and_planning_goes_on(capsys):
+    from router.registry import PoolError
+
+    class Refusing(FakeControl):
+        def scale(self, role: str, delta: int, engine: dict | None = None):
+            raise PoolError("this router starts no workers")
+
+    clock = ManualClock()
+    control = Refusing(clock, {"prefill-0": "prefill", "decode-0": "decode"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=1, cooldown_s=10.0, max_workers=4), INTERVAL)
+    plans = asyncio.run(drive(planner, control, 6, demand=2))
+    assert [(p.action, p.reason) for p in plans] == [("add", "refused"), (NONE, "cooldown")] * 3  # tried again
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("planner: add 1 prefill worker(s) (ttft_low): finished=20 ")
+    assert err[0].endswith(": refused: this router starts no workers") and len(err) == 6, err
+    text = control.router.metrics.render().decode()
+    assert re.search(r'^pdserve_planner_decisions_total\{action="add",reason="refused"\} 3\.0$', text, re.M), text

@@ -1,0 +1,136 @@
+"""`pdserve simulate`: a schedule computed by hand, the real engine and router code in the
+loop, the CLI's bench-shaped JSON and the split search."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import SchedulerConfig
+from router import cli
+from router.config import RouterConfig
+from router.latency_model import Curve, DecodeFit, LatencyModel
+from router.simulate.sim import Deployment, Simulation
+
+BLOCK = 16
+
+
+def _model(tmp_path=None) -> LatencyModel:
+    """Prefill 100 ms a step whatever its tokens, decode 10 ms a step whatever its batch,
+    transfer 12 ms for 1 block and 27 ms for 2 (15 ms a block beyond)."""
+    m = LatencyModel(Curve(((1, 0.1), (100_000, 0.1))), DecodeFit(0.01, 0.0, 0.0), Curve(((1, 0.012), (2, 0.027))),
+                     {"block_size": BLOCK})
+    if tmp_path is not None:
+        m.save(tmp_path / "lm.json")
+    return m
+
+
+def _sim(dep: Deployment, disagg: str = "always", path: str = "") -> Simulation:
+    cfg = RouterConfig(model_dir="simulated", disagg=disagg, block_size=BLOCK, disagg_latency_model=path)
+    return Simulation(dep, _model(), cfg)
+
+
+def test_hand_computed_schedule_1p1d():
+    # A (t=0, 16 tokens = 1 block, 15 out) and B (t=0.05, 32 tokens = 2 blocks, 3 out), 1P+1D:
+    # P: A [0, .1], B [.1, .2] (B waits for P). A's KV lands .1 + .012 = .112 (first token);
+    # D then steps every 10 ms: A's tokens at .112 + .01k, the last (15th) at .252.
+    # B's KV lands .2 + .027 = .227, mid-step [.222, .232]; B decodes from the step at .232:
+    # its tokens at .227, .242, .252.
+    sim = _sim(Deployment(1, 1))
+    reqs = sim.run([(0.0, list(range(100, 116)), 15), (0.05, list(range(200, 232)), 3)])
+    a, b = (r.record for r in reqs)
+    assert a.token_times == pytest.approx([0.112 + 0.01 * k for k in range(15)], abs=1e-9)
+    assert b.token_times == pytest.approx([0.227, 0.242, 0.252], abs=1e-9)
+    assert a.ttft == pytest.approx(0.112, abs=1e-9) and a.tpot == pytest.approx(0.01, abs=1e-9)
+    assert b.ttft == pytest.approx(0.177, abs=1e-9) and b.tpot == pytest.approx(0.0125, abs=1e-9)
+    assert reqs[1].timeline["prefill_start"] == pytest.approx(0.1)
+    assert not sim.router.inflight and all(e.inflight == 0 for e in sim.router.registry.workers.values())
+    for w in sim.workers.values():
+        assert w.block_manager.num_free_blocks == w.block_manager.num_blocks
+
+
+def test_colocated_prefix_cache_hit_is_the_block_managers():
+    # One colocated worker; the second prompt repeats the first's 2 full blocks. Both prefill
+    # in 100 ms, but the block manager serves the repeat's cached blocks (seen in its seq).
+    sim = _sim(Deployment(0, 0, 1))
+    ids = list(range(300, 333))  # 33 tokens: 2 cacheable blocks
+    reqs = sim.run([(0.0, ids, 2), (1.0, ids, 2)])
+    assert [r.record.ttft for r in reqs] == pytest.approx([0.1, 0.1])
+    assert reqs[1].d_seq.num_cached_tokens == 2 * BLOCK and reqs[0].d_seq.num_cached_tokens == 0
+    w = sim.workers["colocated-0"]
+    assert w.block_manager.num_free_blocks == w.block_manager.num_blocks  # nothing leaks
+    w.block_manager.check_invariants()
+
+
+def test_the_engine_and_router_code_is_in_the_loop(monkeypatch):
+    # The router's disaggregation decides: forced local, P never steps and D prefills.
+    from router.disagg_policy import Decision, DisaggPolicy
+    monkeypatch.setattr(DisaggPolicy, "decide", lambda self, case: Decision(False, "test", case.uncached_on_decode))
+    calls = []
+    from common.engine.scheduler import Scheduler
+    real = Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: calls.append(self) or real(self))
+    sim = _sim(Deployment(1, 1))
+    reqs = sim.run([(0.0, list(range(100, 116)), 3)])
+    assert sim.workers["prefill-0"].steps == 0 and sim.workers["decode-0"].steps == 3
+    assert reqs[0].record.token_times == pytest.approx([0.1, 0.11, 0.12])  # local prefill: no transfer
+    assert calls and all(s is sim.workers["decode-0"].scheduler for s in calls)
+
+
+def test_decode_cache_too_small_preempts_and_recovers():
+    # 2 decode sequences needing 3 blocks each at the end on a 5-block decode worker.
+    dep = Deployment(1, 1, num_blocks=5, scheduler=SchedulerConfig(max_num_seqs=4))
+    sim = _sim(dep)
+    reqs = sim.run([(0.0, list(range(100, 116)), 20), (0.0, list(range(200, 216)), 20)])
+    assert all(r.record.output_len == 20 for r in reqs)
+    for w in sim.workers.values():
+        assert w.block_manager.num_free_blocks == 5
+        w.block_manager.check_invariants()
+
+
+def _trace(tmp_path):
+    rows = [{"timestamp": i * 200, "input_length": 512 * (1 + i % 3), "output_length": 64,
+             "hash_ids": [0] + [1000 + i * 4 + k for k in range(i % 3)]} for i in range(30)]
+    p = tmp_path / "trace.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def test_cli_writes_bench_shaped_json_and_plots(tmp_path):
+    _model(tmp_path)
+    out = tmp_path / "sim.json"
+    rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
+                   "--prefill", "1", "--decode", "2", "--duration-s", "4", "--slo-ttft-ms", "500",
+                   "--slo-tpot-ms", "20", "--out", str(out), "--plot-dir", str(tmp_path / "plots")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == res["num_prompts"] == 20 and res["failed"] == 0
+    for key in ("request_goodput", "slo_attainment", "median_ttft_ms", "p90_ttft_ms", "p99_tpot_ms", "mean_itl_ms",
+                "request_rate", "duration", "config"):
+        assert key in res
+    assert res["deployment"] == "1P+2D" and res["simulator"]["steps"] > 0
+    assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "timelines.png").stat().st_size > 0
+
+
+def test_search_returns_a_split(tmp_path):
+    _model(tmp_path)
+    out = tmp_path / "search.json"
+    rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
+                   "--search", "--workers", "3", "--search-disagg", "always,never", "--duration-s", "2",
+                   "--slo-ttft-ms", "300", "--slo-tpot-ms", "20", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    labels = {(c["deployment"], c["disagg"]) for c in res["candidates"]}
+    assert labels == {("1P+2D", "always"), ("1P+2D", "never"), ("2P+1D", "always"), ("2P+1D", "never"),
+                      ("3C", "always")}
+    best = res["best"]
+    assert best == max(res["candidates"], key=lambda c: (c["goodput_per_worker"], c["slo_attainment"]))
+
+
+def test_bad_deployment_is_refused(tmp_path, capsys):
+    _model(tmp_path)
+    rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
+                   "--prefill", "0", "--decode", "1", "--out", str(tmp_path / "x.json")])
+    assert rc != 0 and not (tmp_path / "x.json").exists()
+    assert "prefill and a decode worker" in capsys.readouterr().err
