@@ -18,6 +18,7 @@ import zmq.asyncio
 from common.clock import SYSTEM_CLOCK, Clock
 from common.wire import messages
 from common.wire.auth import AuthError, DeploymentKey, new_secret
+from common.wire.curve import log_handshake_failures
 from common.engine.kv_layout import model_fingerprint
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, RequestOutput,
                                   StepOutputs, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus)
@@ -45,13 +46,15 @@ class Router:
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
     (how many may be prepared or in flight at once, `config.max_inflight`) and the
     deployment's secret: the control socket and the worker sockets accept only messages
-    signed with it (common.wire.auth); `secret` "" makes a fresh one (single host)."""
+    signed with it (common.wire.auth), CurveZMQ-encrypted when `curve`; `secret` "" makes
+    a fresh one (single host)."""
 
-    def __init__(self, config: RouterConfig, secret: str = "", clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, config: RouterConfig, secret: str = "", clock: Clock = SYSTEM_CLOCK,
+                 curve: bool = False) -> None:
         self.config = config
         self.clock = clock  # every timer and latency reading (a simulator hands its own)
         self.secret = secret or new_secret()
-        self.key = DeploymentKey(self.secret)
+        self.key = DeploymentKey(self.secret, curve)
         self._control_auth = Authenticator(self.key, "router control socket")
         self._worker_auth = Authenticator(self.key, "router worker sockets")  # one signer for every worker
         self.tokenizer = Tokenizer(config.model_dir)
@@ -65,6 +68,7 @@ class Router:
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        self.key.curve_server(self.control)
         self.control_address = bind_address(self.control, config.control_address())
         self.worker_socks: dict[str, zmq.asyncio.Socket] = {}
         self._worker_addr: dict[str, str] = {}
@@ -83,10 +87,13 @@ class Router:
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._control_loop()))
         self._tasks.append(asyncio.create_task(self._expire_loop()))
+        # a worker without the secret (or with the other --curve) fails the handshake: no message says so
+        self._tasks.append(asyncio.create_task(log_handshake_failures(self.control, "router control socket")))
 
     async def close(self) -> None:
         for t in [*self._tasks, *self._worker_tasks.values()]:
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # the handshake log closes its monitor socket
         for sock in self.worker_socks.values():
             sock.close(0)
         self.control.close(0)
@@ -143,6 +150,7 @@ class Router:
         wid = hello.worker_id
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.key.curve_client(sock)
         try:
             sock.connect(hello.address)
         except zmq.ZMQError:
