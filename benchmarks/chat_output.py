@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from common.wire.messages import TokenOutput  # noqa: E402
 from router.chat_output import ChoiceOutput  # noqa: E402
-from router.http_server import CHAT, Envelope  # noqa: E402
+from router.http_envelope import CHAT, Envelope  # noqa: E402
 from router.tools import tool_plan  # noqa: E402
 
 

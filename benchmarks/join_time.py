@@ -91,7 +91,7 @@ def main() -> None:
         base = info["http"].removesuffix("/v1")
         halt, done = threading.Event(), []
         client_thread = threading.Thread(target=stream, args=(info["http"], halt, done))
-        client = ControlClient(info["control"], Path(info["secret_file"]).read_text().strip())
+        client = ControlClient(info["control"], Path(info["secret_file"]).read_text().strip(), curve=info.get("curve", False))
         try:
             client_thread.start()
             rows = [join_one(client, base, role) for role in args.roles.split(",")]

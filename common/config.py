@@ -386,6 +386,7 @@ class WorkerConfig:
     ready_file: str = ""
     # the deployment's secret (hex, common.wire.auth): only ever in the 0600 config file, never argv/env
     secret: str = field(default="", repr=False)
+    curve: bool = False  # CurveZMQ on every socket (common/wire/curve.py): the same on every process of a deployment
     # fault tolerance (docs/reliability.md)
     # the router's process (same host); this worker exits when it is gone. 0: not watched
     # (a joined worker: it re-sends its hello every router_timeout_s until a router registers it)

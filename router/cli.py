@@ -32,7 +32,8 @@ FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool
          "planner_interval_s": "--planner-interval-s", "planner_cooldown_s": "--planner-cooldown-s"}  # rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
-    "": ("host", "http_port", "zmq_port", "routing"),
+    "": ("host", "http_port", "zmq_port", "routing", "curve"),
+    "tls": ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "zmq_curve"),
     "limits": ("max_prompt_chars", "max_body_bytes"),
     "faults": ("retries", "stale_after_s", "client_timeout_s"),
     "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
@@ -283,6 +284,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from common.worker.spec import WorkerSpec
     from common.worker.host import pair_transport
+    from common.wire.curve import resolve as resolve_curve
     from common.wire.transport import is_endpoint
     if not is_endpoint(args.join) or not args.join.startswith("tcp://"):
         raise ConfigError(f"--join must be the router's control address, tcp://HOST:PORT, got {args.join!r}")
@@ -293,9 +295,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     wconfig = WorkerConfig(role=args.role, worker_id=worker_id, bind=f"tcp://{args.host}:{args.port}",
                            kv_transfer=kv_transfer, report_to=args.join, host_id=args.host_id,
                            secret=_secret(args.secret_file), ready_file=args.ready_file,
+                           curve=resolve_curve(args.curve, [args.join], shared_secret=True),
                            **given(args, WORKER_DEST))
     spec = WorkerSpec(model, options, wconfig)
-    print(f"pdserve worker {worker_id}: {args.role}, kv transfer {kv_transfer}, joining {args.join}",
+    print(f"pdserve worker {worker_id}: {args.role}, kv transfer {kv_transfer}, joining {args.join}, "
+          f"CurveZMQ {'on' if wconfig.curve else 'off'}",
           file=sys.stderr, flush=True)
     if args.role == "prefill":
         from prefill_node.worker import serve
@@ -315,6 +319,8 @@ def _add_router_args(p: argparse.ArgumentParser, fields: tuple[str, ...], secret
                         "authenticated with it; it is never passed in argv or env")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--ready-file", default="", help="write connection info as JSON here once ready")
+    add_config_flags(p.add_argument_group("encrypted front ends (docs/security.md)"),
+                     [router_options[n] for n in SERVE_ROUTER_FIELDS["tls"]], ROUTER_DEST)
     g = p.add_argument_group("client-facing limits (docs/security.md)")
     g.add_argument("--max-inflight", type=int, default=0,
                    help="requests admitted at once; beyond: HTTP 429 / ZeroMQ 'overloaded' "
@@ -417,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", required=True,
                    help="file (mode 0600) holding the deployment secret, hex: the router's")
     p.add_argument("--ready-file", default="", help="write this worker's address as JSON here once it is bound")
+    p.add_argument("--curve", default="auto", choices=("auto", "on", "off"),
+                   help="CurveZMQ encryption of this worker's sockets; it must match the router's "
+                        "(auto: on, as a joined worker's secret comes from a file)")
     worker = options_of(WorkerConfig)
     add_config_flags(p.add_argument_group("liveness"), [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)

@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from common.wire import messages as wire
+from common.wire.curve import connect_to
 from common.logprobs import TokenLogprobs
 from common.wire.messages import AbortRequest, ClientHeartbeat, ErrorReply, SubmitRequest, TokenOutput
 from common.sampling_params import SamplingParams
@@ -98,6 +99,17 @@ def _one_choice(kwargs: dict[str, Any]) -> None:
         raise ValueError("n > 1 gives n completions: call choices() instead of generate()")
 
 
+def _socket(ctx: zmq.Context, address: str, server_key: str | None) -> zmq.Socket:
+    """A DEALER connected to the router; a CurveZMQ client of it when `server_key` (the Z85
+    public key `pdserve serve --zmq-curve` prints) is given."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if server_key:
+        connect_to(sock, server_key.encode())
+    sock.connect(address)
+    return sock
+
+
 HEARTBEAT_S = 2.0  # while a request is in flight (docs/protocol.md); well under the router's client timeout
 
 
@@ -105,11 +117,9 @@ class Client:
     """Blocking client; one DEALER socket, requests served one at a time. While it waits
     for a reply it heartbeats, so the router can tell it from a client that went away."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 600.0, server_key: str | None = None) -> None:
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = _socket(self.ctx, address, server_key)
         self.timeout_ms = int(timeout_s * 1000)
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
@@ -175,11 +185,9 @@ class Client:
 class AsyncClient:
     """asyncio client; many requests in flight over one socket, demultiplexed by id."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, server_key: str | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = _socket(self.ctx, address, server_key)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import CacheConfig, ConfigError, option
+from common.wire.curve import MODES as CURVE_MODES
 from router.disagg_policy import MODES as DISAGG_MODES
 from router.policy import POLICIES
 from router.reasoning import REASONING_PARSERS
@@ -25,6 +26,14 @@ class RouterConfig:
     http_port: int = option(8000, "OpenAI HTTP port; 0 picks a free port, -1 serves no HTTP")
     zmq_port: int = option(5555, "client ZeroMQ port; 0 picks a free port")
     control_port: int = option(0, "the port workers register on (hello, heartbeats); 0 picks a free port")
+    curve: str = option("auto", "CurveZMQ encryption of the internal sockets: on, off, or auto (on when the "
+                                "secret comes from --secret-file or a socket binds beyond loopback)")
+    zmq_curve: bool = option(False, "encrypt the client ZeroMQ socket with CurveZMQ; clients pass the printed "
+                                    "server key (Client(server_key=...))")
+    ssl_keyfile: str = option("", "serve HTTP over TLS: the private key file (PEM), with --ssl-certfile")
+    ssl_certfile: str = option("", "serve HTTP over TLS: the certificate chain file (PEM), with --ssl-keyfile")
+    ssl_ca_certs: str = option("", "with TLS: CA certificates (PEM); clients must then present a certificate "
+                                   "one of them signed (mutual TLS)")
     routing: str = option("prefix_load", f"how a request's workers are chosen: {', '.join(POLICIES)}")
     # conditional disaggregation (router/disagg_policy.py, docs/slo.md)
     disagg: str = option("always", f"which prompts go via a prefill worker ({', '.join(DISAGG_MODES)}); the rest "
@@ -79,6 +88,12 @@ class RouterConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be the deployment's resolved engine dtype (float32, bfloat16 or float16), "
                               f"got {self.dtype!r}")
+        if self.curve not in CURVE_MODES:
+            raise ConfigError(f"curve must be one of {', '.join(CURVE_MODES)}, got {self.curve!r}")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ConfigError("HTTP over TLS needs both ssl_keyfile and ssl_certfile (--ssl-keyfile, --ssl-certfile)")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ConfigError("ssl_ca_certs (--ssl-ca-certs) needs TLS on: give --ssl-keyfile and --ssl-certfile")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing {self.routing!r} is not one of {', '.join(POLICIES)}")
         if self.disagg not in DISAGG_MODES:

@@ -200,6 +200,7 @@ class ControlPlane:
             return
         sock = router.ctx.socket(zmq.DEALER)  # a prefill worker: only decode workers talk to it otherwise
         sock.setsockopt(zmq.LINGER, PREFILL_SEND_LINGER_MS)
+        router.key.curve_client(sock)
         try:
             sock.connect(entry.hello.address)
             await sock.send_multipart([router.seal(WorkerDrain())])

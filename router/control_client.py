@@ -12,6 +12,7 @@ import zmq
 
 from common.config import ConfigError
 from common.wire.auth import AuthError, DeploymentKey, read_secret_file
+from common.wire.curve import is_loopback
 from common.wire.messages import (ChangeRole, ControlReply, DrainWorker, MessageError, PoolsRequest, PoolWorker,
                                   ScalePool)
 from common.wire.transport import Client, is_endpoint
@@ -27,22 +28,43 @@ class ControlError(RuntimeError):
 class ControlClient:
     """Owns one authenticated DEALER connection to a router's control socket."""
 
-    def __init__(self, address: str, secret: str, timeout_s: float = REPLY_TIMEOUT_S) -> None:
+    def __init__(self, address: str, secret: str, timeout_s: float = REPLY_TIMEOUT_S,
+                 curve: bool | None = None) -> None:
+        """`curve` None: CurveZMQ, and plain instead only where the router is on loopback and
+        its handshake says it runs plain (`pdserve serve` on one host); never plain across hosts."""
         if not is_endpoint(address):
             raise ConfigError(f"--router must be the router's control address, tcp://HOST:PORT, got {address!r}")
         self.ctx = zmq.Context()
-        self.client = Client(self.ctx, address, key=DeploymentKey(secret))
+        self.address, self.secret = address, secret
+        self.fallback = curve is None and is_loopback(address)
+        self.client = self._connect(curve is not False)
         self.timeout_s = timeout_s
+
+    def _connect(self, curve: bool) -> Client:
+        self.curve = curve
+        return Client(self.ctx, self.address, key=DeploymentKey(self.secret, curve), watch_handshakes=True)
 
     def call(self, msg: object) -> ControlReply:
         """Send one request and return the router's answer; ControlError if it refused or is silent."""
-        self.client.send(msg)
+        self.client.send_or_drop(msg)  # never blocks: a failed handshake leaves no connection to queue on
+        deadline = time.monotonic() + self.timeout_s
+        curve_failed = ""
+        while not self.client.sock.poll(50):
+            why = self.client.handshakes.poll()
+            if why is not None and self.fallback and self.curve:  # a plain router on loopback, or a wrong secret
+                curve_failed = why
+                self.client.close()
+                self.client = self._connect(False)
+                self.client.send_or_drop(msg)
+            elif why is not None:  # plain failed too, as the router runs Curve: the Curve failure says why
+                raise ControlError(f"cannot talk to the router at {self.address}: {curve_failed or why} "
+                                   f"(--curve must be the router's, as `pdserve serve` prints it)")
+            elif time.monotonic() > deadline:
+                raise ControlError(f"no answer from the router at {self.address} within {self.timeout_s:.0f} s: "
+                                   f"is it running there, and is this its deployment secret? (it answers only "
+                                   f"requests signed with it)")
         try:
-            reply = self.client.recv(int(self.timeout_s * 1000)).msg
-        except TimeoutError:
-            raise ControlError(f"no answer from the router at {self.client.address} within {self.timeout_s:.0f} s: "
-                               f"is it running there, and is this its deployment secret? (it answers only "
-                               f"requests signed with it)") from None
+            reply = self.client.recv(0).msg
         except (AuthError, MessageError) as e:
             raise ControlError(f"bad answer from {self.client.address}: {e}") from None
         if not isinstance(reply, ControlReply):
@@ -106,6 +128,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", required=True, metavar="tcp://HOST:PORT",
                    help="the router's control address (what `pdserve serve` prints as 'Workers join')")
     p.add_argument("--secret-file", required=True, help="file (mode 0600) holding the deployment secret, hex")
+    p.add_argument("--curve", default="auto", choices=("auto", "on", "off"),
+                   help="CurveZMQ to the router, as the router has it (auto: on; plain only to a router on "
+                        "loopback that runs plain)")
     p.add_argument("--json", action="store_true", help="print the pools as JSON")
 
 
@@ -133,7 +158,8 @@ def _delta(text: str) -> int:
 
 def _client(args: argparse.Namespace) -> ControlClient:
     try:
-        return ControlClient(args.router, read_secret_file(args.secret_file))
+        curve = None if args.curve == "auto" else args.curve == "on"
+        return ControlClient(args.router, read_secret_file(args.secret_file), curve=curve)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 import random
@@ -19,22 +18,21 @@ import zmq.asyncio
 from common.clock import SYSTEM_CLOCK, Clock
 from common.wire import messages
 from common.wire.auth import AuthError, DeploymentKey, new_secret
-from common.hashing import block_hashes
+from common.wire.curve import log_handshake_failures
 from common.engine.kv_layout import model_fingerprint
 from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, RequestOutput,
                                   StepOutputs, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus)
 from common.wire.messages import ChangeRole, DrainWorker, PoolsRequest, ScalePool
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
-from common.text.chat_template import ChatTemplateError
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
-from common.validation import RequestError, check_chat, check_prompt_chars, check_sampling, check_text, check_token_ids
 from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
 from router.disagg_state import Decision, Disaggregation
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill
+from router.prompts import check_request, prepare, tokenize
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
 from router.requests import Choice, InFlight, Prepared, RouteError, drain_outputs, last_timeline
@@ -48,13 +46,15 @@ class Router:
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
     (how many may be prepared or in flight at once, `config.max_inflight`) and the
     deployment's secret: the control socket and the worker sockets accept only messages
-    signed with it (common.wire.auth); `secret` "" makes a fresh one (single host)."""
+    signed with it (common.wire.auth), CurveZMQ-encrypted when `curve`; `secret` "" makes
+    a fresh one (single host)."""
 
-    def __init__(self, config: RouterConfig, secret: str = "", clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, config: RouterConfig, secret: str = "", clock: Clock = SYSTEM_CLOCK,
+                 curve: bool = False) -> None:
         self.config = config
         self.clock = clock  # every timer and latency reading (a simulator hands its own)
         self.secret = secret or new_secret()
-        self.key = DeploymentKey(self.secret)
+        self.key = DeploymentKey(self.secret, curve)
         self._control_auth = Authenticator(self.key, "router control socket")
         self._worker_auth = Authenticator(self.key, "router worker sockets")  # one signer for every worker
         self.tokenizer = Tokenizer(config.model_dir)
@@ -68,6 +68,7 @@ class Router:
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        self.key.curve_server(self.control)
         self.control_address = bind_address(self.control, config.control_address())
         self.worker_socks: dict[str, zmq.asyncio.Socket] = {}
         self._worker_addr: dict[str, str] = {}
@@ -86,10 +87,13 @@ class Router:
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._control_loop()))
         self._tasks.append(asyncio.create_task(self._expire_loop()))
+        # a worker without the secret (or with the other --curve) fails the handshake: no message says so
+        self._tasks.append(asyncio.create_task(log_handshake_failures(self.control, "router control socket")))
 
     async def close(self) -> None:
         for t in [*self._tasks, *self._worker_tasks.values()]:
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # the handshake log closes its monitor socket
         for sock in self.worker_socks.values():
             sock.close(0)
         self.control.close(0)
@@ -146,6 +150,7 @@ class Router:
         wid = hello.worker_id
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.key.curve_client(sock)
         try:
             sock.connect(hello.address)
         except zmq.ZMQError:
@@ -238,65 +243,16 @@ class Router:
             raise RouteError(f"server overloaded: {busy} requests in flight (limit {self.config.max_inflight}); "
                              f"retry after {wait} s", "overloaded", wait)
 
-    def check_request(self, sub: SubmitRequest) -> SamplingParams:
-        """The checks that need no tokenizer, cheap enough for the event loop: one prompt
-        form, sampling ranges, valid Unicode, the prompt's size in characters."""
-        given = [x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)]
-        if sum(given) != 1:
-            raise RouteError("give exactly one of prompt, prompt_token_ids or messages")
-        if sub.tools is not None and sub.messages is None:
-            raise RouteError("tools go with messages (a chat), not with a plain prompt")
-        try:
-            params = check_sampling(sub.sampling, self.tokenizer.vocab_size)
-            limit = self.config.prompt_chars_limit
-            if sub.messages is not None:
-                check_chat(sub.messages, sub.tools, limit)
-            elif sub.prompt is not None:
-                check_prompt_chars(len(check_text(sub.prompt)), limit)
-            elif len(sub.prompt_token_ids or ()) >= self.config.max_model_len:  # before copying a huge list
-                check_token_ids(sub.prompt_token_ids or [], self.tokenizer.vocab_size, self.config.max_model_len)
-        except RequestError as e:
-            raise RouteError(str(e)) from None
-        return params
-
-    def prompt_ids(self, sub: SubmitRequest) -> list[int]:
-        """The prompt's token ids as its form and options say: messages rendered by the
-        chat template, special tokens added by the form's default (vLLM's: a text prompt
-        gets them, a chat does not) unless the request says. Raises what the tokenizer
-        and template raise; blocks for as long as tokenizing takes."""
-        tok = self.tokenizer
-        if sub.messages is not None:
-            text = tok.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt,
-                                           tools=sub.tools, continue_final_message=sub.continue_final_message,
-                                           template_kwargs=sub.chat_template_kwargs)
-            return tok.encode(text, add_special_tokens=sub.add_special_tokens is True)
-        if sub.prompt is not None:
-            return tok.encode(sub.prompt, add_special_tokens=sub.add_special_tokens is not False)
-        return list(sub.prompt_token_ids or [])
-
     def prepare(self, sub: SubmitRequest) -> Prepared:
-        """Validate and tokenize once, at the edge; RouteError names what is wrong.
-        Blocks for as long as tokenizing takes: the serving path calls `prepare_async`."""
-        params = self.check_request(sub)
-        try:
-            ids = self.prompt_ids(sub)
-            check_token_ids(ids, self.tokenizer.vocab_size, self.config.max_model_len)
-        except (RequestError, ChatTemplateError) as e:
-            raise RouteError(str(e)) from None
-        except Exception as e:  # a template that fails to render on this input, a tokenizer error
-            raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
-        # the engine stops at max_model_len anyway; saying so here makes max_tokens what a
-        # request can get (vLLM's min(max_tokens, max_model_len - prompt tokens))
-        room = self.config.max_model_len - len(ids)
-        if params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
-        return Prepared(sub, ids, params, block_hashes(ids, self.config.block_size), self.clock.time())
+        """Validate and tokenize once, at the edge (router/prompts.py); RouteError names what
+        is wrong. Blocks for as long as tokenizing takes: the serving path calls `prepare_async`."""
+        return prepare(sub, self.tokenizer, self.config, self.clock.time())
 
     async def prepare_async(self, sub: SubmitRequest) -> Prepared:
         """Admission, the cheap checks on the loop, then template + tokens + hashes in the
         tokenizer pool; the request counts against `max_inflight` from here."""
         self.admit()
-        self.check_request(sub)  # refuse a 15 MB prompt before it costs a tokenizer thread
+        check_request(sub, self.tokenizer.vocab_size, self.config)  # refuse a 15 MB prompt before it costs a thread
         self.preparing += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, sub)
@@ -306,13 +262,8 @@ class Router:
     async def tokenize_async(self, sub: SubmitRequest) -> list[int]:
         """The prompt ids `prepare` would make for `sub` (in the tokenizer pool), without
         admitting or routing anything; RouteError names what is wrong. For /tokenize."""
-        self.check_request(sub)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt_ids, sub)
-        except ChatTemplateError as e:
-            raise RouteError(str(e)) from None
-        except Exception as e:
-            raise RouteError(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}") from None
+        check_request(sub, self.tokenizer.vocab_size, self.config)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, tokenize, self.tokenizer, sub)
 
     def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()
               ) -> tuple[WorkerEntry, WorkerEntry | None, Decision | None]:

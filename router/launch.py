@@ -57,14 +57,16 @@ class WorkerProcess:
 
 class Launcher:
     """Owns the worker processes of one deployment (tests, `pdserve serve`) and hands each
-    the deployment's secret (a fresh one unless given) through its config file only."""
+    the deployment's secret (a fresh one unless given) through its config file only, and
+    whether the deployment encrypts its sockets (`curve`: every worker must agree)."""
 
-    def __init__(self, workdir: str | Path | None = None, secret: str = "") -> None:
+    def __init__(self, workdir: str | Path | None = None, secret: str = "", curve: bool = False) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.workdir, 0o700)  # config files hold the secret; logs hold prompts
         self.workers: list[WorkerProcess] = []
         self.secret = secret or new_secret()
+        self.curve = curve
 
     def start(self, spec: WorkerSpec, env: dict | None = None) -> WorkerProcess:
         """Start the worker `spec` describes, named by its worker_id; the launcher sets
@@ -75,7 +77,7 @@ class Launcher:
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
         spec = dataclasses.replace(spec, worker=dataclasses.replace(
-            spec.worker, ready_file=str(ready), secret=self.secret,
+            spec.worker, ready_file=str(ready), secret=self.secret, curve=self.curve,
             router_pid=spec.worker.router_pid or os.getpid()))
         config_path = spec.write(self.workdir / f"{name}.json")
         package = "prefill_node" if spec.worker.role == "prefill" else "decode_node"

@@ -12,13 +12,16 @@ import functools
 import json
 import os
 import signal
+import ssl
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
+from common.config import ConfigError
 from common.gc_tuning import freeze_startup_heap
+from common.wire.curve import resolve as resolve_curve
 from common.worker.spec import WorkerSpec
 from router.control import ControlPlane
 from router.core import Router
@@ -71,7 +74,9 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    router = Router(config, secret=dep.secret)
+    curve = resolve_curve(config.curve, [config.control_address()], shared_secret=bool(dep.secret))
+    dep = with_curve(dep, curve)  # every worker's spec, local, Ray's and those the pools add
+    router = Router(config, secret=dep.secret, curve=curve)
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
@@ -85,6 +90,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
                   else pool.watching(control))  # Ray restarts failed workers; RayPool ends drained ones
     http = http_task = planner = None
     try:
+        http = http_server(router) if config.enable_http else None  # a bad key or cert: refused before any worker
         launch = asyncio.ensure_future(asyncio.to_thread(start))
         await _until(launch, stop)
         if stop.is_set():
@@ -95,29 +101,29 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
             supervisor.start()
         planner = start_planner(control)
         http_url = "(disabled)"
-        if config.enable_http:
-            http = _QuietServer(uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port,
-                                               loop="none", log_level="warning", lifespan="off"))
+        if http is not None:
             http_task = asyncio.create_task(http.serve())
             while not http.started:
                 if http_task.done():
                     http_task.result()
                 await asyncio.sleep(0.02)
             port = http.servers[0].sockets[0].getsockname()[1]
-            http_url = f"http://{config.host}:{port}/v1"
+            http_url = f"{'https' if config.ssl_certfile else 'http'}://{config.host}:{port}/v1"
         roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
                  f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
                  f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
         print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
               f"({config.dtype}, quantization {config.quantization})\n"
-              f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}\n"
-              f"  Workers join: {router.control_address}\n"
-              f"  Pools:       pdserve pools --router {router.control_address} --secret-file {secret_file}\n"
+              f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}"
+              f"{f' (CurveZMQ, server key {front.server_key})' if front.server_key else ''}\n"
+              f"  Workers join: {router.control_address} (CurveZMQ {'on' if curve else 'off'})\n"
+              f"  Pools:       pdserve pools --router {router.control_address} --secret-file {secret_file} "
+              f"--curve {'on' if curve else 'off'}\n"
               f"  Ctrl-C stops everything.", flush=True)
         freeze_startup_heap()
         if ready_file:
             info = {"http": http_url, "zmq": front.address, "control": router.control_address, "pid": os.getpid(),
-                    "secret_file": secret_file,
+                    "secret_file": secret_file, "curve": curve, "zmq_server_key": front.server_key,
                     "workers": {w.name: w.info for w in launcher.workers}}
             Path(ready_file).with_suffix(".tmp").write_text(json.dumps(info))
             Path(ready_file).with_suffix(".tmp").rename(ready_file)
@@ -129,7 +135,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         if planner is not None:
             planner.close()
         control.close()
-        if http is not None:
+        if http_task is not None:
             http.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(http_task, 5)
@@ -171,8 +177,32 @@ def _launcher(dep: DeploymentConfig, router: Router) -> tuple[Launcher | RayLaun
         from router.ray_launch import RayLauncher
         ray_launcher = RayLauncher(dep, router.control_address)
         return ray_launcher, ray_launcher.start_all, ray_launcher.close
-    launcher = Launcher(secret=router.secret)  # into each worker's 0600 config file
+    launcher = Launcher(secret=router.secret, curve=router.key.curve is not None)  # into each worker's 0600 config file
     return launcher, functools.partial(start_workers, launcher, dep, router.control_address), launcher.stop
+
+
+def with_curve(dep: DeploymentConfig, curve: bool) -> DeploymentConfig:
+    """`dep` with every worker's spec set to the deployment's CurveZMQ choice."""
+    return dataclasses.replace(dep, workers=tuple(dataclasses.replace(w, worker=dataclasses.replace(w.worker, curve=curve))
+                                                  for w in dep.workers))
+
+
+def http_server(router: Router) -> _QuietServer:
+    """The OpenAI HTTP server, over TLS when the config names a key and certificate (and,
+    with CA certificates, only for clients holding a certificate they signed); ConfigError
+    if those files cannot be loaded."""
+    config = router.config
+    tls = {"ssl_keyfile": config.ssl_keyfile, "ssl_certfile": config.ssl_certfile,
+           **({"ssl_ca_certs": config.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED} if config.ssl_ca_certs else {})
+           } if config.ssl_certfile else {}
+    http = uvicorn.Config(OpenAIServer(router).app, host=config.host, port=config.http_port, loop="none",
+                          log_level="warning", lifespan="off", **tls)
+    try:
+        http.load()
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot serve HTTP over TLS with --ssl-keyfile {config.ssl_keyfile} --ssl-certfile "
+                          f"{config.ssl_certfile}: {e}") from None
+    return _QuietServer(http)
 
 
 def _pool_launcher(dep: DeploymentConfig, launcher: Launcher | RayLauncher, router: Router) -> Any:

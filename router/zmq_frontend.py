@@ -25,6 +25,11 @@ class ZmqFrontend:
         self.sock = router.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.server_key = None  # Z85 public key clients pin with --zmq-curve, else plain
+        if router.config.zmq_curve:
+            keys = router.key.frontend_curve()
+            keys.serve(self.sock)
+            self.server_key = keys.public.decode()
         self.address = bind_address(self.sock, address)
         self._streams: dict[tuple[bytes, str], asyncio.Task] = {}
         self._task: asyncio.Task | None = None

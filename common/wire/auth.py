@@ -24,6 +24,10 @@ import threading
 import time
 from pathlib import Path
 
+import zmq
+
+from common.wire.curve import FRONTEND_LABEL, CurveKeys
+
 MAGIC = b"PDA1"
 _HEADER = struct.Struct(">4s8sQQ")  # magic, sender, counter, time_ms
 _MAC_LEN = 32
@@ -69,12 +73,29 @@ def read_secret_file(path: str | Path) -> str:
 
 
 class DeploymentKey:
-    """The deployment's secret as keys: the MAC key and names derived from it."""
+    """The deployment's secret as keys: the MAC key, names derived from it and, when the
+    deployment encrypts (`curve`), the CurveZMQ server keypair every socket of it uses."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, curve: bool = False) -> None:
         self._key = parse_secret(secret)
         # names other processes can compute but not choose (shm segments)
         self.deployment_id = hmac.new(self._key, b"pdserve deployment id", hashlib.sha256).hexdigest()[:16]
+        self.curve = CurveKeys.derive(self._key) if curve else None
+
+    def curve_server(self, sock: zmq.Socket) -> None:
+        """Make `sock` (before it binds) a Curve server when the deployment encrypts."""
+        if self.curve is not None:
+            self.curve.serve(sock)
+
+    def curve_client(self, sock: zmq.Socket) -> None:
+        """Make `sock` (before it connects) a Curve client when the deployment encrypts."""
+        if self.curve is not None:
+            self.curve.connect(sock)
+
+    def frontend_curve(self) -> CurveKeys:
+        """The client ZeroMQ socket's Curve keypair (`--zmq-curve`): its public key is given
+        to clients, who hold no secret; derived apart from the internal one."""
+        return CurveKeys.derive(self._key, FRONTEND_LABEL)
 
     def signer(self) -> "Signer":
         return Signer(self._key)
@@ -83,7 +104,7 @@ class DeploymentKey:
         return Verifier(self._key, window_s)
 
     def __repr__(self) -> str:
-        return f"DeploymentKey(id={self.deployment_id})"  # never the secret
+        return f"DeploymentKey(id={self.deployment_id}, curve={self.curve is not None})"  # never the secret
 
 
 def _mac(key: bytes, header: bytes, payload: bytes, frames: list) -> bytes:

@@ -1,7 +1,8 @@
 """Typed ZeroMQ endpoints: every send encodes a declared message (plus optional raw
 frames) and every receive decodes one, so no ad-hoc dicts reach a socket. Internal
 endpoints (given the deployment's key) sign every message they send and drop, with a log
-line, every message that is not authentic (common.wire.auth); the public front end has none."""
+line, every message that is not authentic (common.wire.auth), and are CurveZMQ servers or
+clients when the deployment encrypts (common.wire.curve); the public front end has none."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ import zmq
 
 from common.wire import messages
 from common.wire.auth import AuthError, DeploymentKey
+from common.wire.curve import HandshakeWatch
 from common.wire.messages import ErrorReply, MessageError
 
 
@@ -84,6 +86,8 @@ class Server:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if key is not None:
+            key.curve_server(self.sock)
         self.address = bind_address(self.sock, address)
         self.auth = Authenticator(key, f"server {self.address}")
 
@@ -111,18 +115,22 @@ class Server:
 
 
 class Client:
-    """A DEALER socket connected to one Server."""
+    """A DEALER socket connected to one Server; with `watch_handshakes`, the watch on its
+    handshakes (attached before it connects: a failed handshake is not retried)."""
 
     def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None,
-                 key: DeploymentKey | None = None) -> None:
+                 key: DeploymentKey | None = None, watch_handshakes: bool = False) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
+        if key is not None:
+            key.curve_client(self.sock)
+        self.handshakes = HandshakeWatch(self.sock) if watch_handshakes else None
         try:
             self.sock.connect(address)
         except zmq.ZMQError:
-            self.sock.close(0)  # an open socket would make Context.term() hang
+            self.close()  # an open socket would make Context.term() hang
             raise
         self.address = address
         self.auth = Authenticator(key, f"client of {address}")
@@ -165,4 +173,6 @@ class Client:
             return None
 
     def close(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
         self.sock.close(0)

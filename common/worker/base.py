@@ -44,14 +44,16 @@ class WorkerBase:
             raise ConfigError("the worker config file has no deployment secret: every internal message is "
                               "authenticated with it (the launcher writes it; `--secret-file` across hosts)")
         try:
-            self.key = DeploymentKey(worker_config.secret)
+            self.key = DeploymentKey(worker_config.secret, worker_config.curve)
         except ValueError as e:
             raise ConfigError(f"worker config field 'secret': {e}") from None
         self.ctx = zmq.Context()
         self.server = Server(self.ctx, worker_config.bind, key=self.key)
         self.poller = zmq.Poller()
         self.poller.register(self.server.sock, zmq.POLLIN)
-        self.reporter = Client(self.ctx, worker_config.report_to, key=self.key) if worker_config.report_to else None
+        # watched: a router that fails our handshake holds another secret (or --curve), so no hello would land
+        self.reporter = Client(self.ctx, worker_config.report_to, key=self.key,
+                               watch_handshakes=True) if worker_config.report_to else None
         self.counters: dict[str, int] = {}
         self._stop = False
         self._closed = threading.Event()
@@ -202,6 +204,9 @@ class WorkerBase:
         now = self.clock.monotonic()
         if now - self._last_heartbeat >= self.wconfig.heartbeat_s:
             self._last_heartbeat = now
+            why = self.reporter.handshakes.poll()
+            if why is not None:
+                raise ConfigError(f"cannot join the router at {self.wconfig.report_to}: {why}")
             status = self.status(with_events=True)
             self.reporter.send_or_drop(status)
             self._last_status = dataclasses.replace(status, kv_stored=[], kv_evicted=[])

@@ -107,3 +107,39 @@ def test_echo_and_prompt_logprobs_as_vllm():
     assert CompletionBody(prompt="x", echo=True, logprobs=1, prompt_logprobs=5).num_prompt_logprobs() == 5
     assert CompletionBody(prompt="x", logprobs=1).num_prompt_logprobs() is None
     assert ChatBody(messages=[{"role": "user", "content": "x"}], prompt_logprobs=2).num_prompt_logprobs() == 2
+
+
+def test_a_grammar_compiles_off_the_event_loop(monkeypatch):
+    """Compiling a request's grammar (seconds for the first, which imports xgrammar) runs in
+    a thread: the loop keeps ticking meanwhile, and a bad grammar is still a 400."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    import common.engine.grammar as grammar
+    from router.http_server import OpenAIServer
+
+    def slow_check(so):
+        time.sleep(0.4)
+        if so.spec == '"bad"':
+            raise grammar.GrammarError("no")
+    monkeypatch.setattr(grammar, "check", slow_check)
+    server = SimpleNamespace(logged_unknown=set(), log_unknown=lambda body: None, wrong_model=lambda model: None)
+
+    async def run(spec: str):
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.create_task(ticker())
+        body = ChatBody(messages=[{"role": "user", "content": "x"}], structured_outputs={"json": spec})
+        refused = await OpenAIServer.refusal(server, body)
+        t.cancel()
+        return refused, ticks
+    refused, ticks = asyncio.run(run('{"type": "object"}'))
+    assert refused is None and ticks >= 10  # a check on the loop would leave it at 0
+    refused, _ = asyncio.run(run('"bad"'))
+    assert refused.status_code == 400 and b"structured_outputs" in refused.body
