@@ -16,7 +16,6 @@ say: requests waiting for it would wait forever), growing a pool without a launc
 a role change of a worker the router did not start."""
 from __future__ import annotations
 
-import asyncio
 import sys
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from common.wire.messages import (ChangeRole, ControlReply, DrainWorker, PoolsRe
 from router.core import Router
 from router.pool_launch import WorkerLauncher
 from router.registry import DRAINING, EXITING, PoolError, WorkerEntry
+from router.background import Background
 
 ROLES = ("prefill", "decode", "colocated")
 TICK_S = 0.05  # how often drains are checked: bounds the delay between a drain's last request and the exit
@@ -48,7 +48,7 @@ class Departed:
     routed: int = 0  # requests it was routed while in the pool
 
 
-class ControlPlane:
+class ControlPlane(Background):
     """Owns the pool operations in progress: workers started and not yet registered, role
     changes waiting for their worker to exit, and the workers that left. The worker table
     itself is the router's registry (router/registry.py: serving -> draining -> exiting)."""
@@ -61,19 +61,11 @@ class ControlPlane:
         self.next_role: dict[str, tuple[str, dict]] = {}  # worker id -> (role, engine options) to restart it with
         self.departed: dict[str, Departed] = {}
         self._stopped: set[str] = set()  # exiting workers whose launcher was asked to stop them
-        self._task: asyncio.Task | None = None
         router.control_api = self.on_request
 
     @property
     def clock(self) -> Clock:
         return self.router.clock
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
     # ---- requests ------------------------------------------------------------------------
     def on_request(self, identity: bytes, msg: object) -> None:

@@ -8,7 +8,6 @@ drains the old ones only once every new one serves: a deployment never drops to 
 worker able to serve, as the control API's last-worker rule demands."""
 from __future__ import annotations
 
-import asyncio
 import math
 import sys
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from router.control import ControlPlane
 from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Plan, PlannerConfig, PlannerState, Pools, Snapshot, \
     decide
 from router.registry import SERVING, PoolError
+from router.background import Background
 
 CHANGING = ("starting", "draining", "exiting")
 
@@ -59,7 +59,7 @@ class PlannerMetrics:
             gauge.set(math.nan if value is None else value)
 
 
-class Planner:
+class Planner(Background):
     """Samples the router owned by `control`, decides, applies. `step()` is one window
     (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
 
@@ -76,18 +76,10 @@ class Planner:
         self.metrics = PlannerMetrics.create(self.router.metrics.registry)
         self.last: tuple[Snapshot, Plan] | None = None
         self._last_reason = ""
-        self._task: asyncio.Task | None = None
 
     @property
     def clock(self) -> Clock:
         return self.router.clock
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
     async def _loop(self) -> None:
         while True:

@@ -35,6 +35,7 @@ from router.deploy import DeploymentConfig, RayPlacement
 from router.launch import LaunchError
 from router.registry import PoolError
 from router.ray_actor import WorkerActor
+from router.background import Background
 
 READY_TIMEOUT_S = 300.0  # placement (a node may still be joining) plus the model's load
 POLL_S = 0.5  # how often RayPool asks the actors whether their worker exited
@@ -229,7 +230,7 @@ class RayLauncher:
             self.ray.shutdown()
 
 
-class RayPool:
+class RayPool(Background):
     """The pool control API's launcher under Ray (router/pool_launch.py's WorkerLauncher,
     router/control.py): a new worker is one more actor placed by its role's resources; a
     stopped one drains and its actor ends for good. It owns every worker of the deployment.
@@ -248,7 +249,6 @@ class RayPool:
         self._ended: queue.SimpleQueue[tuple[RayWorker, int | None]] = queue.SimpleQueue()
         self._stopping: set[str] = set()  # workers whose `stop` is under way
         self._polls: dict[str, tuple[RayWorker, Any]] = {}  # worker -> its unanswered exit_code call
-        self._task: asyncio.Task | None = None
 
     def spawn(self, role: str, worker_id: str = "", engine: dict[str, Any] | None = None) -> str:
         try:
@@ -274,13 +274,6 @@ class RayPool:
         """Report exits to `control` once started."""
         self.control = control
         return self
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
     async def _loop(self) -> None:
         while True:

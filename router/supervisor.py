@@ -14,11 +14,12 @@ import sys
 from router.control import ControlPlane
 from router.core import Router
 from router.launch import Launcher, LaunchError, WorkerProcess
+from router.background import Background
 
 POLL_S = 0.2  # how often exits are looked for: bounds the detection time of a dead worker
 
 
-class Supervisor:
+class Supervisor(Background):
     """Owns the reaping task; restarts when asked to. A worker the pool control let go
     (drained, router/control.py) is its business, not a failure: never restarted."""
 
@@ -27,14 +28,6 @@ class Supervisor:
         self.launcher = launcher
         self.restart = restart
         self.control = control
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
     async def _loop(self) -> None:
         while True:
