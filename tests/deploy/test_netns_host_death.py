@@ -4,7 +4,8 @@ router's namespace streams greedy requests, a few in flight at once, in two phas
 the first, p1's cable is pulled and its processes SIGKILLed; the second starts once the
 router has found p1 dead, and d1 dies the same way in it. Nobody hears a reset, so the
 router and the peers learn of a death only by silence (short `--stale-after`,
-`--peer-timeout`, `--lease`). Every request completes with the offline engine's output at float32 (a
+`--peer-timeout`, `--lease`). d1 decodes slowly (the `delay_step_ms` fault), so when it
+dies its streams are half-way: they resume on d2. Every request completes with the offline engine's output at float32 (a
 resumed stream included), /health ends with p1 and d1 dead and p2, d2 serving, and every
 block on p2 and d2 is free again afterwards.
 
@@ -28,6 +29,7 @@ IN_FLIGHT = 4
 KILL_AT = {(0, 3): "p1", (1, 3): "d1"}  # (phase, requests completed in it) -> the host that dies then
 ROUTER_FLAGS = ("--stale-after", "3", "--num-threads", "1")
 WORKER_FLAGS = ("--heartbeat", "0.25", "--peer-timeout", "4", "--lease", "8", "--num-threads", "1")
+FAULTS = "delay_step_ms=100@d1"  # d1's streams outlast d2's: it has some half-way when it dies
 
 CLIENT = r"""
 import concurrent.futures, json, re, sys, time, urllib.request, urllib.error
@@ -130,8 +132,9 @@ def drive(hosts: Hosts, out: queue.Queue) -> dict[str, str]:
     return said
 
 
-def test_prefill_and_decode_hosts_die_mid_traffic(model_dirs, tmp_path):
+def test_prefill_and_decode_hosts_die_mid_traffic(model_dirs, tmp_path, monkeypatch):
     model = model_dirs["qwen3"]
+    monkeypatch.setenv("PDSERVE_FAULTS", FAULTS)  # the workers' environment
     common = ["--secret-file", write_secret(tmp_path / "secret"), "--dtype", "float32"]
     hosts = Hosts()
     try:
