@@ -1,5 +1,5 @@
 """Trust across hosts, over a real interface: the router, a prefill and a decode worker in
-three network namespaces (tests/deploy/test_netns_join.py's Hosts), the client in a
+three network namespaces (tests/deploy/netns.py), the client in a
 fourth, and a capture of every frame on the bridge between them (a raw AF_PACKET socket
 in the bridge's namespace). Internal traffic is CurveZMQ-encrypted: no internal message
 can be read in the capture, while the client's plain HTTP can (so the capture sees
@@ -11,7 +11,6 @@ Needs root (CI runs as root): without the privilege it FAILS, saying so."""
 from __future__ import annotations
 
 import json
-import secrets
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import msgpack
 
 from common import LLM, SamplingParams
 from common.text.tokenizer import Tokenizer
-from tests.deploy.test_netns_join import CLIENT, CONTROL, HTTP, WORKER, ZMQ, Hosts
+from tests.deploy.netns import CLI, CLIENT, CONTROL, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 PROMPTS = ["Hello there", "Curve keeps this prompt off the wire between hosts"]
 MAX_TOKENS = 8
@@ -40,39 +39,26 @@ with open(sys.argv[1], "wb") as out:
 """
 
 
-def write_secret(path: Path) -> str:
-    path.write_text(secrets.token_hex(32))
-    path.chmod(0o600)
-    return str(path)
-
-
 def test_internal_traffic_is_encrypted_and_a_stranger_cannot_join(model_dirs, tmp_path):
     model = model_dirs["qwen3"]
-    cli = [sys.executable, "-m", "router.cli"]
     common = ["--secret-file", write_secret(tmp_path / "secret"), "--dtype", "float32"]
     hosts = Hosts()
     try:
         addr = hosts.open(["router", "prefill", "decode", "client", "xstranger"])
         capture = hosts.run("hub", [sys.executable, "-c", CAPTURE, str(tmp_path / "wire.bin")], tmp_path / "cap.log")
+        procs = start_cluster(hosts, model, addr, {"prefill": "prefill", "decode": "decode"}, tmp_path, common)
         join = f"tcp://{addr['router']}:{CONTROL}"
-        procs = {"router": hosts.run("router", [*cli, "router", model, "--host", addr["router"], "--http-port",
-                                                str(HTTP), "--zmq-port", str(ZMQ), "--control-port", str(CONTROL),
-                                                *common], tmp_path / "router.log")}
-        for role in ("prefill", "decode"):
-            procs[role] = hosts.run(role, [*cli, "worker", model, "--role", role, "--join", join, "--host", addr[role],
-                                           "--port", str(WORKER), "--worker-id", role, *common], tmp_path / f"{role}.log")
-        stranger = hosts.run("xstranger", [*cli, "worker", model, "--role", "prefill", "--join", join, "--host",
+        stranger = hosts.run("xstranger", [*CLI, "worker", model, "--role", "prefill", "--join", join, "--host",
                                            addr["xstranger"], "--worker-id", "stranger", "--dtype", "float32",
                                            "--secret-file", write_secret(tmp_path / "other")], tmp_path / "stranger.log")
-        client = subprocess.run(["ip", "netns", "exec", f"{hosts.prefix}client", sys.executable, "-c", CLIENT,
+        client = subprocess.run([*hosts.inside("client"), sys.executable, "-c", CLIENT,
                                  f"http://{addr['router']}:{HTTP}", json.dumps(PROMPTS),
                                  str(MAX_TOKENS), Path(model).name], capture_output=True, text=True, timeout=300)
         stranger_rc = stranger.wait(120)
         capture.send_signal(signal.SIGINT)
         capture.wait(15)
-        logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in [*procs, "stranger", "cap"]}
-        assert client.returncode == 0, f"client: {client.stderr}\n" + "\n".join(f"--- {n}\n{t[-3000:]}"
-                                                                                  for n, t in logs.items())
+        logs = read_logs(tmp_path, [*procs, "stranger", "cap"])
+        assert client.returncode == 0, f"client: {client.stderr}\n" + tails(logs)
         got = json.loads(client.stdout)
         llm = LLM(model, dtype="float32")
         want = [o["token_ids"] for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
@@ -95,4 +81,4 @@ def test_internal_traffic_is_encrypted_and_a_stranger_cannot_join(model_dirs, tm
             assert proc.poll() is None, f"{name} exited:\n{logs[name][-3000:]}"
     finally:
         hosts.close()
-    assert hosts.prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not hosts.leftover()
