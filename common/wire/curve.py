@@ -150,7 +150,10 @@ def handshake_failure(event: int, value: int) -> str:
     """What a failed handshake most likely means, in words a user can act on."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return "the peer's --curve setting differs from this one's (one side encrypts, the other does not)"
-    return "the CurveZMQ handshake failed: the peer holds another deployment secret"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "the CurveZMQ handshake failed: the peer holds another deployment secret"
+    return ("the CurveZMQ handshake failed: the peer holds another deployment secret, or its --curve setting "
+            "differs from this one's")
 
 
 async def log_handshake_failures(sock: zmq.Socket, where: str) -> None:

@@ -18,7 +18,7 @@ def test_bf16_pair_matches_one_engine(backend, model_dirs, vocab_size, tmp_path)
     model_dir = model_dirs["llama"]
     prompts = mixed_prompts(vocab_size, seed=3)[:8]
     with one_torch_thread():
-        llm = LLM(model_dir, dtype="float32", **OPTIONS)
+        llm = LLM(model_dir, **OPTIONS)
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW)  # as the driver's requests
         want = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     dep = start_pair(model_dir, backend, OPTIONS, prefill_options={"max_num_batched_tokens": 64}, workdir=tmp_path)
