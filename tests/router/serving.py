@@ -233,3 +233,14 @@ def openai_client(served: "Served", timeout: float = 120) -> "openai.OpenAI":
 def served_model(client: "openai.OpenAI") -> str:
     """The served model's id, as an OpenAI client finds it (an unknown model is a 404)."""
     return client.models.list().data[0].id
+
+
+def colocated_server(model_dir: str, workdir: Path, max_model_len: int) -> Iterator[Served]:
+    """One colocated worker's `pdserve serve`, for a module fixture to `yield from`: stopped
+    (SIGTERM) after the module, whatever happened."""
+    served = start_server(model_dir, workdir, ["--colocated", "1", "--prefill", "0", "--decode", "0"], max_model_len)
+    try:
+        yield served
+    finally:
+        with contextlib.suppress(Exception):
+            stop_server(served, signal.SIGTERM)

@@ -4,8 +4,6 @@ a colocated worker: chat and completions, streamed and not, equal to the offline
 engine's (themselves checked against transformers in tests/common/test_logprobs.py)."""
 from __future__ import annotations
 
-import contextlib
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,7 +11,7 @@ import openai
 import pytest
 
 from common import LLM, SamplingParams
-from tests.router.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids, start_server, stop_server
+from tests.router.serving import colocated_server, CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 TOP = 3
@@ -30,13 +28,7 @@ def offline(model_dir):
 
 @pytest.fixture(scope="module")
 def colocated(model_dir, tmp_path_factory):
-    served = start_server(model_dir, tmp_path_factory.mktemp("serve_colocated_lp"),
-                          ["--colocated", "1", "--prefill", "0", "--decode", "0"], MAX_MODEL_LEN)
-    try:
-        yield served
-    finally:
-        with contextlib.suppress(Exception):
-            stop_server(served, signal.SIGTERM)
+    yield from colocated_server(model_dir, tmp_path_factory.mktemp("serve_colocated_lp"), MAX_MODEL_LEN)
 
 
 @pytest.fixture(params=["pd", "colocated"])

@@ -5,16 +5,14 @@ choice, streamed and not; stop strings end choices one by one; bad n is a 400 na
 every KV block is free again after a request, a stopped choice, or a client that left."""
 from __future__ import annotations
 
-import contextlib
 import re
-import signal
 import time
 
 import httpx
 import pytest
 
 from common import LLM, SamplingParams
-from tests.router.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, openai_client, start_server, stop_server
+from tests.router.serving import colocated_server, CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, openai_client
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 MAX_NEW = 8
@@ -27,13 +25,7 @@ def llm(model_dir) -> LLM:
 
 @pytest.fixture(scope="module")
 def colocated(model_dir, tmp_path_factory):
-    served = start_server(model_dir, tmp_path_factory.mktemp("serve_colocated_n"),
-                          ["--colocated", "1", "--prefill", "0", "--decode", "0"], MAX_MODEL_LEN)
-    try:
-        yield served
-    finally:
-        with contextlib.suppress(Exception):
-            stop_server(served, signal.SIGTERM)
+    yield from colocated_server(model_dir, tmp_path_factory.mktemp("serve_colocated_n"), MAX_MODEL_LEN)
 
 
 @pytest.fixture(params=["pd", "colocated"])
