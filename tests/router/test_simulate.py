@@ -134,3 +134,27 @@ def test_bad_deployment_is_refused(tmp_path, capsys):
                    "--prefill", "0", "--decode", "1", "--out", str(tmp_path / "x.json")])
     assert rc != 0 and not (tmp_path / "x.json").exists()
     assert "prefill and a decode worker" in capsys.readouterr().err
+
+
+def test_workers_sharing_cores_stretch_steps():
+    # 2P+1D on 1 core, 1 thread each. A and B (1 block, 3 out) at t=0 go to P0 and P1.
+    # P0 starts A alone (x1): [0, .1]; P1 starts B while P0 steps (2 busy / 1 core, x2):
+    # [0, .2]. A's KV lands .112 (first token); D's steps start while P1 still steps (x2):
+    # A's tokens at .112, .132, .152. B's KV lands .2 + .012 = .212: its first token.
+    # Without host_cores both prefills end at .1 and B's first token is at .112.
+    ids_a, ids_b = list(range(100, 116)), list(range(200, 216))
+    sim = _sim(Deployment(2, 1, host_cores=1))
+    a, b = sim.run([(0.0, ids_a, 3), (0.0, ids_b, 3)])
+    assert a.prefill.worker_id != b.prefill.worker_id
+    assert a.record.token_times == pytest.approx([0.112, 0.132, 0.152], abs=1e-9)
+    assert b.record.ttft == pytest.approx(0.212, abs=1e-9)
+    a, b = _sim(Deployment(2, 1)).run([(0.0, ids_a, 3), (0.0, ids_b, 3)])
+    assert b.record.ttft == pytest.approx(0.112, abs=1e-9)
+
+
+def test_threads_within_the_cores_do_not_stretch():
+    # One colocated worker of 2 threads on 2 cores: x1, as if it had the host to itself.
+    (r,) = _sim(Deployment(0, 0, 1, threads=2, host_cores=2)).run([(0.0, list(range(100, 116)), 2)])
+    assert r.record.token_times == pytest.approx([0.1, 0.11], abs=1e-9)
+    with pytest.raises(ValueError, match="threads"):
+        Deployment(1, 1, threads=0)
