@@ -158,3 +158,19 @@ def test_threads_within_the_cores_do_not_stretch():
     assert r.record.token_times == pytest.approx([0.1, 0.11], abs=1e-9)
     with pytest.raises(ValueError, match="threads"):
         Deployment(1, 1, threads=0)
+
+
+def test_cli_host_cores_stretch_the_run(tmp_path):
+    _model(tmp_path)
+    # 2 threads a worker on 1 core: every step takes twice its time (more while two step)
+    ttft = []
+    for flags in ([], ["--threads", "2", "--host-cores", "1"]):
+        out = tmp_path / f"sim{len(flags)}.json"
+        rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
+                       "--prefill", "1", "--decode", "2", "--duration-s", "4", "--out", str(out), *flags])
+        assert rc == 0
+        ttft.append(json.loads(out.read_text())["median_ttft_ms"])
+    assert ttft[1] >= 2 * ttft[0] - 1e-6
+    rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
+                   "--threads", "0", "--out", str(tmp_path / "x.json")])
+    assert rc != 0 and not (tmp_path / "x.json").exists()
