@@ -18,6 +18,7 @@ Method:
    The same requests at the same send times (HTTP, timelines); during a planner run
    /metrics is polled every second and each rise of pdserve_planner_decisions_total
    with an action other than `none` is kept with its time.
+   With --slo-scale k every SLO (the planner's and the judged) is k times the regime's.
 3. A fixed split does not depend on the SLO, so its one run is judged under both
    regimes; a planner run only under its own. Per (config, regime): attainment (both
    SLOs met) and goodput (met requests per second of the run), overall and per
@@ -128,14 +129,14 @@ def judge(records: list[RequestRecord], sends: list[float], duration: float, slo
             "requests": len(records), "duration_s": duration, "windows": windows}
 
 
-def plot(results: dict, shift_s: float, window_s: float, out: Path) -> Path:
+def plot(results: dict, slos: dict, shift_s: float, window_s: float, out: Path) -> Path:
     """Attainment (top) and goodput (bottom) per window, one column per regime."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 7), sharex=True, squeeze=False)
     for col, (regime, runs) in enumerate(results.items()):
-        ttft, tpot = REGIMES[regime]
+        ttft, tpot = slos[regime]
         top, bottom = axes[0][col], axes[1][col]
         for cfg, res in runs.items():
             xs = [x["t_s"] + window_s / 2 for x in res["windows"]]
@@ -180,6 +181,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--planner-sustain", type=int, default=2)
     p.add_argument("--planner-cooldown-s", type=float, default=15.0)
     p.add_argument("--regimes", default=",".join(REGIMES))
+    p.add_argument("--slo-scale", type=float, default=1.0, help="both SLOs of every regime x this (a machine this "
+                                                               "much slower than the one the regimes are for)")
     p.add_argument("--out-dir", default=str(REPO / "results/planner_vs_fixed"))
     return p.parse_args()
 
@@ -195,6 +198,7 @@ def main() -> int:
     shift = args.duration_s / 2 - rows[0]["timestamp"] / 1000
     sends = [r.arrival for r in reqs]
     regimes = [r for r in args.regimes.split(",") if r]
+    slos = {r: (REGIMES[r][0] * args.slo_scale, REGIMES[r][1] * args.slo_scale) for r in regimes}
     results: dict = {r: {} for r in regimes}
     loads = {}
     with tempfile.TemporaryDirectory(prefix="planner-vs-fixed-") as tmp:
@@ -202,15 +206,15 @@ def main() -> int:
             loads[cfg] = os.getloadavg()
             records, duration, _ = run(cfg, args.model, [], reqs, Path(tmp), f"pdserve-{cfg}")
             for regime in regimes:
-                results[regime][cfg] = judge(records, sends, duration, REGIMES[regime], args.window_s)
+                results[regime][cfg] = judge(records, sends, duration, slos[regime], args.window_s)
         for regime in regimes:
-            ttft, tpot = REGIMES[regime]
+            ttft, tpot = slos[regime]
             extra = ["--planner", "slo", "--slo-ttft-ms", str(ttft), "--slo-tpot-ms", str(tpot),
                      "--planner-host-cores", "2", "--planner-interval-s", str(args.planner_interval_s),
                      "--planner-sustain", str(args.planner_sustain), "--planner-cooldown-s", str(args.planner_cooldown_s)]
             loads[f"planner_{regime}"] = os.getloadavg()
             records, duration, decisions = run("colocated", args.model, extra, reqs, Path(tmp), f"pdserve-planner-{regime}")
-            results[regime]["planner (from colocated)"] = dict(judge(records, sends, duration, REGIMES[regime],
+            results[regime]["planner (from colocated)"] = dict(judge(records, sends, duration, slos[regime],
                                                                     args.window_s), decisions=decisions)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": {k: v for k, v in vars(args).items()},
            "machine": {"cores": os.cpu_count(), "load_average_1_5_15_before_each_run": loads},
@@ -218,9 +222,9 @@ def main() -> int:
                      "mean_input": {h: sum(r.prompt_len for r in part) / max(1, len(part)) for h, part in
                                     (("first", [r for r in reqs if r.arrival < shift]),
                                      ("second", [r for r in reqs if r.arrival >= shift]))}},
-           "slos_ms": {r: REGIMES[r] for r in regimes}, "results": results}
+           "slos_ms": slos, "results": results}
     (out_dir / "planner_vs_fixed.json").write_text(json.dumps(out, indent=2))
-    plot(results, shift, args.window_s, out_dir / "planner_vs_fixed.png")
+    plot(results, slos, shift, args.window_s, out_dir / "planner_vs_fixed.png")
     for regime, res in results.items():
         log(f"{regime}: " + "; ".join(f"{c} attainment {r['attainment']:.0%} goodput {r['goodput_req_s']:.2f} req/s"
                                       for c, r in res.items()))

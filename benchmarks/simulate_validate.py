@@ -12,6 +12,9 @@ worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
    (the worker processes exist, as in the run): this moment's latency model;
 3. the Mooncake trace slice of benchmarks/conditional_disagg.py (`--requests` rows,
    ties spread, compressed to `--rate` req/s) is served over HTTP with timelines;
+   then (unless --no-bracket) the deployment idles again and is profiled a second time:
+   the latency model is the mean of the two (curves point by point, the decode step
+   fitted to both sample sets), bracketing the run against a load that drifts;
 4. the same requests at the same send times go through `pdserve simulate`'s code with
    the same split, engine limits, threads per worker and host cores (os.cpu_count()).
 Reported per deployment: TTFT / TPOT p50 and p90 simulated, measured and their ratio;
@@ -46,7 +49,7 @@ from common.config import ModelConfig, SchedulerConfig  # noqa: E402
 from router.bench.metrics import RequestRecord, attainment  # noqa: E402
 from router.bench.runner import run_workload  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.latency_model import LatencyModel  # noqa: E402
+from router.latency_model import Curve, DecodeFit, LatencyModel  # noqa: E402
 from router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 KV_BLOCKS = 2048  # benchmarks/servers.py's --num-kv-blocks
@@ -67,6 +70,16 @@ def profile(model: str, threads: int, out: Path) -> LatencyModel:
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     log(f"profile ({threads} threads): {time.monotonic() - t0:.0f} s")
     return LatencyModel.load(out)
+
+
+def mean_model(a: LatencyModel, b: LatencyModel) -> LatencyModel:
+    """Two profiles of the same sizes as one: curves averaged point by point, the decode
+    step fitted to both profiles' samples."""
+    def mean(x: Curve, y: Curve) -> Curve:
+        return Curve(tuple((n, (s + t) / 2) for (n, s), (_, t) in zip(x.points, y.points)))
+    samples = a.decode_samples + b.decode_samples
+    return LatencyModel(mean(a.prefill, b.prefill), DecodeFit.fit(list(samples)), mean(a.transfer, b.transfer),
+                        dict(a.meta, bracketed=True), samples)
 
 
 def _pct(xs: list[float]) -> dict[str, float | None]:
@@ -122,6 +135,9 @@ def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) -> tu
         records, _ = asyncio.run(run_workload([r for r, _ in plan], "http", server.url, [t for _, t in plan],
                                               temperature=0.0, ignore_eos=True, return_timeline=True, progress=False))
         log(f"{cfg}: served {len(records)} requests (load average {load:.1f} -> {os.getloadavg()[0]:.1f})")
+        if args.bracket:
+            after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json")
+            model = mean_model(model, after)
     finally:
         server.stop()
     return records, model
@@ -142,6 +158,7 @@ def main() -> int:
     ap.add_argument("--max-input", type=int, default=900)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-bracket", dest="bracket", action="store_false", help="profile before the run only")
     ap.add_argument("--out", default=str(REPO / "results/simulate_validate.json"))
     a = ap.parse_args()
     plan = workload(a, ModelConfig.from_dir(a.model).vocab_size)
