@@ -4,8 +4,9 @@ the clock seam of common/clock.py), workers that are a real Scheduler + BlockMan
 blocks, and routing by the router's own code (router/simulate/routing.py).
 
 A worker steps whenever its scheduler has work: the step's batch is the scheduler's,
-its time is prefill_s(prompt tokens in the batch) + decode_step_s(decoding sequences,
-their mean context), stretched where the deployment's workers share a host's cores: with
+its time is the prefill curve's price of each prompt chunk in it, the step's fixed cost
+counted once (`step_seconds`), plus decode_step_s(decoding sequences, their mean
+context), stretched where the deployment's workers share a host's cores: with
 `host_cores` set, a step that starts while `busy` workers of `threads` threads each are
 stepping (itself included) takes max(1, busy * threads / host_cores) times as long (the
 rate is fixed when the step starts). A sequence whose tokens are all computed after a step samples a
@@ -217,15 +218,20 @@ class Simulation:
         return max(1.0, busy * self.dep.threads / self.dep.host_cores)
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
-        """prefill_s(prompt tokens computed) + decode_step_s(decoding seqs, their mean context)."""
-        prompt_tokens = decodes = context = 0
+        """The prompts' chunks, each priced alone by the prefill curve, sharing one step's
+        fixed cost (the curve at 0 tokens): prefill_s(0) + sum(prefill_s(n) - prefill_s(0));
+        plus decode_step_s(decoding seqs, their mean context)."""
+        chunks, decodes, context = [], 0, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 decodes += 1
                 context += seq.num_computed_tokens + 1
             else:
-                prompt_tokens += n
-        step = self.model.prefill_s(prompt_tokens)
+                chunks.append(n)
+        step = 0.0
+        if chunks:
+            fixed = self.model.prefill(0)
+            step = fixed + sum(max(0.0, self.model.prefill_s(n) - fixed) for n in chunks)
         return step + (self.model.decode_step_s(decodes, context / decodes) if decodes else 0.0)
 
     def _step_done(self, item: tuple[SimWorker, ScheduledBatch]) -> None:

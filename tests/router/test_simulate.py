@@ -175,3 +175,22 @@ def test_cli_host_cores_stretch_the_run(tmp_path):
     rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
                    "--threads", "0", "--out", str(tmp_path / "x.json")])
     assert rc != 0 and not (tmp_path / "x.json").exists()
+
+
+def test_a_step_of_several_prompts_prices_each_and_its_fixed_cost_once():
+    # C (16 tokens) at t=0 holds the colocated worker; A and B arrive during its step and
+    # share the next. Prefill curve 20 ms + 1 ms/token (fixed cost 20 ms): C [0, .036];
+    # A (16) + B (32) together 20 + 16 + 32 = 68 ms: both first tokens at .104.
+    m = LatencyModel(Curve(((16, 0.036), (32, 0.052))), DecodeFit(0.01, 0.0, 0.0), Curve(((1, 0.0), (2, 0.0))))
+    sim = Simulation(Deployment(0, 0, 1), m, RouterConfig(model_dir="simulated", block_size=BLOCK))
+    c, a, b = sim.run([(0.0, list(range(300, 316)), 1), (0.001, list(range(100, 116)), 1),
+                       (0.001, list(range(200, 232)), 1)])
+    assert [r.record.token_times[0] for r in (c, a, b)] == pytest.approx([0.036, 0.104, 0.104])
+    # superlinear curve (0: 0 s, 16: 16 ms, 32: 48 ms): A and B of 16 tokens each share a
+    # step of 32 ms, not the 48 ms of one 32-token prompt: both at .016 + .032 = .048
+    m = LatencyModel(Curve(((0, 0.0), (16, 0.016), (32, 0.048))), DecodeFit(0.01, 0.0, 0.0),
+                     Curve(((1, 0.0), (2, 0.0))))
+    sim = Simulation(Deployment(0, 0, 1), m, RouterConfig(model_dir="simulated", block_size=BLOCK))
+    c, a, b = sim.run([(0.0, list(range(300, 316)), 1), (0.001, list(range(100, 116)), 1),
+                       (0.001, list(range(200, 216)), 1)])
+    assert [r.record.token_times[0] for r in (c, a, b)] == pytest.approx([0.016, 0.048, 0.048])
