@@ -19,10 +19,13 @@ worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
    the same split, engine limits, threads per worker and host cores (os.cpu_count()).
 Reported per deployment: TTFT / TPOT p50 and p90 simulated, measured and their ratio;
 attainment at each SLO pair; and the per-request components both timelines have
-(medians, ms): router in (arrival -> prefill queued), prefill queue, prefill, KV
+(medians, ms): queue (arrival -> prefill start; a busy worker reads its socket only
+between steps, so in a served timeline the wait lands in router in (arrival -> prefill
+queued), in a simulated one in prefill queue), router in, prefill queue, prefill, KV
 transfer, decode queue (KV ready -> first token), server TPOT ((finish - first token) /
 (tokens - 1)), and what the client sees beyond the server (TTFT and TPOT overheads:
-HTTP, router relay, detokenization). Writes --out (JSON).
+HTTP, router relay, detokenization); and per request, both runs' TTFT, TPOT, queue and
+prefill (s). Writes --out (JSON).
 """
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ from router.simulate.sim import Deployment, Simulation  # noqa: E402
 KV_BLOCKS = 2048  # benchmarks/servers.py's --num-kv-blocks
 LAYOUTS = {"colocated": (0, 0, 1, 2), "1p1d": (1, 1, 0, 1), "2p1d": (2, 1, 0, 1)}  # P, D, C, threads per worker
 SLOS = ((1000.0, 100.0), (2000.0, 15.0))  # (TTFT ms, TPOT ms)
-COMPONENTS = (("router_in", "arrival", "prefill_queued"), ("prefill_queue", "prefill_queued", "prefill_start"),
+COMPONENTS = (("queue", "arrival", "prefill_start"), ("router_in", "arrival", "prefill_queued"),
+              ("prefill_queue", "prefill_queued", "prefill_start"),
               ("prefill", "prefill_start", "prefill_end"), ("kv_transfer", "prefill_end", "kv_ready"),
               ("decode_queue", "kv_ready", "first_token"))
 PROFILE_SIZES = ["--prefill-tokens", "16,64,256,1023", "--batches", "1,4,8", "--contexts", "64,512", "--reps", "2"]
@@ -109,9 +113,20 @@ def components(records: list[RequestRecord]) -> dict[str, dict]:
     return out
 
 
+def _span(r: RequestRecord, a: str, b: str) -> float | None:
+    t = r.timeline or {}
+    return t[b] - t[a] if a in t and b in t else None
+
+
+def per_request(records: list[RequestRecord]) -> dict[str, list]:
+    return {"prompt_len": [r.prompt_len for r in records], "ttft_s": [r.ttft for r in records],
+            "tpot_s": [r.tpot for r in records], "queue_s": [_span(r, "arrival", "prefill_start") for r in records],
+            "prefill_s": [_span(r, "prefill_start", "prefill_end") for r in records]}
+
+
 def figures(records: list[RequestRecord]) -> dict:
     ok = [r for r in records if r.success and r.ttft is not None]
-    return {"ttft_ms": _pct([r.ttft for r in ok]), "tpot_ms": _pct([r.tpot for r in ok if r.tpot is not None]),
+    return {"per_request": per_request(records), "ttft_ms": _pct([r.ttft for r in ok]), "tpot_ms": _pct([r.tpot for r in ok if r.tpot is not None]),
             "attainment": {f"ttft{t:g}_tpot{p:g}": attainment(records, t / 1000, p / 1000) for t, p in SLOS},
             "components_ms": components(records)}
 
