@@ -22,6 +22,7 @@ MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_BATCHED = 1024, 64, 2048
 PDSERVE_CONFIGS = {
     "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1", "--num-threads", "2"],
     "1p1d": ["--prefill", "1", "--decode", "1", "--num-threads", "1"],
+    "2p1d": ["--prefill", "2", "--decode", "1", "--num-threads", "1"],
 }
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -1,16 +1,42 @@
-"""The simulator against a measured run: replay the exact requests and send times of a
-`benchmarks/conditional_disagg.py` run (its JSON and the latency model it profiled)
-through `pdserve simulate`'s code with the same split (1P + 1D), engine limits and
-disaggregation modes, and put simulated and measured TTFT/TPOT p50/p90 side by side.
+"""The simulator against measured runs on this machine, one deployment at a time, each
+profiled immediately before it is measured (a shared machine's load drifts: a latency
+model from another moment is another machine).
 
-    python benchmarks/simulate_validate.py --measured DIR/conditional_disagg.json
-        --latency-model DIR/latency_model.json [--out results/simulate_validate.json]
+    python benchmarks/simulate_validate.py [--model DIR] [--configs colocated,1p1d,2p1d]
+        [--requests 16] [--rate 0.5] [--out results/simulate_validate.json]
+
+Per deployment (benchmarks/servers.py: float32, --num-kv-blocks 2048; colocated: one
+worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
+1. the deployment starts and stands idle;
+2. `pdserve profile` runs beside it with one worker's engine flags, threads included
+   (the worker processes exist, as in the run): this moment's latency model;
+3. the Mooncake trace slice of benchmarks/conditional_disagg.py (`--requests` rows,
+   ties spread, compressed to `--rate` req/s) is served over HTTP with timelines;
+   then (unless --no-bracket) the deployment idles again and is profiled a second time:
+   the latency model is the mean of the two (curves point by point, the decode step
+   fitted to both sample sets), bracketing the run against a load that drifts;
+4. the same requests at the same send times go through `pdserve simulate`'s code with
+   the same split, engine limits, threads per worker and host cores (os.cpu_count()).
+Reported per deployment: TTFT / TPOT p50 and p90 simulated, measured and their ratio;
+attainment at each SLO pair; and the per-request components both timelines have
+(medians, ms): queue (arrival -> prefill start; a busy worker reads its socket only
+between steps, so in a served timeline the wait lands in router in (arrival -> prefill
+queued), in a simulated one in prefill queue), router in, prefill queue, prefill, KV
+transfer, decode queue (KV ready -> first token), server TPOT ((finish - first token) /
+(tokens - 1)), and what the client sees beyond the server (TTFT and TPOT overheads:
+HTTP, router relay, detokenization); and per request, both runs' TTFT, TPOT, queue and
+prefill (s). Writes --out (JSON).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,49 +46,154 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conditional_disagg import workload  # noqa: E402
-from servers import MAX_BATCHED, MAX_NUM_SEQS  # noqa: E402
+from servers import MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, log, start_pdserve  # noqa: E402
 
-from common.config import SchedulerConfig  # noqa: E402
+from common.config import ModelConfig, SchedulerConfig  # noqa: E402
+from router.bench.metrics import RequestRecord, attainment  # noqa: E402
+from router.bench.runner import run_workload  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.latency_model import LatencyModel  # noqa: E402
+from router.latency_model import Curve, DecodeFit, LatencyModel  # noqa: E402
 from router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 KV_BLOCKS = 2048  # benchmarks/servers.py's --num-kv-blocks
+LAYOUTS = {"colocated": (0, 0, 1, 2), "1p1d": (1, 1, 0, 1), "2p1d": (2, 1, 0, 1)}  # P, D, C, threads per worker
+SLOS = ((1000.0, 100.0), (2000.0, 15.0))  # (TTFT ms, TPOT ms)
+COMPONENTS = (("queue", "arrival", "prefill_start"), ("router_in", "arrival", "prefill_queued"),
+              ("prefill_queue", "prefill_queued", "prefill_start"),
+              ("prefill", "prefill_start", "prefill_end"), ("kv_transfer", "prefill_end", "kv_ready"),
+              ("decode_queue", "kv_ready", "first_token"))
+PROFILE_SIZES = ["--prefill-tokens", "16,64,256,1023", "--batches", "1,4,8", "--contexts", "64,512", "--reps", "2"]
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
+def profile(model: str, threads: int, out: Path) -> LatencyModel:
+    """`pdserve profile` with a worker's engine flags (benchmarks/servers.py)."""
+    cmd = [sys.executable, "-m", "router.cli", "profile", model, "--out", str(out), "--num-threads", str(threads),
+           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", "float32", *PROFILE_SIZES]
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    log(f"profile ({threads} threads): {time.monotonic() - t0:.0f} s")
+    return LatencyModel.load(out)
+
+
+def mean_model(a: LatencyModel, b: LatencyModel) -> LatencyModel:
+    """Two profiles of the same sizes as one: curves averaged point by point, the decode
+    step fitted to both profiles' samples."""
+    def mean(x: Curve, y: Curve) -> Curve:
+        return Curve(tuple((n, (s + t) / 2) for (n, s), (_, t) in zip(x.points, y.points)))
+    samples = a.decode_samples + b.decode_samples
+    return LatencyModel(mean(a.prefill, b.prefill), DecodeFit.fit(list(samples)), mean(a.transfer, b.transfer),
+                        dict(a.meta, bracketed=True), samples)
+
+
+def _pct(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"n": 0, "p50": None, "p90": None}
     a = np.asarray(xs) * 1000
-    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
+    return {"n": len(xs), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--measured", required=True)
-    ap.add_argument("--latency-model", required=True)
-    ap.add_argument("--out", default="results/simulate_validate.json")
+def _server_tpot(r: RequestRecord) -> float | None:
+    t = r.timeline or {}
+    if r.output_len < 2 or "finish" not in t or "first_token" not in t:
+        return None
+    return (t["finish"] - t["first_token"]) / (r.output_len - 1)
+
+
+def components(records: list[RequestRecord]) -> dict[str, dict]:
+    """Per-request durations both timelines have, and the client's view beyond the server's."""
+    ok = [r for r in records if r.success and r.timeline]
+    out = {name: _pct([r.timeline[b] - r.timeline[a] for r in ok if a in r.timeline and b in r.timeline])
+           for name, a, b in COMPONENTS}
+    out["server_tpot"] = _pct([x for r in ok if (x := _server_tpot(r)) is not None])
+    out["client_ttft_overhead"] = _pct([r.ttft - (r.timeline["first_token"] - r.timeline["arrival"])
+                                        for r in ok if r.ttft is not None and "first_token" in r.timeline])
+    out["client_tpot_overhead"] = _pct([r.tpot - x for r in ok if r.tpot is not None
+                                        and (x := _server_tpot(r)) is not None])
+    return out
+
+
+def _span(r: RequestRecord, a: str, b: str) -> float | None:
+    t = r.timeline or {}
+    return t[b] - t[a] if a in t and b in t else None
+
+
+def per_request(records: list[RequestRecord]) -> dict[str, list]:
+    return {"prompt_len": [r.prompt_len for r in records], "ttft_s": [r.ttft for r in records],
+            "tpot_s": [r.tpot for r in records], "queue_s": [_span(r, "arrival", "prefill_start") for r in records],
+            "prefill_s": [_span(r, "prefill_start", "prefill_end") for r in records]}
+
+
+def figures(records: list[RequestRecord]) -> dict:
+    ok = [r for r in records if r.success and r.ttft is not None]
+    return {"per_request": per_request(records), "ttft_ms": _pct([r.ttft for r in ok]), "tpot_ms": _pct([r.tpot for r in ok if r.tpot is not None]),
+            "attainment": {f"ttft{t:g}_tpot{p:g}": attainment(records, t / 1000, p / 1000) for t, p in SLOS},
+            "components_ms": components(records)}
+
+
+def simulate(layout: tuple[int, int, int, int], model: LatencyModel, requests: list) -> list[RequestRecord]:
+    p, d, c, threads = layout
+    dep = Deployment(p, d, c, KV_BLOCKS, SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED),
+                     threads=threads, host_cores=os.cpu_count() or 1)
+    reqs = Simulation(dep, model, RouterConfig(model_dir="simulated")).run(requests)
+    for r in reqs:
+        r.record.timeline = r.timeline
+    return [r.record for r in reqs]
+
+
+def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) -> tuple[list[RequestRecord], LatencyModel]:
+    """Start the deployment, profile beside it, serve the plan."""
+    server = start_pdserve(cfg, args.model, workdir, name=f"pdserve-{cfg}")
+    try:
+        model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json")
+        load = os.getloadavg()[0]
+        records, _ = asyncio.run(run_workload([r for r, _ in plan], "http", server.url, [t for _, t in plan],
+                                              temperature=0.0, ignore_eos=True, return_timeline=True, progress=False))
+        log(f"{cfg}: served {len(records)} requests (load average {load:.1f} -> {os.getloadavg()[0]:.1f})")
+        if args.bracket:
+            after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json")
+            model = mean_model(model, after)
+    finally:
+        server.stop()
+    return records, model
+
+
+def _ratio(sim: dict, meas: dict) -> dict:
+    return {k: {p: (sim[k][p] / meas[k][p] if sim[k][p] and meas[k][p] else None) for p in ("p50", "p90")}
+            for k in ("ttft_ms", "tpot_ms")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(REPO / "results/models/qwen3-small"))
+    ap.add_argument("--configs", default="colocated,1p1d,2p1d")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=0.5)
+    ap.add_argument("--trace-start", type=int, default=0)
+    ap.add_argument("--max-input", type=int, default=900)
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-bracket", dest="bracket", action="store_false", help="profile before the run only")
+    ap.add_argument("--out", default=str(REPO / "results/simulate_validate.json"))
     a = ap.parse_args()
-    measured = json.loads(Path(a.measured).read_text())
-    cfg = measured["config"]
-    plan = workload(argparse.Namespace(**cfg), 32000)
+    plan = workload(a, ModelConfig.from_dir(a.model).vocab_size)
     requests = [(t, r.prompt_token_ids, r.output_len) for r, t in plan]
-    model = LatencyModel.load(a.latency_model)
-    dep = Deployment(1, 1, 0, KV_BLOCKS, SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED))
-    out = {"measured": a.measured, "latency_model": a.latency_model, "modes": {}}
-    for mode, res in measured["results"].items():
-        rc = RouterConfig(model_dir="simulated", disagg=mode, disagg_threshold_tokens=cfg["threshold"],
-                          disagg_latency_model=a.latency_model, disagg_tpot_guard_ms=cfg["tpot_guard_ms"])
-        reqs = Simulation(dep, model, rc).run(requests)
-        sim = {"ttft_ms": _pct([r.record.ttft for r in reqs]),
-               "tpot_ms": _pct([r.record.tpot for r in reqs if r.record.tpot is not None])}
-        meas = {"ttft_ms": {k: res["ttft_all_ms"][k] for k in ("p50", "p90")},
-                "tpot_ms": {k: res["tpot_ms"][k] for k in ("p50", "p90")}}
-        ratio = {m: {p: sim[m][p] / meas[m][p] for p in ("p50", "p90")} for m in sim}
-        out["modes"][mode] = {"simulated": sim, "measured": meas, "simulated_over_measured": ratio}
-        print(mode, json.dumps(ratio))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {a.out}")
+    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(a), "cores": os.cpu_count(),
+                 "slos_ms": SLOS, "deployments": {}}
+    with tempfile.TemporaryDirectory(prefix="simvalidate-") as tmp:
+        for cfg in [c for c in a.configs.split(",") if c]:
+            load = os.getloadavg()
+            measured, model = measure(cfg, a, plan, Path(tmp))
+            sim, meas = figures(simulate(LAYOUTS[cfg], model, requests)), figures(measured)
+            out["deployments"][cfg] = {"load_average_1_5_15": load, "latency_model": model.to_json(),
+                                       "simulated": sim, "measured": meas, "simulated_over_measured": _ratio(sim, meas)}
+            log(f"{cfg}: simulated/measured {json.dumps(out['deployments'][cfg]['simulated_over_measured'])}")
+    path = Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    log(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

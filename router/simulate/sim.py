@@ -4,8 +4,12 @@ the clock seam of common/clock.py), workers that are a real Scheduler + BlockMan
 blocks, and routing by the router's own code (router/simulate/routing.py).
 
 A worker steps whenever its scheduler has work: the step's batch is the scheduler's,
-its time is prefill_s(prompt tokens in the batch) + decode_step_s(decoding sequences,
-their mean context). A sequence whose tokens are all computed after a step samples a
+its time is the prefill curve's price of each prompt chunk in it, the step's fixed cost
+counted once (`step_seconds`), plus decode_step_s(decoding sequences, their mean
+context), stretched where the deployment's workers share a host's cores: with
+`host_cores` set, a step that starts while `busy` workers of `threads` threads each are
+stepping (itself included) takes max(1, busy * threads / host_cores) times as long (the
+rate is fixed when the step starts). A sequence whose tokens are all computed after a step samples a
 token (its value is irrelevant; outputs run to their trace length, as with ignore_eos).
 A disaggregated request reserves its blocks on D when it arrives (FIFO, as the decode
 worker does), is prefilled on P, and its KV moves once both are done; its first token
@@ -45,10 +49,14 @@ class Deployment:
     colocated: int = 0
     num_blocks: int = 4096
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    threads: int = 1     # torch threads per worker
+    host_cores: int = 0  # the cores all workers share (0: each worker has its own)
 
     def __post_init__(self) -> None:
-        if min(self.prefill, self.decode, self.colocated) < 0 or self.num_blocks < 1:
-            raise ValueError("worker counts must be >= 0 and num_blocks >= 1")
+        if min(self.prefill, self.decode, self.colocated, self.host_cores) < 0 or self.num_blocks < 1:
+            raise ValueError("worker counts and host_cores must be >= 0 and num_blocks >= 1")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
         if not (self.prefill and self.decode) and not self.colocated:
             raise ValueError("a deployment needs a prefill and a decode worker, or a colocated one")
         if self.colocated and (self.prefill or self.decode):
@@ -200,18 +208,30 @@ class Simulation:
         w.busy, w.steps = True, w.steps + 1
         for seq in batch.seqs:
             w.reqs[seq.seq_id].timeline.setdefault("prefill_start", self.now)
-        self._push(self.now + self.step_seconds(batch), STEP_DONE, (w, batch))
+        self._push(self.now + self.step_seconds(batch) * self.contention(), STEP_DONE, (w, batch))
+
+    def contention(self) -> float:
+        """How much slower a step runs for the workers stepping now sharing the host's cores."""
+        if not self.dep.host_cores:
+            return 1.0
+        busy = sum(w.busy for w in self.workers.values())
+        return max(1.0, busy * self.dep.threads / self.dep.host_cores)
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
-        """prefill_s(prompt tokens computed) + decode_step_s(decoding seqs, their mean context)."""
-        prompt_tokens = decodes = context = 0
+        """The prompts' chunks, each priced alone by the prefill curve, sharing one step's
+        fixed cost (the curve at 0 tokens): prefill_s(0) + sum(prefill_s(n) - prefill_s(0));
+        plus decode_step_s(decoding seqs, their mean context)."""
+        chunks, decodes, context = [], 0, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 decodes += 1
                 context += seq.num_computed_tokens + 1
             else:
-                prompt_tokens += n
-        step = self.model.prefill_s(prompt_tokens)
+                chunks.append(n)
+        step = 0.0
+        if chunks:
+            fixed = self.model.prefill(0)
+            step = fixed + sum(max(0.0, self.model.prefill_s(n) - fixed) for n in chunks)
         return step + (self.model.decode_step_s(decodes, context / decodes) if decodes else 0.0)
 
     def _step_done(self, item: tuple[SimWorker, ScheduledBatch]) -> None:

@@ -134,3 +134,63 @@ def test_bad_deployment_is_refused(tmp_path, capsys):
                    "--prefill", "0", "--decode", "1", "--out", str(tmp_path / "x.json")])
     assert rc != 0 and not (tmp_path / "x.json").exists()
     assert "prefill and a decode worker" in capsys.readouterr().err
+
+
+def test_workers_sharing_cores_stretch_steps():
+    # 2P+1D on 1 core, 1 thread each. A and B (1 block, 3 out) at t=0 go to P0 and P1.
+    # P0 starts A alone (x1): [0, .1]; P1 starts B while P0 steps (2 busy / 1 core, x2):
+    # [0, .2]. A's KV lands .112 (first token); D's steps start while P1 still steps (x2):
+    # A's tokens at .112, .132, .152. B's KV lands .2 + .012 = .212: its first token.
+    # Without host_cores both prefills end at .1 and B's first token is at .112.
+    ids_a, ids_b = list(range(100, 116)), list(range(200, 216))
+    sim = _sim(Deployment(2, 1, host_cores=1))
+    a, b = sim.run([(0.0, ids_a, 3), (0.0, ids_b, 3)])
+    assert a.prefill.worker_id != b.prefill.worker_id
+    assert a.record.token_times == pytest.approx([0.112, 0.132, 0.152], abs=1e-9)
+    assert b.record.ttft == pytest.approx(0.212, abs=1e-9)
+    a, b = _sim(Deployment(2, 1)).run([(0.0, ids_a, 3), (0.0, ids_b, 3)])
+    assert b.record.ttft == pytest.approx(0.112, abs=1e-9)
+
+
+def test_threads_within_the_cores_do_not_stretch():
+    # One colocated worker of 2 threads on 2 cores: x1, as if it had the host to itself.
+    (r,) = _sim(Deployment(0, 0, 1, threads=2, host_cores=2)).run([(0.0, list(range(100, 116)), 2)])
+    assert r.record.token_times == pytest.approx([0.1, 0.11], abs=1e-9)
+    with pytest.raises(ValueError, match="threads"):
+        Deployment(1, 1, threads=0)
+
+
+def test_cli_host_cores_stretch_the_run(tmp_path):
+    _model(tmp_path)
+    # 2 threads a worker on 1 core: every step takes twice its time (more while two step);
+    # the median request's prefill 100 -> 200 ms, its transfer (no step) 12 ms either way
+    ttft = []
+    for flags in ([], ["--threads", "2", "--host-cores", "1"]):
+        out = tmp_path / f"sim{len(flags)}.json"
+        rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
+                       "--prefill", "1", "--decode", "2", "--duration-s", "4", "--out", str(out), *flags])
+        assert rc == 0
+        ttft.append(json.loads(out.read_text())["median_ttft_ms"])
+    assert ttft == pytest.approx([112.0, 212.0])
+    rc = cli.main(["simulate", "--trace", str(_trace(tmp_path)), "--latency-model", str(tmp_path / "lm.json"),
+                   "--threads", "0", "--out", str(tmp_path / "x.json")])
+    assert rc != 0 and not (tmp_path / "x.json").exists()
+
+
+def test_a_step_of_several_prompts_prices_each_and_its_fixed_cost_once():
+    # C (16 tokens) at t=0 holds the colocated worker; A and B arrive during its step and
+    # share the next. Prefill curve 20 ms + 1 ms/token (fixed cost 20 ms): C [0, .036];
+    # A (16) + B (32) together 20 + 16 + 32 = 68 ms: both first tokens at .104.
+    m = LatencyModel(Curve(((16, 0.036), (32, 0.052))), DecodeFit(0.01, 0.0, 0.0), Curve(((1, 0.0), (2, 0.0))))
+    sim = Simulation(Deployment(0, 0, 1), m, RouterConfig(model_dir="simulated", block_size=BLOCK))
+    c, a, b = sim.run([(0.0, list(range(300, 316)), 1), (0.001, list(range(100, 116)), 1),
+                       (0.001, list(range(200, 232)), 1)])
+    assert [r.record.token_times[0] for r in (c, a, b)] == pytest.approx([0.036, 0.104, 0.104])
+    # superlinear curve (0: 0 s, 16: 16 ms, 32: 48 ms): A and B of 16 tokens each share a
+    # step of 32 ms, not the 48 ms of one 32-token prompt: both at .016 + .032 = .048
+    m = LatencyModel(Curve(((0, 0.0), (16, 0.016), (32, 0.048))), DecodeFit(0.01, 0.0, 0.0),
+                     Curve(((1, 0.0), (2, 0.0))))
+    sim = Simulation(Deployment(0, 0, 1), m, RouterConfig(model_dir="simulated", block_size=BLOCK))
+    c, a, b = sim.run([(0.0, list(range(300, 316)), 1), (0.001, list(range(100, 116)), 1),
+                       (0.001, list(range(200, 216)), 1)])
+    assert [r.record.token_times[0] for r in (c, a, b)] == pytest.approx([0.016, 0.048, 0.048])

@@ -1,0 +1,79 @@
+"""The simulator's pick of a split against the best measured one, on the same trace:
+every fixed split of benchmarks/planner_vs_fixed.py (colocated x1 on 2 threads, 1P+1D on 1
+thread each) simulated on that run's trace with the latency model profiled for its layout
+(benchmarks/simulate_validate.py's JSON holds one per layout), judged under the same SLOs,
+ranked by goodput then attainment, beside the measured ranking.
+
+    python benchmarks/simulated_split_pick.py --measured DIR/planner_vs_fixed.json
+        --models VALIDATE.json [--out DIR/simulated_split_pick.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from planner_vs_fixed import SCALE, judge  # noqa: E402
+from servers import MAX_BATCHED, MAX_NUM_SEQS  # noqa: E402
+from simulate_validate import KV_BLOCKS, LAYOUTS  # noqa: E402
+
+from common.config import ModelConfig, SchedulerConfig  # noqa: E402
+from router.bench.workloads import mooncake_workload  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.latency_model import LatencyModel  # noqa: E402
+from router.simulate.sim import Deployment, Simulation  # noqa: E402
+
+
+def simulate(cfg: str, model: LatencyModel, reqs: list) -> tuple[list, float]:
+    p, d, c, threads = LAYOUTS[cfg]
+    dep = Deployment(p, d, c, KV_BLOCKS, SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED),
+                     threads=threads, host_cores=os.cpu_count() or 1)
+    done = Simulation(dep, model, RouterConfig(model_dir="simulated")).run(
+        [(r.arrival, r.prompt_token_ids, r.output_len) for r in reqs])
+    records = [r.record for r in done]
+    span = max(t for r in records for t in r.token_times[-1:]) - min(r.send_time for r in records)
+    return records, span
+
+
+def best(figs: dict[str, dict]) -> str:
+    """The config with the most goodput, then attainment."""
+    return max(figs, key=lambda c: (figs[c]["goodput_req_s"], figs[c]["attainment"]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--measured", required=True, help="planner_vs_fixed.json")
+    ap.add_argument("--models", required=True, help="simulate_validate.json (its per-layout latency models)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    measured = json.loads(Path(a.measured).read_text())
+    models = json.loads(Path(a.models).read_text())["deployments"]
+    cfg = measured["config"]
+    reqs = mooncake_workload(measured["trace"]["path"], measured["trace"]["requests"], SCALE,
+                             ModelConfig.from_dir(cfg["model"]).vocab_size, seed=cfg["seed"])
+    sends = [r.arrival for r in reqs]
+    runs = {c: simulate(c, LatencyModel.from_json(models[c]["latency_model"]), reqs) for c in ("colocated", "1p1d")}
+    out: dict = {"measured": a.measured, "models": a.models, "regimes": {}}
+    for regime, slo in measured["slos_ms"].items():
+        sim = {c: {k: v for k, v in judge(recs, sends, span, tuple(slo), cfg["window_s"]).items() if k != "windows"}
+               for c, (recs, span) in runs.items()}
+        meas = {c: {k: measured["results"][regime][c][k] for k in ("attainment", "goodput_req_s")} for c in runs}
+        out["regimes"][regime] = {"slo_ms": slo, "simulated": sim, "measured": meas,
+                                  "simulated_pick": best(sim), "measured_best": best(meas)}
+        print(f"{regime}: simulated pick {best(sim)}, measured best {best(meas)}; "
+              + "; ".join(f"{c}: sim {sim[c]['attainment']:.0%} / {sim[c]['goodput_req_s']:.2f} req/s, meas "
+                          f"{meas[c]['attainment']:.0%} / {meas[c]['goodput_req_s']:.2f} req/s" for c in runs))
+    path = Path(a.out or Path(a.measured).with_name("simulated_split_pick.json"))
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
