@@ -115,6 +115,10 @@ class Hosts:
         sh(*self.inside("hub"), "ip", "link", "set", self.links[name] + "h", "down")
         self._kill_all(f"{self.prefix}{name}")
 
+    def reconnect(self, name: str) -> None:
+        """Host `name`'s cable is plugged in again (after `kill`: a host that rebooted)."""
+        sh(*self.inside("hub"), "ip", "link", "set", self.links[name] + "h", "up")
+
     def _kill_all(self, ns: str) -> None:
         for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
             try:
@@ -141,19 +145,26 @@ class Hosts:
         return self.prefix in sh("ip", "netns", "list").stdout
 
 
+def start_router(hosts: Hosts, model: str, address: str, log: Path, common: list[str],
+                 router_flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`pdserve router` in host "router", at `address` and the fixed ports."""
+    return hosts.run("router", [*CLI, "router", model, "--host", address, "--http-port", str(HTTP), "--zmq-port",
+                                str(ZMQ), "--control-port", str(CONTROL), *common, *router_flags], log)
+
+
 def start_cluster(hosts: Hosts, model: str, addr: dict[str, str], workers: dict[str, str], logs: Path,
-                  common: list[str], router_flags: tuple[str, ...] = (),
-                  worker_flags: tuple[str, ...] = ()) -> dict[str, subprocess.Popen]:
+                  common: list[str], router_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
+                  own_flags: dict[str, tuple[str, ...]] | None = None) -> dict[str, subprocess.Popen]:
     """`pdserve router` in host "router" and one `pdserve worker --join` per entry of
-    `workers` (host name -> role; the host name is its worker id), each logging to
-    logs/<host>.log; returns host name -> process."""
-    procs = {"router": hosts.run("router", [*CLI, "router", model, "--host", addr["router"], "--http-port", str(HTTP),
-                                            "--zmq-port", str(ZMQ), "--control-port", str(CONTROL), *common,
-                                            *router_flags], logs / "router.log")}
+    `workers` (host name -> role; the host name is its worker id; `own_flags`: flags of
+    that worker alone, after the others), each logging to logs/<host>.log; returns host
+    name -> process."""
+    procs = {"router": start_router(hosts, model, addr["router"], logs / "router.log", common, router_flags)}
     join = f"tcp://{addr['router']}:{CONTROL}"
     for name, role in workers.items():
         procs[name] = hosts.run(name, [*CLI, "worker", model, "--role", role, "--join", join, "--host", addr[name],
-                                       "--port", str(WORKER), "--worker-id", name, *common, *worker_flags],
+                                       "--port", str(WORKER), "--worker-id", name, *common, *worker_flags,
+                                       *(own_flags or {}).get(name, ())],
                                 logs / f"{name}.log")
     return procs
 
