@@ -52,13 +52,15 @@ class WorkerBase:
         self.server = Server(self.ctx, worker_config.bind, key=self.key)
         self.poller = zmq.Poller()
         self.poller.register(self.server.sock, zmq.POLLIN)
-        # watched: a router that fails our handshake holds another secret (or --curve), so no hello would land;
-        # pinged: a router whose host died is noticed within router_timeout_s (common/worker/router_link.py)
+        # watched: a router that fails our handshake holds another secret (or --curve), so no hello would land.
+        # A joined worker (no router pid to watch) pings its router instead: one whose host died is
+        # noticed within router_timeout_s (common/worker/router_link.py)
+        joined = bool(worker_config.report_to) and worker_config.router_pid <= 0
+        self.pings = (worker_config.heartbeat_s, worker_config.router_timeout_s) if joined else None
         self.reporter = Client(self.ctx, worker_config.report_to, key=self.key, watch_handshakes=True,
-                               heartbeat=(worker_config.heartbeat_s, worker_config.router_timeout_s)
-                               ) if worker_config.report_to else None
+                               heartbeat=self.pings) if worker_config.report_to else None
         self.router_link = RouterLink(worker_config.router_timeout_s, worker_config.rejoin_timeout_s,
-                                      clock.monotonic())
+                                      clock.monotonic()) if joined else None
         self.counters: dict[str, int] = {}
         self._stop = False
         self._closed = threading.Event()
@@ -218,7 +220,8 @@ class WorkerBase:
             why = self.reporter.handshakes.poll()
             if why is not None:
                 raise ConfigError(f"cannot join the router at {self.wconfig.report_to}: {why}")
-            self._watch_router(now)
+            if self.router_link is not None:
+                self._watch_router(now)
             status = self.status(with_events=True)
             self.reporter.send_or_drop(status)
             self._last_status = dataclasses.replace(status, kv_stored=[], kv_evicted=[])
@@ -226,7 +229,7 @@ class WorkerBase:
     def _watch_router(self, now: float) -> None:
         """Act on the router's reachability (common/worker/router_link.py); RouterLost
         when no router came back within rejoin_timeout_s."""
-        assert self.reporter is not None and self.reporter.handshakes is not None
+        assert self.reporter is not None and self.reporter.handshakes is not None and self.router_link is not None
         cfg, watch = self.wconfig, self.reporter.handshakes
         action = self.router_link.observe(watch.connected, watch.handshakes, now)
         if action == "back":
@@ -250,8 +253,7 @@ class WorkerBase:
         says hello again every router_timeout_s instead: a restarted router registers it.
         It has its own socket: ZeroMQ sockets are not shared between threads."""
         cfg = self.wconfig
-        sock = Client(self.ctx, cfg.report_to, key=self.key, heartbeat=(cfg.heartbeat_s, cfg.router_timeout_s)
-                      ) if cfg.report_to else None
+        sock = Client(self.ctx, cfg.report_to, key=self.key, heartbeat=self.pings) if cfg.report_to else None
         tick = min(cfg.heartbeat_s, cfg.router_timeout_s / 2)
         hello = self.hello() if sock is not None and cfg.router_pid <= 0 else None
         last_hello = self.clock.monotonic()
