@@ -31,8 +31,8 @@ QUITTER = "x"  # a prefill worker that waits less than the router's restart take
 TEXTS = ["Hello there", "The router died and came back"]
 MAX_TOKENS = 8
 LONG_TOKENS = 200  # the streams in flight when the router dies: ~20 s at d's pace, so only an abort frees them soon
-ROUTER_TIMEOUT_S, REJOIN_TIMEOUT_S, QUITTER_REJOIN_S = 1, 90, 2  # 90: a router's start on a loaded machine
-ROUTER_FLAGS = ("--stale-after", "2", "--num-threads", "1", "--max-model-len", "256")
+ROUTER_TIMEOUT_S, REJOIN_TIMEOUT_S, QUITTER_REJOIN_S = 3, 120, 2  # 120: a router starts slowly on a loaded machine
+ROUTER_FLAGS = ("--stale-after", "5", "--num-threads", "1", "--max-model-len", "256")
 WORKER_FLAGS = ("--heartbeat", "0.25", "--router-timeout", str(ROUTER_TIMEOUT_S), "--rejoin-timeout",
                 str(REJOIN_TIMEOUT_S), "--num-threads", "1", "--max-model-len", "256")
 FAULTS = "delay_step_ms=100@d"  # d's streams outlast the router
@@ -73,7 +73,7 @@ def blocks():
     return {w: (gauges.get(("free", w)), gauges.get(("total", w))) for w in ("p", "d")}
 
 live = lambda: json.loads(get("/health"))["workers"] == {"prefill": prefill, "decode": 1, "colocated": 0}
-wait(live, f"waiting for {prefill} prefill and 1 decode worker", 180)
+wait(live, f"waiting for {prefill} prefill and 1 decode worker", 300)
 outs = []
 for ids in prompts:
     with complete(ids, max_tokens) as r:
