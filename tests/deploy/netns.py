@@ -43,6 +43,41 @@ print(json.dumps({"token_ids": outs, "metrics": metrics}))
 """
 
 
+# The start of a client script run inside a namespace: `base` (the router's URL) is set by
+# the script after it; get(path) -> body bytes (an error status's too), wait(test, what,
+# timeout) -> whether `test()` came true in time (else it prints "timeout WHAT"), and
+# free_blocks(names) -> worker id -> (free, total) blocks as /metrics shows them.
+CLIENT_PRELUDE = r"""
+import json, re, sys, time, urllib.request, urllib.error
+
+def get(path):
+    try:
+        with urllib.request.urlopen(base + path, timeout=5) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        return e.read()
+
+def wait(test, what, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if test():
+                return True
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            print(f"timeout {what}", flush=True)
+            return False
+        time.sleep(0.3)
+
+def free_blocks(names):
+    text = get("/metrics").decode()
+    gauges = {(m[1], m[2]): float(m[3]) for m in re.finditer(
+        r'^pdserve_worker_(free|total)_blocks\{(?:role="\w+",)?worker_id="(\w+)"[^}]*\} ([\d.e+-]+)$', text, re.M)}
+    return {w: (gauges.get(("free", w)), gauges.get(("total", w))) for w in names}
+"""
+
+
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, check=check)
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from common.text.tokenizer import Tokenizer
 from common.worker.router_link import EXIT_ROUTER_LOST
-from tests.deploy.netns import HTTP, Hosts, read_logs, start_cluster, start_router, tails, write_secret
+from tests.deploy.netns import (CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, start_router, tails,
+                                write_secret)
 from tests.helpers import one_torch_thread
 
 WORKERS = {"p": "prefill", "d": "decode"}
@@ -37,43 +38,19 @@ WORKER_FLAGS = ("--heartbeat", "0.25", "--router-timeout", str(ROUTER_TIMEOUT_S)
                 str(REJOIN_TIMEOUT_S), "--num-threads", "1", "--max-model-len", "256")
 FAULTS = "delay_step_ms=100@d"  # d's streams outlast the router
 
-CLIENT = r"""
-import json, re, sys, threading, time, urllib.request, urllib.error
+CLIENT = CLIENT_PRELUDE + r"""
+import threading
 base, model, prompts, max_tokens, mode = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 prefill = 2 if mode == "stream" else 1  # p and x, then p alone
-
-def get(path):
-    try:
-        with urllib.request.urlopen(base + path, timeout=5) as r:
-            return r.read()
-    except urllib.error.HTTPError as e:
-        return e.read()
-
-def wait(test, what, timeout):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if test():
-                return
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"timeout {what}")
-        time.sleep(0.2)
 
 def complete(ids, n, stream=False):
     body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": stream, "stream": stream}
     req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
     return urllib.request.urlopen(req, timeout=60)
 
-def blocks():
-    text = get("/metrics").decode()
-    gauges = {(m[1], m[2]): float(m[3]) for m in re.finditer(
-        r'^pdserve_worker_(free|total)_blocks\{(?:role="\w+",)?worker_id="(\w+)"[^}]*\} ([\d.e+-]+)$', text, re.M)}
-    return {w: (gauges.get(("free", w)), gauges.get(("total", w))) for w in ("p", "d")}
-
 live = lambda: json.loads(get("/health"))["workers"] == {"prefill": prefill, "decode": 1, "colocated": 0}
-wait(live, f"waiting for {prefill} prefill and 1 decode worker", 300)
+if not wait(live, f"waiting for {prefill} prefill and 1 decode worker", 300):
+    sys.exit("the router never had its workers")
 outs = []
 for ids in prompts:
     with complete(ids, max_tokens) as r:
@@ -83,8 +60,10 @@ if mode == "stream":  # two long streams, left running: this host dies under the
     started = threading.Semaphore(0)
     def stream(ids):
         with complete(ids, int(sys.argv[6]), stream=True) as r:
+            first = True
             for line in r:
-                if line.startswith(b"data: {"):
+                if first and line.startswith(b"data: {"):  # its first token: it runs on d
+                    first = False
                     started.release()
     for ids in prompts:
         threading.Thread(target=stream, args=(ids,), daemon=True).start()
@@ -92,9 +71,10 @@ if mode == "stream":  # two long streams, left running: this host dies under the
         started.acquire()
     print("streaming", flush=True)
     time.sleep(600)
-baseline = lambda: all(f is not None and f == t for f, t in blocks().values())
-wait(baseline, "waiting for every block of p and d to be free", 30)
-print("final " + json.dumps({"health": json.loads(get("/health")), "blocks": blocks()}), flush=True)
+baseline = lambda: all(f is not None and f == t for f, t in free_blocks(["p", "d"]).values())
+if not wait(baseline, "waiting for every block of p and d to be free", 30):
+    sys.exit("blocks held on p or d")
+print("final " + json.dumps({"health": json.loads(get("/health")), "blocks": free_blocks(["p", "d"])}), flush=True)
 """
 
 
