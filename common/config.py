@@ -392,7 +392,12 @@ class WorkerConfig:
     # (a joined worker: it re-sends its hello every router_timeout_s until a router registers it)
     router_pid: int = 0
     router_timeout_s: float = option(3.0, "how often (s) a worker checks its router; it exits within this "
-                                          "after the router")
+                                          "after a router it watches by pid; a joined worker closes a silent "
+                                          "connection to its router after this, and gives up the router's "
+                                          "requests after this much more")
+    rejoin_timeout_s: float = option(300.0, "how long (s) a joined worker waits for a router it cannot reach "
+                                            "(a restarted one at the same address registers it) before it "
+                                            "exits with code 3")
     lease_s: float = option(30.0, "a decode worker gives up a reservation whose KV has not landed after "
                                   "this long (s)")
     drain_s: float = option(10.0, "SIGTERM: how long (s) a worker's running requests may finish before it exits")
@@ -406,7 +411,7 @@ class WorkerConfig:
         if self.kv_transfer in ("gloo", "nccl") and self.role != "colocated":
             if not self.dist_init or self.rank < 0 or self.world_size < 2:
                 raise ConfigError(f"kv transfer {self.kv_transfer!r} needs dist_init, rank and world_size >= 2")
-        for name in ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s"):
+        for name in ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "rejoin_timeout_s", "lease_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 

@@ -372,6 +372,14 @@ class DecodeWorker(WorkerBase):
             peer.client.send(AbortRequest(req.request_id))
         self.end(req, State.ABORTED, fenced=not writing)
 
+    def on_router_lost(self) -> int:
+        """Every request here came from the router: each is aborted as if its client left
+        (blocks freed once its prefill worker is fenced)."""
+        live = list(self.requests.in_state(State.PENDING, State.RESERVED, State.RECEIVING, State.RUNNING))
+        for req in live:
+            self.abort(req)
+        return len(live)
+
     def abort_choice(self, req: DecodeRequest, index: int) -> None:
         """One choice of a running request ends (the router matched a stop string in it):
         its sequence is released; the request goes on while other choices do."""

@@ -31,6 +31,7 @@ ROUTER_DEST = "router_"
 FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice",  # where config_flag()'s
          "planner_interval_s": "--planner-interval-s", "planner_cooldown_s": "--planner-cooldown-s"}  # rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
+JOIN_WORKER_FIELDS = (*SERVE_WORKER_FIELDS, "rejoin_timeout_s")  # a joined worker outlives its router
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
     "": ("host", "http_port", "zmq_port", "routing", "curve"),
     "tls": ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "zmq_curve"),
@@ -284,6 +285,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from common.worker.spec import WorkerSpec
     from common.worker.host import pair_transport
+    from common.worker.router_link import EXIT_ROUTER_LOST, RouterLost
     from common.wire.curve import resolve as resolve_curve
     from common.wire.transport import is_endpoint
     if not is_endpoint(args.join) or not args.join.startswith("tcp://"):
@@ -305,7 +307,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from prefill_node.worker import serve
     else:
         from decode_node.worker import serve
-    serve(spec.engine_config(), spec.worker)
+    try:
+        serve(spec.engine_config(), spec.worker)
+    except RouterLost:  # the worker has logged why
+        return EXIT_ROUTER_LOST
     return 0
 
 
@@ -427,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CurveZMQ encryption of this worker's sockets; it must match the router's "
                         "(auto: on, as a joined worker's secret comes from a file)")
     worker = options_of(WorkerConfig)
-    add_config_flags(p.add_argument_group("liveness"), [worker[name] for name in SERVE_WORKER_FIELDS], WORKER_DEST)
+    add_config_flags(p.add_argument_group("liveness"), [worker[name] for name in JOIN_WORKER_FIELDS], WORKER_DEST)
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)
 

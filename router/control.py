@@ -39,13 +39,15 @@ PREFILL_SEND_LINGER_MS = 2000  # how long a one-off socket to a prefill worker m
 
 @dataclass
 class Departed:
-    """A worker that left a pool (shown by `pools` until it is replaced or forgotten)."""
+    """A worker that left a pool, or never joined it (shown by `pools` until it is replaced
+    or forgotten)."""
 
     worker_id: str
     role: str
     exit_code: int | None
     managed: bool
     routed: int = 0  # requests it was routed while in the pool
+    reason: str = ""  # why its launcher gave up starting it (state "failed")
 
 
 class ControlPlane(Background):
@@ -109,8 +111,7 @@ class ControlPlane(Background):
         started = []
         for _ in range(count):
             wid = self.launcher.spawn(role, "", engine)
-            self.starting[wid] = (role, self.clock.monotonic())
-            self.departed.pop(wid, None)
+            self._starting(wid, role)
             started.append(wid)
         return self.reply(True, f"starting {count} {role} worker(s): {', '.join(started)}; each takes "
                                 f"requests once it has registered", started)
@@ -147,7 +148,8 @@ class ControlPlane(Background):
                           self._owns(e.worker_id)) for e in self.router.registry.workers.values()]
         out += [PoolWorker(w, role, "starting", managed=True) for w, (role, _) in self.starting.items()
                 if w not in self.router.registry.workers]
-        out += [PoolWorker(d.worker_id, d.role, "exited", routed=d.routed, managed=d.managed, exit_code=d.exit_code)
+        out += [PoolWorker(d.worker_id, d.role, "failed" if d.reason else "exited", routed=d.routed, managed=d.managed,
+                           exit_code=d.exit_code, reason=d.reason)
                 for d in self.departed.values() if d.worker_id not in self.router.registry.workers]
         return sorted(out, key=lambda w: (ROLES.index(w.role) if w.role in ROLES else 9, w.worker_id))
 
@@ -237,8 +239,29 @@ class ControlPlane(Background):
         if wid in self.next_role and self.launcher is not None:
             role, engine = self.next_role.pop(wid)
             self.launcher.spawn(role, wid, engine)
-            self.starting[wid] = (role, self.clock.monotonic())
-            self.departed.pop(wid, None)
+            self._starting(wid, role)
+
+    def _starting(self, worker_id: str, role: str) -> None:
+        self.starting[worker_id] = (role, self.clock.monotonic())
+        self.departed.pop(worker_id, None)
+        self.router.failed.pop(worker_id, None)
+
+    def registered(self, worker_id: str) -> bool:
+        """Whether `worker_id` is registered and alive (a launcher's start succeeded)."""
+        entry = self.router.registry.workers.get(worker_id)
+        return entry is not None and entry.alive
+
+    def worker_failed(self, worker_id: str, role: str, why: str) -> None:
+        """The launcher gave up starting `worker_id` (and ended it for good): `pools` and
+        /health show it failed, saying `why`, until a worker of that id starts again."""
+        self.starting.pop(worker_id, None)
+        entry = self.router.registry.workers.get(worker_id)
+        self.next_role.pop(worker_id, None)
+        if entry is not None:  # it served once, then kept failing to come back
+            self.retire(entry, None)
+        self.departed[worker_id] = Departed(worker_id, role, None, True, reason=why)
+        self.router.failed[worker_id] = (role, why)
+        print(f"router: {role} worker {worker_id} failed: {why}", file=sys.stderr, flush=True)
 
 
 def _check_role(role: str) -> None:

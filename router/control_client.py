@@ -117,7 +117,7 @@ def format_pools(workers: list[PoolWorker]) -> str:
     for w in workers:
         state = w.state if w.exit_code is None else f"{w.state} ({w.exit_code})"
         rows.append((w.worker_id, w.role, state, str(w.inflight), str(w.routed),
-                     "router" if w.managed else "joined", w.address))
+                     "router" if w.managed else "joined", w.address or w.reason))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows)
 

@@ -82,6 +82,7 @@ class Router:
         self._by_wire: dict[str, InFlight] = {}  # attempt id -> request (router/recovery.py)
         self._tasks: list[asyncio.Task] = []
         self.control_api: Callable[[bytes, object], None] | None = None  # router/control.py: pool requests
+        self.failed: dict[str, tuple[str, str]] = {}  # worker id -> (role, why): its launcher gave up starting it
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:

@@ -166,7 +166,10 @@ class OpenAIServer:
         dead = sorted(e.worker_id for e in reg.workers.values() if not e.alive)  # docs/reliability.md
         pools = {e.worker_id: {"role": e.role, "state": e.state if e.alive else "dead", "inflight": e.inflight,
                                "routed": e.routed} for e in reg.workers.values()}  # docs/deploy.md
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead, "pools": pools},
+        failed = {w: {"role": role, "state": "failed", "reason": why} for w, (role, why) in self.router.failed.items()
+                  if w not in pools}  # its launcher gave up starting it (router/ray_launch.py)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead,
+                             "failed": sorted(failed), "pools": {**pools, **failed}},
                             status_code=200 if ok else 503)
 
     async def metrics(self) -> Response:

@@ -11,10 +11,12 @@ launch.py runs), writing the spec into the worker's stdin: the secret is never o
 so an actor killed at any moment leaves none behind.
 
 The worker watches its actor as its parent (WorkerConfig.router_pid): when Ray kills the
-actor, or loses its node, the worker stops. When the worker fails (exits with a code other
-than 0) the actor exits too, so that Ray restarts both. A worker that exits with code 0 was
-drained (the router shrank its pool, router/control.py): the actor stays, says so through
-`exit_code`, and the driver ends it for good (router/ray_launch.py's RayPool)."""
+actor, or loses its node, the worker stops. When the worker exits, the actor stays and
+says so through `exit_code`; the driver decides (router/ray_launch.py's RayPool): a
+worker drained by the router (code 0) has its actor ended for good; a failed one has its
+actor killed for Ray to restart both -- unless it keeps failing before it registers,
+then it is ended for good and reported failed. A worker that exits before it is ready
+fails this actor's creation (Ray does not restart that): the driver reports it failed."""
 from __future__ import annotations
 
 import contextlib
@@ -88,19 +90,13 @@ class WorkerActor:
 
     def _watch(self) -> None:
         code = self.proc.wait()
-        if self._stopping:
-            return
-        if code == 0:
-            print(f"pdserve: worker {self.worker_id} drained and exited: its actor waits for the driver to end it",
-                  file=sys.stderr, flush=True)
-            return
-        print(f"pdserve: worker {self.worker_id} exited with code {code}: its actor exits, and Ray starts "
-              f"both again", file=sys.stderr, flush=True)
-        os._exit(1)  # an actor's unexpected exit is what Ray restarts
+        if not self._stopping:
+            print(f"pdserve: worker {self.worker_id} exited with code {code}: its actor waits for the driver "
+                  f"(it ends it, or has Ray start both again)", file=sys.stderr, flush=True)
 
     def exit_code(self) -> int | None:
-        """The worker's exit code once it has exited (code 0: drained; this actor stays
-        until the driver ends it), else None."""
+        """The worker's exit code once it has exited (this actor stays until the driver
+        ends or restarts it), else None."""
         return self.proc.poll()
 
     def info(self) -> dict:

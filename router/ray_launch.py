@@ -40,6 +40,7 @@ from router.background import Background
 READY_TIMEOUT_S = 300.0  # placement (a node may still be joining) plus the model's load
 POLL_S = 0.5  # how often RayPool asks the actors whether their worker exited
 NAME_FREE_S = 10.0  # how long an ended actor's name may take to be free again
+MAX_FAILED_STARTS = 3  # a worker that exits this many times in a row without registering is failed
 
 
 def import_ray() -> Any:
@@ -236,14 +237,24 @@ class RayPool(Background):
     stopped one drains and its actor ends for good. It owns every worker of the deployment.
 
     Its watch, on the router's loop (`watching(control)`, then `start`), asks each actor
-    whether its worker has exited. A worker that exited with code 0 (router/ray_actor.py:
-    its actor stays) and that the router let go has its actor ended for good -- Ray does
-    not restart it -- and is reported to the control plane with its exit code; one that
-    exited 0 unasked has its actor ended so that Ray restarts both, as for a failure."""
+    whether its worker has exited (router/ray_actor.py: the actor stays). A worker that
+    the router let go has its actor ended for good -- Ray does not restart it -- and is
+    reported to the control plane with its exit code; one that exited unasked has its
+    actor killed so that Ray restarts both. Starts are bounded: a worker that exits
+    `max_failed_starts` times in a row without registering, whose actor could not be
+    created (its worker exited before it was ready), or that has not registered within
+    `start_timeout_s` of its start, has its actor ended for good and is reported failed,
+    with the reason (`pdserve pools`, /health)."""
 
-    def __init__(self, launcher: RayLauncher, stop_timeout_s: float = 15.0) -> None:
+    def __init__(self, launcher: RayLauncher, stop_timeout_s: float = 15.0,
+                 max_failed_starts: int = MAX_FAILED_STARTS) -> None:
         self.launcher = launcher
         self.stop_timeout_s = stop_timeout_s
+        self.max_failed_starts = max_failed_starts
+        self.start_timeout_s = launcher.ready_timeout_s
+        self.failed_starts: dict[str, int] = {}  # worker -> exits in a row without registering
+        self.waiting: dict[str, float] = {}  # never-registered worker -> when the watch first saw it (monotonic s)
+        self._joined: set[str] = set()  # workers that registered since they were started
         self.control: Any = None  # router/control.py's ControlPlane: worker_exited, leaving
         self.names: set[str] = set()  # every worker it started (the deployment's: in launcher.workers)
         self._ended: queue.SimpleQueue[tuple[RayWorker, int | None]] = queue.SimpleQueue()
@@ -284,11 +295,18 @@ class RayPool(Background):
                 print(f"pdserve: watching the Ray workers: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     async def tick(self) -> None:
-        """End the actors of the workers that exited; report those the router let go."""
-        for handle, code in await asyncio.to_thread(self.exited):
+        """End the actors of the workers that exited; report those the router let go, and
+        those whose starts failed."""
+        for handle, why in self._overdue():
+            await self._fail(handle, why)
+        for handle, code, why in await asyncio.to_thread(self.exited):
             if handle.name in self._stopping:
                 continue  # its `stop` ends it and reports it
             leaving = self.control.leaving(handle.name)
+            why = why or (None if leaving else self._failed_start(handle.name, code))
+            if why is not None:
+                await self._fail(handle, why)
+                continue
             await asyncio.to_thread(self._kill, handle, leaving)
             if leaving:
                 self._ended.put((handle, code))
@@ -299,9 +317,53 @@ class RayPool(Background):
                 self.launcher.workers.remove(handle)  # first: a role change starts one under its name
             self.control.worker_exited(handle.name, code)
 
-    def exited(self) -> list[tuple[RayWorker, int]]:
-        """The workers whose process has exited while their actor stays, as far as their
-        actors have answered (one starting or restarting is asked again later)."""
+    def _overdue(self) -> list[tuple[RayWorker, str]]:
+        """Follow who has registered; the workers never registered within start_timeout_s
+        of their start, with why they fail."""
+        now, out = time.monotonic(), []
+        for h in list(self.launcher.workers):
+            if self.control.registered(h.name):
+                self._joined.add(h.name)
+                self.failed_starts.pop(h.name, None)
+                self.waiting.pop(h.name, None)
+            elif h.name not in self._joined and h.name not in self._stopping:
+                since = self.waiting.setdefault(h.name, now)
+                if now - since > self.start_timeout_s:
+                    out.append((h, f"not registered within {self.start_timeout_s:.0f} s of its start (does a Ray "
+                                   f"node have {self.placement_of(h) or 'its resources'}? `ray status` shows them)"))
+        return out
+
+    def placement_of(self, handle: RayWorker) -> dict[str, float]:
+        return self.launcher.placement.resources.get(handle.role, {})
+
+    def _failed_start(self, name: str, code: int | None) -> str | None:
+        """Count a failure (exit code != 0) of a worker not registered since its start;
+        why it fails for good once there were max_failed_starts in a row, else None."""
+        if code in (None, 0) or self.control.registered(name):
+            return None
+        self._joined.discard(name)  # its next start must register again
+        n = self.failed_starts[name] = self.failed_starts.get(name, 0) + 1
+        if n < self.max_failed_starts:
+            return None
+        return (f"exited with code {code} before registering, {n} times in a row (its actor's Ray log has its "
+                f"output)")
+
+    async def _fail(self, handle: RayWorker, why: str) -> None:
+        """End `handle`'s actor for good and report it failed."""
+        print(f"pdserve: worker {handle.name} failed: {why}: its actor ends", file=sys.stderr, flush=True)
+        await asyncio.to_thread(self.launcher.kill, handle)
+        if handle in self.launcher.workers:
+            self.launcher.workers.remove(handle)
+        self._polls.pop(handle.name, None)
+        self.waiting.pop(handle.name, None)
+        self.failed_starts.pop(handle.name, None)
+        self._joined.discard(handle.name)
+        self.control.worker_failed(handle.name, handle.role, why)
+
+    def exited(self) -> list[tuple[RayWorker, int | None, str | None]]:
+        """The workers whose process has exited while their actor stays, with its code,
+        as far as their actors have answered (one starting or restarting is asked again
+        later); and those whose actor could not be created, with why (code None)."""
         ray = self.launcher.ray
         for h in list(self.launcher.workers):
             if h.name not in self._polls and h.name not in self._stopping:
@@ -317,10 +379,12 @@ class RayPool(Background):
             del self._polls[name]
             try:
                 code = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue  # the actor died: Ray starts it again, or it was ended
+            except ray.exceptions.RayError as e:
+                if getattr(e, "actor_init_failed", False):  # Ray does not restart it
+                    out.append((h, None, _last_line(str(e))))
+                continue  # else the actor died: Ray starts it again, or it was ended
             if code is not None:
-                out.append((h, code))
+                out.append((h, code, None))
         return out
 
     def _end(self, handle: RayWorker) -> None:
@@ -349,3 +413,9 @@ class RayPool(Background):
 
     def _handle(self, worker_id: str) -> RayWorker | None:
         return next((h for h in self.launcher.workers if h.name == worker_id), None)
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of an error's text (Ray's carry a traceback first)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text

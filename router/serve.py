@@ -96,8 +96,10 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         if stop.is_set():
             return
         launch.result()  # raises LaunchError with the worker's log tail
+        if dep.ray is not None:  # a worker failing before it registers: restarted by it, or reported failed
+            supervisor.start()
         await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
-        if supervisor is not None:
+        if supervisor is not None and dep.ray is None:
             supervisor.start()
         planner = start_planner(control)
         http_url = "(disabled)"

@@ -111,13 +111,18 @@ def connect_to(sock: zmq.Socket, server_public: bytes) -> None:
 
 class HandshakeWatch:
     """Watches one socket's ZeroMQ handshakes: a peer whose Curve handshake fails holds
-    another secret (or the other --curve setting) -- libzmq drops it without a message."""
+    another secret (or the other --curve setting) -- libzmq drops it without a message.
+    It also follows the connection: `connected` (a handshake succeeded and the connection
+    has not closed since) and `handshakes` (how many have succeeded: each is a new
+    connection, to a peer that may have restarted)."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED))
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | sum(_FAILED))
         self.failures = 0  # in a row, since the last handshake that succeeded
         self.mismatch = False  # the peer runs the other --curve setting (libzmq does not retry then)
+        self.connected = False
+        self.handshakes = 0
         self._why = ""
 
     def poll(self) -> str | None:
@@ -128,6 +133,10 @@ class HandshakeWatch:
             event, value = _event(self.monitor.recv_multipart())
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.failures = 0
+                self.connected = True
+                self.handshakes += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
             elif event in _FAILED:
                 self.failures += 1
                 self.mismatch = self.mismatch or value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH

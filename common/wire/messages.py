@@ -288,7 +288,8 @@ class ClientHeartbeat:
 class PoolWorker:
     """One worker as the router sees it. state: starting (spawned, not registered yet),
     serving, draining (no new requests; its own finish), exiting (told to exit), exited
-    (with `exit_code` where its launcher saw it) or dead (silent or exited unasked)."""
+    (with `exit_code` where its launcher saw it), dead (silent or exited unasked) or failed
+    (its launcher gave up starting it: `reason` says why)."""
     worker_id: str
     role: str
     state: str
@@ -297,6 +298,7 @@ class PoolWorker:
     routed: int = 0  # requests routed to it since it registered
     managed: bool = False  # started by the router's launcher (it can stop and restart it)
     exit_code: int | None = None
+    reason: str = ""  # why it failed (state "failed")
 
 
 @message("pools_request", since=3)

@@ -116,12 +116,21 @@ class Server:
 
 class Client:
     """A DEALER socket connected to one Server; with `watch_handshakes`, the watch on its
-    handshakes (attached before it connects: a failed handshake is not retried)."""
+    handshakes and connection (attached before it connects: a failed handshake is not
+    retried); with `heartbeat` (interval s, timeout s), ZeroMQ pings the peer and closes a
+    connection that stays silent past the timeout (a peer whose host died sends no reset),
+    and gives up a connect attempt unanswered that long (then tries again)."""
 
     def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None,
-                 key: DeploymentKey | None = None, watch_handshakes: bool = False) -> None:
+                 key: DeploymentKey | None = None, watch_handshakes: bool = False,
+                 heartbeat: tuple[float, float] | None = None) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if heartbeat is not None:
+            self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat[0] * 1000)))
+            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat[1] * 1000)))
+            # a connect to a host that drops packets waits out TCP's SYN backoff (minutes) otherwise
+            self.sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, int(heartbeat[1] * 1000)))
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         if key is not None:

@@ -20,6 +20,7 @@ from common.gc_tuning import freeze_startup_heap
 from common.engine.kv_layout import layout_of
 from common.worker.host import local_host_id
 from common.worker.liveness import process_alive
+from common.worker.router_link import RouterLink, RouterLost
 from common.wire.messages import WorkerDrain, WorkerHello, WorkerStatus
 from common.wire.transport import Client, Incoming, Server
 
@@ -51,9 +52,15 @@ class WorkerBase:
         self.server = Server(self.ctx, worker_config.bind, key=self.key)
         self.poller = zmq.Poller()
         self.poller.register(self.server.sock, zmq.POLLIN)
-        # watched: a router that fails our handshake holds another secret (or --curve), so no hello would land
-        self.reporter = Client(self.ctx, worker_config.report_to, key=self.key,
-                               watch_handshakes=True) if worker_config.report_to else None
+        # watched: a router that fails our handshake holds another secret (or --curve), so no hello would land.
+        # A joined worker (no router pid to watch) pings its router instead: one whose host died is
+        # noticed within router_timeout_s (common/worker/router_link.py)
+        joined = bool(worker_config.report_to) and worker_config.router_pid <= 0
+        self.pings = (worker_config.heartbeat_s, worker_config.router_timeout_s) if joined else None
+        self.reporter = Client(self.ctx, worker_config.report_to, key=self.key, watch_handshakes=True,
+                               heartbeat=self.pings) if worker_config.report_to else None
+        self.router_link = RouterLink(worker_config.router_timeout_s, worker_config.rejoin_timeout_s,
+                                      clock.monotonic()) if joined else None
         self.counters: dict[str, int] = {}
         self._stop = False
         self._closed = threading.Event()
@@ -102,6 +109,12 @@ class WorkerBase:
     def release_shared(self) -> None:
         """Last resort before a forced exit (called from the watchdog thread): give back
         what outlives the process (a shared-memory segment's name)."""
+
+    def on_router_lost(self) -> int:
+        """The router has been unreachable for router_timeout_s: give up every request it
+        sent (it has counted this worker dead and moved them elsewhere, or it died with
+        its clients' connections) and free what they hold; returns how many."""
+        return 0
 
     # ---- shared machinery ---------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -207,9 +220,29 @@ class WorkerBase:
             why = self.reporter.handshakes.poll()
             if why is not None:
                 raise ConfigError(f"cannot join the router at {self.wconfig.report_to}: {why}")
+            if self.router_link is not None:
+                self._watch_router(now)
             status = self.status(with_events=True)
             self.reporter.send_or_drop(status)
             self._last_status = dataclasses.replace(status, kv_stored=[], kv_evicted=[])
+
+    def _watch_router(self, now: float) -> None:
+        """Act on the router's reachability (common/worker/router_link.py); RouterLost
+        when no router came back within rejoin_timeout_s."""
+        assert self.reporter is not None and self.reporter.handshakes is not None and self.router_link is not None
+        cfg, watch = self.wconfig, self.reporter.handshakes
+        action = self.router_link.observe(watch.connected, watch.handshakes, now)
+        if action == "back":
+            self.log(f"router at {cfg.report_to} reachable again: saying hello")
+            self.reporter.send_or_drop(self.hello())
+        elif action == "lost":
+            given_up = self.on_router_lost()
+            self.log(f"router at {cfg.report_to} unreachable for {cfg.router_timeout_s:g} s: gave up the "
+                     f"{given_up} request(s) it sent; waiting up to {cfg.rejoin_timeout_s:g} s for a router")
+        elif action == "give_up":
+            why = self.router_link.why(cfg.report_to, now)
+            self.log(why)
+            raise RouterLost(why)
 
     def _keepalive(self) -> None:
         """Background thread, off the step loop: repeat the last status (without KV events)
@@ -220,13 +253,15 @@ class WorkerBase:
         says hello again every router_timeout_s instead: a restarted router registers it.
         It has its own socket: ZeroMQ sockets are not shared between threads."""
         cfg = self.wconfig
-        sock = Client(self.ctx, cfg.report_to, key=self.key) if cfg.report_to else None
+        sock = Client(self.ctx, cfg.report_to, key=self.key, heartbeat=self.pings) if cfg.report_to else None
         tick = min(cfg.heartbeat_s, cfg.router_timeout_s / 2)
         hello = self.hello() if sock is not None and cfg.router_pid <= 0 else None
         last_hello = self.clock.monotonic()
         try:
             while not self._stop:
                 self.clock.sleep(tick)
+                if self._stop:
+                    break  # close() is terming the context: a send now would raise
                 if sock is not None and self._last_status is not None and \
                         self.clock.monotonic() - self._last_heartbeat > 2 * cfg.heartbeat_s:
                     sock.send_or_drop(self._last_status)
@@ -245,6 +280,10 @@ class WorkerBase:
                         self.log("the loop did not stop within 5 s: forced exit")
                         self.release_shared()
                         os._exit(70)
+        except zmq.ZMQError:
+            if not self._stop:
+                raise
+            # else: the loop closed the context between our check and a send (exiting anyway)
         finally:
             if sock is not None:
                 sock.close()

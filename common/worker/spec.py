@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import ConfigError, EngineConfig, EngineOptions, WorkerConfig
+from common.worker.router_link import EXIT_ROUTER_LOST, RouterLost
 
 SPEC_VERSION = 1
 
@@ -111,4 +112,6 @@ def worker_main(argv: list[str] | None, prog: str, roles: tuple[str, ...],
     except (ConfigError, ValueError) as e:  # a bad config, or a peer that refused this one at start-up
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except RouterLost:  # the worker has logged why
+        return EXIT_ROUTER_LOST
     return 0

@@ -43,6 +43,41 @@ print(json.dumps({"token_ids": outs, "metrics": metrics}))
 """
 
 
+# The start of a client script run inside a namespace: `base` (the router's URL) is set by
+# the script after it; get(path) -> body bytes (an error status's too), wait(test, what,
+# timeout) -> whether `test()` came true in time (else it prints "timeout WHAT"), and
+# free_blocks(names) -> worker id -> (free, total) blocks as /metrics shows them.
+CLIENT_PRELUDE = r"""
+import json, re, sys, time, urllib.request, urllib.error
+
+def get(path):
+    try:
+        with urllib.request.urlopen(base + path, timeout=5) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        return e.read()
+
+def wait(test, what, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if test():
+                return True
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            print(f"timeout {what}", flush=True)
+            return False
+        time.sleep(0.3)
+
+def free_blocks(names):
+    text = get("/metrics").decode()
+    gauges = {(m[1], m[2]): float(m[3]) for m in re.finditer(
+        r'^pdserve_worker_(free|total)_blocks\{(?:role="\w+",)?worker_id="(\w+)"[^}]*\} ([\d.e+-]+)$', text, re.M)}
+    return {w: (gauges.get(("free", w)), gauges.get(("total", w))) for w in names}
+"""
+
+
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, check=check)
 
@@ -115,6 +150,10 @@ class Hosts:
         sh(*self.inside("hub"), "ip", "link", "set", self.links[name] + "h", "down")
         self._kill_all(f"{self.prefix}{name}")
 
+    def reconnect(self, name: str) -> None:
+        """Host `name`'s cable is plugged in again (after `kill`: a host that rebooted)."""
+        sh(*self.inside("hub"), "ip", "link", "set", self.links[name] + "h", "up")
+
     def _kill_all(self, ns: str) -> None:
         for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
             try:
@@ -141,19 +180,26 @@ class Hosts:
         return self.prefix in sh("ip", "netns", "list").stdout
 
 
+def start_router(hosts: Hosts, model: str, address: str, log: Path, common: list[str],
+                 router_flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`pdserve router` in host "router", at `address` and the fixed ports."""
+    return hosts.run("router", [*CLI, "router", model, "--host", address, "--http-port", str(HTTP), "--zmq-port",
+                                str(ZMQ), "--control-port", str(CONTROL), *common, *router_flags], log)
+
+
 def start_cluster(hosts: Hosts, model: str, addr: dict[str, str], workers: dict[str, str], logs: Path,
-                  common: list[str], router_flags: tuple[str, ...] = (),
-                  worker_flags: tuple[str, ...] = ()) -> dict[str, subprocess.Popen]:
+                  common: list[str], router_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
+                  own_flags: dict[str, tuple[str, ...]] | None = None) -> dict[str, subprocess.Popen]:
     """`pdserve router` in host "router" and one `pdserve worker --join` per entry of
-    `workers` (host name -> role; the host name is its worker id), each logging to
-    logs/<host>.log; returns host name -> process."""
-    procs = {"router": hosts.run("router", [*CLI, "router", model, "--host", addr["router"], "--http-port", str(HTTP),
-                                            "--zmq-port", str(ZMQ), "--control-port", str(CONTROL), *common,
-                                            *router_flags], logs / "router.log")}
+    `workers` (host name -> role; the host name is its worker id; `own_flags`: flags of
+    that worker alone, after the others), each logging to logs/<host>.log; returns host
+    name -> process."""
+    procs = {"router": start_router(hosts, model, addr["router"], logs / "router.log", common, router_flags)}
     join = f"tcp://{addr['router']}:{CONTROL}"
     for name, role in workers.items():
         procs[name] = hosts.run(name, [*CLI, "worker", model, "--role", role, "--join", join, "--host", addr[name],
-                                       "--port", str(WORKER), "--worker-id", name, *common, *worker_flags],
+                                       "--port", str(WORKER), "--worker-id", name, *common, *worker_flags,
+                                       *(own_flags or {}).get(name, ())],
                                 logs / f"{name}.log")
     return procs
 

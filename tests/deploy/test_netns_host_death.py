@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from common import LLM, SamplingParams
-from tests.deploy.netns import HTTP, Hosts, read_logs, start_cluster, tails, write_secret
+from tests.deploy.netns import CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 WORKERS = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
 JOBS = [(f"Request {i} asks the cluster to keep going although hosts die", 16 + i % 9) for i in range(24)]
@@ -32,29 +32,9 @@ ROUTER_FLAGS = ("--stale-after", "3", "--num-threads", "1")
 WORKER_FLAGS = ("--heartbeat", "0.25", "--peer-timeout", "4", "--lease", "8", "--num-threads", "1")
 FAULTS = "delay_step_ms=100@d1"  # d1's streams outlast d2's: it has some half-way when it dies
 
-CLIENT = r"""
-import concurrent.futures, json, re, sys, time, urllib.request, urllib.error
+CLIENT = CLIENT_PRELUDE + r"""
+import concurrent.futures
 base, model, phases, in_flight = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-
-def get(path):
-    try:
-        with urllib.request.urlopen(base + path, timeout=5) as r:
-            return r.read()
-    except urllib.error.HTTPError as e:
-        return e.read()
-
-def wait(test, what, timeout):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if test():
-                return True
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            print(f"timeout {what}", flush=True)
-            return False
-        time.sleep(0.3)
 
 def complete(job):
     prompt, max_tokens = job
@@ -76,12 +56,6 @@ def complete(job):
         error = repr(e)
     print("done", flush=True)
     return {"token_ids": ids, "error": error}
-
-def free_blocks(names):
-    text = get("/metrics").decode()
-    gauges = {(m[1], m[2]): float(m[3]) for m in re.finditer(
-        r'^pdserve_worker_(free|total)_blocks\{(?:role="\w+",)?worker_id="(\w+)"[^}]*\} ([\d.e+-]+)$', text, re.M)}
-    return {w: (gauges.get(("free", w)), gauges.get(("total", w))) for w in names}
 
 four = lambda: json.loads(get("/health"))["workers"] == {"prefill": 2, "decode": 2, "colocated": 0}
 if not wait(four, "waiting for 2 prefill and 2 decode workers", 240):

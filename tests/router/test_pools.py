@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 
@@ -338,6 +339,34 @@ def test_an_exiting_worker_that_keeps_running_is_stopped_by_its_launcher(model_d
             assert launcher.stopped == ["c1"]
             assert plane.worker_exited("c1", -15) and plane.departed["c1"].exit_code == -15
             assert [w.state for w in plane.pools()] == ["serving", "exited"]
+        finally:
+            await h.close()
+
+    run(scenario())
+
+
+def test_a_worker_its_launcher_gave_up_on_shows_failed_with_the_reason(model_dirs):
+    from router.http_server import OpenAIServer
+
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        plane = ControlPlane(h.router, FakeLauncher())
+        try:
+            await h.registered("c0")
+            (wid,) = plane.grow("prefill", 1).worker_ids
+            assert not plane.registered(wid) and plane.registered("c0")
+            plane.worker_failed(wid, "prefill", "exited with code 2 before registering, 3 times in a row")
+            (failed,) = [w for w in plane.pools() if w.worker_id == wid]
+            assert (failed.state, failed.reason) == ("failed", "exited with code 2 before registering, 3 times in a row")
+            assert "exited with code 2 before registering" in format_pools(plane.pools())
+            health = json.loads((await OpenAIServer(h.router).health()).body)
+            assert health["failed"] == [wid] and health["status"] == "ok"  # c0 serves on
+            assert health["pools"][wid] == {"role": "prefill", "state": "failed", "reason": failed.reason}
+            plane.grow("prefill", 1)  # another worker's start leaves it shown
+            assert wid in h.router.failed
+            plane._starting(wid, "prefill")  # a start under its id (a role change's restart) clears it
+            assert wid not in h.router.failed
+            assert {w.worker_id: w.state for w in plane.pools()}[wid] == "starting"
         finally:
             await h.close()
 

@@ -1,7 +1,9 @@
 """RayPool, the pool control API's launcher under Ray (router/ray_launch.py), against a
 fake `ray` module: spawn names and engine options, a drained worker's actor ended for good
 and its exit reported, a worker that exits unasked left to Ray to restart, `stop` off the
-router's loop (tests/deploy/test_ray.py runs the real cluster)."""
+router's loop, and bounded starts: a worker that keeps failing before it registers, whose
+actor cannot be created, or that never registers, is ended for good and reported failed
+(tests/deploy/test_ray.py runs the real cluster)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +22,13 @@ from router.registry import PoolError
 
 
 class RayError(Exception):
-    pass
+    actor_init_failed = False
+
+
+class ActorInitError(RayError):
+    """What Ray raises for a call to an actor whose constructor raised: it is not restarted."""
+
+    actor_init_failed = True
 
 
 class Ref:
@@ -96,6 +104,14 @@ class FakeControl:
     def __init__(self) -> None:
         self.letting_go: set[str] = set()
         self.exits: list[tuple[str, int | None]] = []
+        self.joined: set[str] = set()
+        self.failed: list[tuple[str, str, str]] = []
+
+    def registered(self, worker_id: str) -> bool:
+        return worker_id in self.joined
+
+    def worker_failed(self, worker_id: str, role: str, why: str) -> None:
+        self.failed.append((worker_id, role, why))
 
     def leaving(self, worker_id: str) -> bool:
         return worker_id in self.letting_go
@@ -188,3 +204,68 @@ def test_stop_runs_off_the_loop_and_its_exit_is_reported(pool):
     tick(pool)
     assert ray.kills == [("prefill-0", True)] and control.exits == [("prefill-0", 0)]
     assert [h.name for h in pool.launcher.workers] == ["decode-0"]
+
+
+def test_a_worker_that_keeps_exiting_before_it_registers_is_failed_and_its_actor_ended(pool):
+    pool, ray, control = pool
+    control.joined.add("decode-0")
+    for n in range(1, 3):  # failed starts below the bound: Ray starts it again each time
+        ray.actors["prefill-0"].code = 2
+        tick(pool)
+        assert ray.kills == [("prefill-0", False)] * n and control.failed == []
+    ray.actors["prefill-0"].code = 2
+    tick(pool)  # the third in a row: given up
+    assert ray.kills[-1] == ("prefill-0", True) and "prefill-0" not in ray.actors
+    ((wid, role, why),) = control.failed
+    assert (wid, role) == ("prefill-0", "prefill") and "exited with code 2 before registering, 3 times" in why
+    assert [h.name for h in pool.launcher.workers] == ["decode-0"] and control.exits == []
+    tick(pool)
+    assert len(control.failed) == 1  # reported once
+
+
+def test_registering_resets_the_count_and_a_registered_workers_failure_is_always_restarted(pool):
+    pool, ray, control = pool
+    for _ in range(2):
+        ray.actors["prefill-0"].code = 2
+        tick(pool)
+    control.joined.add("prefill-0")
+    tick(pool)  # it registered: its count starts again
+    ray.actors["prefill-0"].code = 9  # a registered worker crashes: restarted, not counted
+    tick(pool)
+    control.joined.discard("prefill-0")  # the router found it dead
+    for _ in range(2):
+        ray.actors["prefill-0"].code = 2
+        tick(pool)
+    assert control.failed == [] and ray.kills == [("prefill-0", False)] * 5
+
+
+def test_an_actor_whose_creation_failed_is_reported_failed_with_its_reason(pool):
+    pool, ray, control = pool
+    pool.spawn("prefill")
+    actor = ray.actors["prefill-1"]
+    error = ActorInitError("The actor died because of an error raised in its creation task\nTraceback ...\n"
+                           "WorkerStartError: worker prefill-1 exited with code 2 before it was ready")
+    actor.exit_code = types.SimpleNamespace(remote=lambda: Ref(error=error))
+    tick(pool)
+    assert control.failed == [("prefill-1", "prefill", "WorkerStartError: worker prefill-1 exited with code 2 "
+                                                       "before it was ready")]
+    assert ray.kills == [("prefill-1", True)] and pool._handle("prefill-1") is None
+    pool._polls["prefill-0"] = (pool._handle("prefill-0"), Ref(error=RayError("actor died")))  # a node was lost
+    tick(pool)
+    assert len(control.failed) == 1  # that one Ray restarts
+
+
+def test_a_worker_never_registered_within_the_start_timeout_is_failed(pool, monkeypatch):
+    pool, ray, control = pool
+    now = [1000.0]
+    monkeypatch.setattr(ray_launch.time, "monotonic", lambda: now[0])
+    control.joined.add("decode-0")
+    tick(pool)
+    now[0] += pool.start_timeout_s
+    tick(pool)
+    assert control.failed == []
+    now[0] += 1
+    tick(pool)
+    ((wid, _, why),) = control.failed
+    assert wid == "prefill-0" and f"not registered within {pool.start_timeout_s:.0f} s" in why
+    assert "prefill_pool" in why and ray.kills == [("prefill-0", True)]
