@@ -346,10 +346,9 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor
 def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None, dequant: bool = False
            ) -> torch.Tensor:
     """x [m, k] @ w^T (+ bias [n]) -> [m, n] float32, w a weight-only quantized weight
-    (`kernels.quant`; kernels/csrc/gemm_quant_cpu.c): up to GEMV_ROWS rows by int8 dot
-    products with x quantized per 32 values (`quantize_rows`), more rows -- or any with
-    `dequant` -- dequantized in registers, the same bits as `gemm` on
-    `quant.dequantize(w)` packed in float32."""
+    (`kernels.quant`; kernels/csrc/gemm_quant_cpu.c): by int8 dot products with x quantized
+    per 32 values (`quantize_rows`); with `dequant`, the weight dequantized in registers
+    instead, the same bits as `gemm` on `quant.dequantize(w)` packed in float32."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
     if k != w.k:
@@ -362,10 +361,6 @@ def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None, 
           y.data_ptr(), w.n, w.n, torch.get_num_threads()):
         raise NativeKernelError("native gemm_q: bad arguments")
     return y
-
-
-# Rows of x up to which gemm_q takes the int8 dot products (PD_QGEMV_ROWS of gemm_tile.h).
-GEMV_ROWS = 8
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

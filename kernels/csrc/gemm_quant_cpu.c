@@ -1,13 +1,14 @@
 /* Weight-only int8 / int4 products on packed quantized panels: int8 and int4 weights with a
  * float16 scale (and, for asymmetric int4, a float16 minimum) per group of 32 values along
  * k. Two ways to multiply them:
- *   pd_gemv_q       decode-sized products (a few rows of x): each row of x quantized per
- *                   32 values to int8 with one float scale (llama.cpp's q8_0 / q8_1
- *                   activations), integer dot products per group, one float multiply-add
- *                   per group and column.
+ *   pd_gemm_qdot    what pd_gemm_q runs: each row of x quantized per 32 values to int8
+ *                   with one float scale (llama.cpp's q8_0 / q8_1 activations), integer
+ *                   dot products per group, one float multiply-add per group and column.
  *   pd_gemm_tile_q  the GEMM's register tile (kernels/csrc/gemm_cpu.c) with the weights
- *                   dequantized to float32 in registers: the product is pd_gemm's on the
- *                   dequantized weight bit for bit.
+ *                   dequantized to float32 in registers (pd_gemm_q_dequant): the product
+ *                   is pd_gemm's on the dequantized weight bit for bit.
+ * On a 2-core AMD EPYC (AVX2) pd_gemm_qdot took 0.4-0.8x the tile's time at 1 to 256 rows
+ * of x (benchmarks/cpu_linear_quant.py), so pd_gemm_q uses it at every row count.
  *
  * Packed layout (kernels.quant.pack): panel j holds output columns 16 j .. 16 j + 15 (zero
  * past n, as the float panels), as k / 32 blocks of one group each, block g:
@@ -24,7 +25,7 @@
  * broadcast. These are GGUF's Q8_0, Q4_0 and Q4_1 (kernels.quant repacks their blocks)
  * and what `--quantization int8|int4` writes from float weights (int4: Q4_1's form).
  *
- * pd_gemv_q's arithmetic, per row of x, group g and column: x's group quantized as
+ * pd_gemm_qdot's arithmetic, per row of x, group g and column: x's group quantized as
  * dx = max |x| * (1 / 127), qx = round-to-nearest-even(x * (127 / max |x|)), sx = sum qx;
  * isum = sum q qx over the group (exact, in int32); then
  *     Q8:  acc += (d dx) isum        Q4: acc += (d dx) (isum - 8 sx)
@@ -52,7 +53,7 @@
 #define NR PD_NR
 #define QG PD_QGROUP
 #define QUADS (QG / 4)
-#define ROW_TILE 4                 /* rows of x per pass of pd_gemv_q over a panel */
+#define ROW_TILE 4                 /* rows of x per pass of pd_gemm_qdot over a panel */
 #define PARALLEL_MIN_MACS 65536    /* as pd_gemm's: below this one thread */
 #define AI inline __attribute__((always_inline))
 
@@ -128,7 +129,7 @@ int pd_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k, int8_
 #ifdef PD_QAVX2
 /* out[i][0:16] = row i's products with one panel (k / 32 blocks at `panel`), rows i < R of
  * r from row r0. R and KIND are constants in each copy. */
-static AI void gemv_panel(const int R, const int KIND, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
+static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
                           float out[][NR]) {
     const int64_t nb = k / QG, bb = pd_quant_block_bytes(KIND);
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
@@ -197,28 +198,28 @@ static AI void gemv_panel(const int R, const int KIND, int64_t k, const uint8_t 
     }
 }
 
-#define GEMV_COPY(R, KIND)                                                                                             \
-    static void gemv_##R##_##KIND(int64_t k, const uint8_t *p, const qrows_t *r, int64_t r0, float out[][NR]) {      \
-        gemv_panel(R, KIND, k, p, r, r0, out);                                                                         \
+#define QDOT_COPY(R, KIND)                                                                                             \
+    static void qdot_##R##_##KIND(int64_t k, const uint8_t *p, const qrows_t *r, int64_t r0, float out[][NR]) {      \
+        qdot_panel(R, KIND, k, p, r, r0, out);                                                                         \
     }
-#define GEMV_COPIES(KIND) GEMV_COPY(1, KIND) GEMV_COPY(2, KIND) GEMV_COPY(3, KIND) GEMV_COPY(4, KIND)
-GEMV_COPIES(2)
-GEMV_COPIES(3)
-GEMV_COPIES(4)
-typedef void (*gemv_fn)(int64_t, const uint8_t *, const qrows_t *, int64_t, float (*)[NR]);
-static const gemv_fn gemvs[3][ROW_TILE + 1] = {{0, gemv_1_2, gemv_2_2, gemv_3_2, gemv_4_2},
-                                               {0, gemv_1_3, gemv_2_3, gemv_3_3, gemv_4_3},
-                                               {0, gemv_1_4, gemv_2_4, gemv_3_4, gemv_4_4}};
+#define QDOT_COPIES(KIND) QDOT_COPY(1, KIND) QDOT_COPY(2, KIND) QDOT_COPY(3, KIND) QDOT_COPY(4, KIND)
+QDOT_COPIES(2)
+QDOT_COPIES(3)
+QDOT_COPIES(4)
+typedef void (*qdot_fn)(int64_t, const uint8_t *, const qrows_t *, int64_t, float (*)[NR]);
+static const qdot_fn qdots[3][ROW_TILE + 1] = {{0, qdot_1_2, qdot_2_2, qdot_3_2, qdot_4_2},
+                                               {0, qdot_1_3, qdot_2_3, qdot_3_3, qdot_4_3},
+                                               {0, qdot_1_4, qdot_2_4, qdot_3_4, qdot_4_4}};
 
-static void gemv_rows(int kind, int rows, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
+static void qdot_rows(int kind, int rows, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
                       float out[][NR]) {
-    gemvs[kind - PD_W_Q8][rows](k, panel, r, r0, out);
+    qdots[kind - PD_W_Q8][rows](k, panel, r, r0, out);
 }
 #else
 static float f16(const uint8_t *p);
 
 /* The plain C reading of the same sums (no AVX2) */
-static void gemv_rows(int kind, int rows, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
+static void qdot_rows(int kind, int rows, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
                       float out[][NR]) {
     const int64_t nb = k / QG, bb = pd_quant_block_bytes(kind);
     for (int i = 0; i < rows; i++)
@@ -261,9 +262,9 @@ static int threads_for(int64_t macs, int64_t panels, int num_threads) {
 }
 
 /* y[0:m, 0:n] = x @ w^T (+ bias) for a quantized weight w (p: its packed panels) by
- * pd_gemv_q's integer dot products (the header): for decode-sized m. Threads split the
- * panels. Returns 0, 1 (bad arguments) or 2 (out of memory). */
-int pd_gemv_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
+ * integer dot products (the header). Threads split the panels. Returns 0, 1 (bad
+ * arguments) or 2 (out of memory). */
+int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
               int64_t ldy, int64_t n, int num_threads) {
     if (m < 0 || n < 0 || k <= 0 || k % QG || ldx < k || ldy < n || num_threads < 1 || !pd_quant_block_bytes(kind))
         return 1;
@@ -280,7 +281,7 @@ int pd_gemv_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, 
             const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
             for (int64_t i = 0; i < m; i += ROW_TILE) {
                 const int rows = m - i < ROW_TILE ? (int)(m - i) : ROW_TILE;
-                gemv_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, out);
+                qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, out);
                 for (int ii = 0; ii < rows; ii++)
                     for (int c = 0; c < ncols; c++)
                         y[(i + ii) * ldy + j * NR + c] = out[ii][c] + (bias ? bias[j * NR + c] : 0.0f);
@@ -292,9 +293,9 @@ int pd_gemv_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, 
 }
 
 /* act = silu(x @ gate^T) * (x @ up^T) as pd_gemm_silu, for a quantized [gate; up] weight
- * (inter a multiple of 16) by pd_gemv_q's products: gate panel j and up panel inter / 16 + j
+ * (inter a multiple of 16) by pd_gemm_qdot's products: gate panel j and up panel inter / 16 + j
  * per pass. */
-int pd_gemv_silu_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
                    int64_t lda, int64_t inter, int num_threads) {
     if (m < 0 || k <= 0 || k % QG || inter <= 0 || inter % NR || ldx < k || lda < inter || num_threads < 1
         || !pd_quant_block_bytes(kind))
@@ -311,8 +312,8 @@ int pd_gemv_silu_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void
         for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++)
             for (int64_t i = 0; i < m; i += ROW_TILE) {
                 const int rows = m - i < ROW_TILE ? (int)(m - i) : ROW_TILE;
-                gemv_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, g);
-                gemv_rows(kind, rows, k, (const uint8_t *)p + (panels + j) * pbytes, &r, i, u);
+                qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, g);
+                qdot_rows(kind, rows, k, (const uint8_t *)p + (panels + j) * pbytes, &r, i, u);
                 for (int ii = 0; ii < rows; ii++) pd_silu_mul_row(g[ii], u[ii], act + (i + ii) * lda + j * NR, NR);
             }
     }

@@ -47,11 +47,11 @@ void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, 
 /* Bytes of one block (one group of one panel) of a quantized kind; 0 for another kind. */
 int64_t pd_quant_block_bytes(int kind);
 
-/* Rows of x up to which pd_gemm_q multiplies a quantized weight by int8 dot products */
-#define PD_QGEMV_ROWS 8
-int pd_gemv_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
-              int64_t ldy, int64_t n, int num_threads);
-int pd_gemv_silu_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
-                   int64_t lda, int64_t inter, int num_threads);
+/* A quantized weight's product by int8 dot products (gemm_quant_cpu.c): pd_gemm_q's and
+ * pd_gemm_silu_q's arguments and results. */
+int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
+                 float *y, int64_t ldy, int64_t n, int num_threads);
+int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+                      int64_t lda, int64_t inter, int num_threads);
 
 #endif

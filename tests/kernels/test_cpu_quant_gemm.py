@@ -1,8 +1,8 @@
 """Weight-only int8 / int4 GEMM (kernels/csrc/gemm_quant_cpu.c, kernels/quant.py): the
-packing, GGUF's blocks repacked as they are, and the product -- decode-sized products by
-int8 dot products (their integer math in float64, up to float32 rounding; near float32 on
-the dequantized weight, within the activations' rounding), larger ones bit for bit the
-float32 GEMM's on the dequantized weight."""
+packing, GGUF's blocks repacked as they are, and the product: by int8 dot products (their
+integer math in float64, up to float32 rounding; near float32 on the dequantized weight,
+within the activations' rounding), and on the dequantizing tile bit for bit the float32
+GEMM's on the dequantized weight."""
 from __future__ import annotations
 
 import ctypes
@@ -94,13 +94,12 @@ def test_activation_quantization_is_round_to_nearest_per_32():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
-# rows: decode batches (the int8 dot products, row tiles of 4); n with panel tails
-@pytest.mark.parametrize("m", [1, 3, 5, 8])
+# rows: decode batches and a prefill chunk (row tiles of 4 and their tails); n with panel tails
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 100])
 @pytest.mark.parametrize("n,k", [(9, 32), (50, 352), (70, 576), (33, 1536)])
-def test_decode_rows_are_the_integer_dot_products(threads, kind, m, n, k):
-    """Up to GEMV_ROWS rows: the integer math to float32 rounding, and within the
-    activations' int8 rounding (half a step of max |x| / 127 per value) of float32 on the
-    dequantized weight."""
+def test_product_is_the_integer_dot_products(threads, kind, m, n, k):
+    """The integer math to float32 rounding, and within the activations' int8 rounding
+    (half a step of max |x| / 127 per value) of float32 on the dequantized weight."""
     w = random_weight(kind, n, k, m + n + k)
     x, b = torch.randn(m, k), torch.randn(n)
     got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b))
@@ -124,19 +123,17 @@ def test_integer_reference_catches_a_wrong_kernel():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
-# rows past GEMV_ROWS (and any row count with dequant=True) on the tile: 6-row tiles, the
-# 96-row block; k in one slice, two halves that split a group (352 / 2 = 176), 192-wide slices
+# rows under and past the 6-row tile, past the 96-row block; n with panel tails; k in one
+# slice, two halves that split a group (352 / 2 = 176), 192-wide slices
 @pytest.mark.parametrize("m", [1, 7, 9, 100])
 @pytest.mark.parametrize("n,k", [(9, 32), (50, 352), (70, 576), (33, 1536)])
-def test_prefill_rows_are_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(threads, kind, m, n, k):
+def test_dequant_tile_is_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(threads, kind, m, n, k):
     w = random_weight(kind, n, k, m + n + k)
     x, b = torch.randn(m, k), torch.randn(n)
     dense = quant.dequantize(w)
-    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=m <= cpu_native.GEMV_ROWS))
+    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=True))
     want = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(dense), n, b))
     assert torch.equal(got, want)
-    if m > cpu_native.GEMV_ROWS:
-        assert torch.equal(got, with_threads(threads, lambda: cpu_native.gemm_q(x, w, b)))
     ref = F.linear(x.double(), dense.double(), b.double()).float()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
 
@@ -179,7 +176,7 @@ def test_gguf_blocks_repack_to_the_gguf_packages_dequantized_weights(qtype):
 
 def test_non_avx2_build_gives_the_same_values(tmp_path):
     """Built for a CPU without AVX2 / F16C, the plain C code reads the same layout: its
-    integer dot products (3 rows) and tile (9 rows) near the AVX2 build's."""
+    integer dot products and dequantizing tile near the AVX2 build's."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -190,14 +187,14 @@ def test_non_avx2_build_gives_the_same_values(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     plain = ctypes.CDLL(str(lib))
-    fn = plain.pd_gemm_q
-    fn.restype, fn.argtypes = cpu_native.library().pd_gemm_q.restype, cpu_native.library().pd_gemm_q.argtypes
-    for kind in KINDS:
-        for m in (3, 9):
-            w, x = random_weight(kind, 40, 96, 5), torch.randn(m, 96)
-            y = torch.empty(m, 40)
-            assert fn(x.data_ptr(), 96, m, 96, w.data.data_ptr(), w.code, 0, y.data_ptr(), 40, 40, 1) == 0
-            torch.testing.assert_close(y, cpu_native.gemm_q(x, w), rtol=1e-5, atol=1e-5)
+    for dequant in (False, True):
+        fn = plain.pd_gemm_q_dequant if dequant else plain.pd_gemm_q
+        fn.restype, fn.argtypes = cpu_native.library().pd_gemm_q.restype, cpu_native.library().pd_gemm_q.argtypes
+        for kind in KINDS:
+            w, x = random_weight(kind, 40, 96, 5), torch.randn(7, 96)
+            y = torch.empty(7, 40)
+            assert fn(x.data_ptr(), 96, 7, 96, w.data.data_ptr(), w.code, 0, y.data_ptr(), 40, 40, 1) == 0
+            torch.testing.assert_close(y, cpu_native.gemm_q(x, w, dequant=dequant), rtol=1e-5, atol=1e-5)
 
 
 def test_avx512_build_compiles(tmp_path):
