@@ -9,8 +9,10 @@ weight-streaming bound measured in the same run.
 
 Forms as the engine holds them: float32 and bf16 panels; int8 = every matrix Q8_0; int4 =
 the layers' matrices Q4_1 and the lm_head Q8_0 (`--quantization int8|int4`), multiplied by
-int8 dot products (`gemm_q`); int8-tile / int4-tile = the same matrices on the tile that
-dequantizes in registers (`gemm_q(..., dequant=True)`), old and new kernels side by side. For each row
+int8 dot products at every row count (`gemm_q(..., dequant=False)`; the engine's choice up
+to `cpu_native.QDOT_ROWS`); int8-tile / int4-tile = the same matrices on the tile that
+dequantizes in registers (`dequant=True`; the engine's choice past that), old and new
+kernels side by side. For each row
 count the best pass of each form is reported with its bytes and its ratio to the bound
 (bytes / the best of `--repeats` `torch.sum` passes over a random float32 buffer as big as
 the float32 weights, timed between the passes). Default model: SmolLM2-135M's shapes.

@@ -165,7 +165,7 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_gemm_silu_bf16
     fn.restype, fn.argtypes = lib.pd_gemm_silu.restype, lib.pd_gemm_silu.argtypes
     for name in ("pd_gemm_q", "pd_gemm_silu_q"):  # pd_gemm's / pd_gemm_silu's arguments, the weight's kind after p
-        for fn in (getattr(lib, name), getattr(lib, name + "_dequant")):
+        for fn in (getattr(lib, name), getattr(lib, name + "_dequant"), getattr(lib, name + "dot")):
             fn.restype = ctypes.c_int
             args = getattr(lib, name.removesuffix("_q")).argtypes
             fn.argtypes = args[:5] + [ctypes.c_int] + args[5:]
@@ -343,12 +343,21 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor
     return act
 
 
-def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None, dequant: bool = False
+# Rows of x up to which gemm_q multiplies by int8 dot products (PD_QDOT_ROWS, gemm_tile.h).
+QDOT_ROWS = 8
+
+
+def _quant_fn(lib: ctypes.CDLL, name: str, dequant: bool | None):
+    return getattr(lib, name + {None: "", True: "_dequant", False: "dot"}[dequant])
+
+
+def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None, dequant: bool | None = None
            ) -> torch.Tensor:
     """x [m, k] @ w^T (+ bias [n]) -> [m, n] float32, w a weight-only quantized weight
-    (`kernels.quant`; kernels/csrc/gemm_quant_cpu.c): by int8 dot products with x quantized
-    per 32 values (`quantize_rows`); with `dequant`, the weight dequantized in registers
-    instead, the same bits as `gemm` on `quant.dequantize(w)` packed in float32."""
+    (`kernels.quant`; kernels/csrc/gemm_quant_cpu.c). Up to QDOT_ROWS rows (a decode
+    batch; any with dequant=False) by int8 dot products with x quantized per 32 values
+    (`quantize_rows`); more (any with dequant=True) with the weight dequantized in
+    registers, the same bits as `gemm` on `quant.dequantize(w)` packed in float32."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
     if k != w.k:
@@ -356,7 +365,7 @@ def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None, 
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     y = torch.empty((m, w.n), dtype=torch.float32)
-    fn = lib.pd_gemm_q_dequant if dequant else lib.pd_gemm_q
+    fn = _quant_fn(lib, "pd_gemm_q", dequant)
     if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, 0 if bias is None else bias.data_ptr(),
           y.data_ptr(), w.n, w.n, torch.get_num_threads()):
         raise NativeKernelError("native gemm_q: bad arguments")
@@ -377,7 +386,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, s
 
 
-def gemm_silu_q(x: torch.Tensor, w: "QuantWeight", dequant: bool = False) -> torch.Tensor:
+def gemm_silu_q(x: torch.Tensor, w: "QuantWeight", dequant: bool | None = None) -> torch.Tensor:
     """`gemm_silu` on a quantized [gate; up] weight (w.n / 2 a multiple of PANEL), its
     products as `gemm_q`'s."""
     lib, x = _library_and_rows(x)
@@ -386,7 +395,7 @@ def gemm_silu_q(x: torch.Tensor, w: "QuantWeight", dequant: bool = False) -> tor
     if k != w.k or w.n % (2 * PANEL):
         raise ValueError(f"gemm_silu_q: x [{m}, {k}] and a weight [{w.n}, {w.k}] do not fit")
     act = torch.empty((m, inter), dtype=torch.float32)
-    fn = lib.pd_gemm_silu_q_dequant if dequant else lib.pd_gemm_silu_q
+    fn = _quant_fn(lib, "pd_gemm_silu_q", dequant)
     if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, act.data_ptr(), inter, inter,
           torch.get_num_threads()):
         raise NativeKernelError("native gemm_silu_q: bad arguments")

@@ -1,8 +1,8 @@
 """Weight-only int8 / int4 GEMM (kernels/csrc/gemm_quant_cpu.c, kernels/quant.py): the
-packing, GGUF's blocks repacked as they are, and the product: by int8 dot products (their
-integer math in float64, up to float32 rounding; near float32 on the dequantized weight,
-within the activations' rounding), and on the dequantizing tile bit for bit the float32
-GEMM's on the dequantized weight."""
+packing, GGUF's blocks repacked as they are, and the product: by int8 dot products for a
+decode batch (their integer math in float64, up to float32 rounding; near float32 on the
+dequantized weight, within the activations' rounding), on the dequantizing tile for more
+rows, bit for bit the float32 GEMM's on the dequantized weight."""
 from __future__ import annotations
 
 import ctypes
@@ -102,7 +102,9 @@ def test_product_is_the_integer_dot_products(threads, kind, m, n, k):
     (half a step of max |x| / 127 per value) of float32 on the dequantized weight."""
     w = random_weight(kind, n, k, m + n + k)
     x, b = torch.randn(m, k), torch.randn(n)
-    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b))
+    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=False))
+    if m <= cpu_native.QDOT_ROWS:  # what gemm_q chooses for a decode batch
+        assert torch.equal(got, with_threads(threads, lambda: cpu_native.gemm_q(x, w, b)))
     want = integer_reference(x, w, b)
     terms = x.abs().double() @ quant.dequantize(w).abs().double().T  # the sums' size
     assert bool(((got.double() - want).abs() <= 1e-6 * terms + 1e-6).all())
@@ -118,7 +120,7 @@ def test_integer_reference_catches_a_wrong_kernel():
     x = torch.randn(1, 64)
     q, d, _ = quant.unpack(w)
     no_offset = quant.pack("q4_1", q, d, torch.zeros_like(d))  # the same codes read without their offset
-    assert not torch.allclose(cpu_native.gemm_q(x, w).double(), integer_reference(x, no_offset), rtol=1e-3)
+    assert not torch.allclose(cpu_native.gemm_q(x, w, dequant=False).double(), integer_reference(x, no_offset), rtol=1e-3)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -134,6 +136,8 @@ def test_dequant_tile_is_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(
     got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=True))
     want = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(dense), n, b))
     assert torch.equal(got, want)
+    if m > cpu_native.QDOT_ROWS:  # what gemm_q chooses for a prefill chunk
+        assert torch.equal(got, with_threads(threads, lambda: cpu_native.gemm_q(x, w, b)))
     ref = F.linear(x.double(), dense.double(), b.double()).float()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
 
@@ -145,7 +149,9 @@ def test_quant_gemm_silu_and_plan(kind, m):
     x = torch.randn(m, 128)
     act = cpu_native.gemm_silu_q(x, w)
     assert torch.equal(act, cpu_native.silu_mul(cpu_native.gemm_q(x, w)))
-    assert torch.equal(cpu_native.gemm_silu_q(x, w, dequant=True), cpu_native.silu_mul(cpu_native.gemm_q(x, w, dequant=True)))
+    for dequant in (False, True):
+        assert torch.equal(cpu_native.gemm_silu_q(x, w, dequant=dequant),
+                           cpu_native.silu_mul(cpu_native.gemm_q(x, w, dequant=dequant)))
     plan = kernels.LinearPlan(torch.empty(96, 128), None, w)
     assert plan.native and plan.kind == quant.KIND_CODES[kind] and plan.packed is w.data
     assert torch.equal(plan(x), cpu_native.gemm_q(x, w)) and torch.equal(plan.silu_mul(x), act)
@@ -188,12 +194,12 @@ def test_non_avx2_build_gives_the_same_values(tmp_path):
     assert res.returncode == 0, res.stderr
     plain = ctypes.CDLL(str(lib))
     for dequant in (False, True):
-        fn = plain.pd_gemm_q_dequant if dequant else plain.pd_gemm_q
+        fn = plain.pd_gemm_q_dequant if dequant else plain.pd_gemm_qdot
         fn.restype, fn.argtypes = cpu_native.library().pd_gemm_q.restype, cpu_native.library().pd_gemm_q.argtypes
         for kind in KINDS:
-            w, x = random_weight(kind, 40, 96, 5), torch.randn(7, 96)
-            y = torch.empty(7, 40)
-            assert fn(x.data_ptr(), 96, 7, 96, w.data.data_ptr(), w.code, 0, y.data_ptr(), 40, 40, 1) == 0
+            w, x = random_weight(kind, 40, 96, 5), torch.randn(9, 96)
+            y = torch.empty(9, 40)
+            assert fn(x.data_ptr(), 96, 9, 96, w.data.data_ptr(), w.code, 0, y.data_ptr(), 40, 40, 1) == 0
             torch.testing.assert_close(y, cpu_native.gemm_q(x, w, dequant=dequant), rtol=1e-5, atol=1e-5)
 
 
