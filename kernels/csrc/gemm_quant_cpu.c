@@ -1,14 +1,17 @@
 /* Weight-only int8 / int4 products on packed quantized panels: int8 and int4 weights with a
  * float16 scale (and, for asymmetric int4, a float16 minimum) per group of 32 values along
  * k. Two ways to multiply them:
- *   pd_gemm_qdot    what pd_gemm_q runs: each row of x quantized per 32 values to int8
- *                   with one float scale (llama.cpp's q8_0 / q8_1 activations), integer
- *                   dot products per group, one float multiply-add per group and column.
- *   pd_gemm_tile_q  the GEMM's register tile (kernels/csrc/gemm_cpu.c) with the weights
- *                   dequantized to float32 in registers (pd_gemm_q_dequant): the product
- *                   is pd_gemm's on the dequantized weight bit for bit.
- * On a 2-core AMD EPYC (AVX2) pd_gemm_qdot took 0.4-0.8x the tile's time at 1 to 256 rows
- * of x (benchmarks/cpu_linear_quant.py), so pd_gemm_q uses it at every row count.
+ *   pd_gemm_qdot    pd_gemm_q's way up to PD_QDOT_ROWS rows of x (decode batches): each
+ *                   row of x quantized per 32 values to int8 with one float scale
+ *                   (llama.cpp's q8_0 / q8_1 activations), integer dot products per
+ *                   group, one float multiply-add per group and column.
+ *   pd_gemm_tile_q  pd_gemm_q's way past that (prefill chunks; pd_gemm_q_dequant at any m):
+ *                   the GEMM's register tile (kernels/csrc/gemm_cpu.c) with the weights
+ *                   dequantized to float32 in registers, the product pd_gemm's on the
+ *                   dequantized weight bit for bit.
+ * On a 2-core AMD EPYC Zen 1 (AVX2) pd_gemm_qdot took 0.4-0.8x the tile's time at 1 to 256
+ * rows (benchmarks/cpu_linear_quant.py); prefill keeps the tile so that prompt logits (and
+ * the first token) are exactly float32's on the dequantized weights.
  *
  * Packed layout (kernels.quant.pack): panel j holds output columns 16 j .. 16 j + 15 (zero
  * past n, as the float panels), as k / 32 blocks of one group each, block g:

@@ -124,9 +124,10 @@ def test_gguf_linears_stay_quantized_as_stored(model_dirs, tmp_path, qtype, arch
 
 def test_real_model_quantized_against_float32(real_model_dir):
     """SmolLM2 (its GGUF's Q4_1 linears and Q8_0 lm_head) by vLLM's rule against its float32
-    conversion: run as stored (`gguf`: the same weights, int8 activations) and re-quantized
-    from those floats (int8, int4), greedy within the top 5 where the streams first differ,
-    and perplexity of a fixed text within 1% (gguf, int8) / 10% (int4) of float32's."""
+    conversion: run as stored (`gguf`: the same weights, decode by int8 dot products) and
+    re-quantized from those floats (int8, int4), greedy within the top 5 where the streams
+    first differ, and perplexity of a fixed text (one prefill: the dequantizing tile) within
+    1% (gguf, int8) / 10% (int4) of float32's."""
     from tests.common.test_bf16_precision import TEXT
     llms = {q: LLM(real_model_dir, dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=512, quantization=q,
                    enable_prefix_caching=False, max_num_batched_tokens=512) for q in ("none", "gguf", "int8", "int4")}
