@@ -8,7 +8,11 @@ weight-streaming bound measured in the same run.
         [--repeats 7] [--layers N] [--out results/cpu_linear_quant.json]
 
 Forms as the engine holds them: float32 and bf16 panels; int8 = every matrix Q8_0; int4 =
-the layers' matrices Q4_1 and the lm_head Q8_0 (`--quantization int8|int4`). For each row
+the layers' matrices Q4_1 and the lm_head Q8_0 (`--quantization int8|int4`), multiplied by
+int8 dot products at every row count (`gemm_q(..., dequant=False)`; the engine's choice up
+to `cpu_native.QDOT_ROWS`); int8-tile / int4-tile = the same matrices on the tile that
+dequantizes in registers (`dequant=True`; the engine's choice past that), old and new
+kernels side by side. For each row
 count the best pass of each form is reported with its bytes and its ratio to the bound
 (bytes / the best of `--repeats` `torch.sum` passes over a random float32 buffer as big as
 the float32 weights, timed between the passes). Default model: SmolLM2-135M's shapes.
@@ -39,15 +43,22 @@ def forms(weights: list[torch.Tensor]) -> dict[str, list]:
             "int4": [quant.quantize(w, "q8_0" if i == last else "q4_1") for i, w in enumerate(weights)]}
 
 
+TILE = "-tile"  # a form's name ending so: its quantized matrices on the dequantizing tile
+
+
+def with_tile_forms(mats: dict[str, list]) -> dict[str, list]:
+    return {**mats, **{name + TILE: mats[name] for name in ("int8", "int4")}}
+
+
 def nbytes(mats: list) -> int:
     return sum(m.nbytes if isinstance(m, quant.QuantWeight) else m.numel() * m.element_size() for m in mats)
 
 
-def run_pass(mats: list, dims: list[tuple[int, int]], xs: dict[int, torch.Tensor]) -> float:
+def run_pass(mats: list, dims: list[tuple[int, int]], xs: dict[int, torch.Tensor], dequant: bool = False) -> float:
     t0 = time.perf_counter()
     for (n, k), m in zip(dims, mats):
         if isinstance(m, quant.QuantWeight):
-            cpu_native.gemm_q(xs[k], m)
+            cpu_native.gemm_q(xs[k], m, dequant=dequant)
         else:
             cpu_native.gemm(xs[k], m, n)
     return time.perf_counter() - t0
@@ -67,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     dims = shapes(model_config(args.model), args.layers)
     g = torch.Generator().manual_seed(0)
-    mats = forms([torch.randn(n, k, generator=g) / k ** 0.5 for n, k in dims])
+    mats = with_tile_forms(forms([torch.randn(n, k, generator=g) / k ** 0.5 for n, k in dims]))
     size = {name: nbytes(ms) for name, ms in mats.items()}
     buf = torch.rand(size["float32"] // 4)
     print(f"{len(dims)} matrices, {sum(n * k for n, k in dims) / 1e6:.1f} M weights, {args.threads} threads; "
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             buf.sum()
             read = min(read, time.perf_counter() - t0)
             for name, ms in mats.items():  # alternating, pass by pass
-                best[name] = min(best[name], run_pass(ms, dims, xs))
+                best[name] = min(best[name], run_pass(ms, dims, xs, name.endswith(TILE)))
         bw = buf.numel() * 4 / read
         row = {"rows": m, "read_gb_s": bw / 1e9}
         for name in mats:

@@ -10,8 +10,9 @@
           same weights the float32 conversion holds, bit for bit), the rest float
     auto  gguf for such a folder on the CPU, else none
 Activations, norms, attention and the KV cache keep the engine dtype's policy
-(common.models.precision); the native GEMM dequantizes each weight in registers
-(kernels/csrc/gemm_quant_cpu.c). CPU only.
+(common.models.precision); the native GEMM multiplies a decode batch's rows by int8 dot
+products (each row rounded to int8 per 32 values, as llama.cpp does) and a prefill
+chunk's on the weights dequantized in registers (kernels/csrc/gemm_quant_cpu.c). CPU only.
 """
 from __future__ import annotations
 

@@ -165,10 +165,13 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_gemm_silu_bf16
     fn.restype, fn.argtypes = lib.pd_gemm_silu.restype, lib.pd_gemm_silu.argtypes
     for name in ("pd_gemm_q", "pd_gemm_silu_q"):  # pd_gemm's / pd_gemm_silu's arguments, the weight's kind after p
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        args = getattr(lib, name.removesuffix("_q")).argtypes
-        fn.argtypes = args[:5] + [ctypes.c_int] + args[5:]
+        for fn in (getattr(lib, name), getattr(lib, name + "_dequant"), getattr(lib, name + "dot")):
+            fn.restype = ctypes.c_int
+            args = getattr(lib, name.removesuffix("_q")).argtypes
+            fn.argtypes = args[:5] + [ctypes.c_int] + args[5:]
+    fn = lib.pd_quantize_rows_q8
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
     fn = lib.pd_store_kv
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -340,10 +343,21 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor
     return act
 
 
-def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+# Rows of x up to which gemm_q multiplies by int8 dot products (PD_QDOT_ROWS, gemm_tile.h).
+QDOT_ROWS = 8
+
+
+def _quant_fn(lib: ctypes.CDLL, name: str, dequant: bool | None):
+    return getattr(lib, name + {None: "", True: "_dequant", False: "dot"}[dequant])
+
+
+def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None, dequant: bool | None = None
+           ) -> torch.Tensor:
     """x [m, k] @ w^T (+ bias [n]) -> [m, n] float32, w a weight-only quantized weight
-    (`kernels.quant`), dequantized in registers (kernels/csrc/gemm_quant_cpu.c): the same
-    bits as `gemm` on `quant.dequantize(w)` packed in float32."""
+    (`kernels.quant`; kernels/csrc/gemm_quant_cpu.c). Up to QDOT_ROWS rows (a decode
+    batch; any with dequant=False) by int8 dot products with x quantized per 32 values
+    (`quantize_rows`); more (any with dequant=True) with the weight dequantized in
+    registers, the same bits as `gemm` on `quant.dequantize(w)` packed in float32."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
     if k != w.k:
@@ -351,22 +365,39 @@ def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None) 
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     y = torch.empty((m, w.n), dtype=torch.float32)
-    if lib.pd_gemm_q(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, 0 if bias is None else bias.data_ptr(),
-                     y.data_ptr(), w.n, w.n, torch.get_num_threads()):
+    fn = _quant_fn(lib, "pd_gemm_q", dequant)
+    if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, 0 if bias is None else bias.data_ptr(),
+          y.data_ptr(), w.n, w.n, torch.get_num_threads()):
         raise NativeKernelError("native gemm_q: bad arguments")
     return y
 
 
-def gemm_silu_q(x: torch.Tensor, w: "QuantWeight") -> torch.Tensor:
-    """`gemm_silu` on a quantized [gate; up] weight (w.n / 2 a multiple of PANEL)."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] float32 (k a multiple of 32) as gemm_q's int8 dot products quantize it: per
+    32 values int8 codes [m, k], scale [m, k / 32] float32 and code sum [m, k / 32] int32."""
+    lib, x = _library_and_rows(x)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8)
+    d = torch.empty((m, k // 32), dtype=torch.float32)
+    s = torch.empty((m, k // 32), dtype=torch.int32)
+    if x.dtype != torch.float32 or lib.pd_quantize_rows_q8(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(),
+                                                           s.data_ptr()):
+        raise ValueError(f"quantize_rows: x {tuple(x.shape)} {x.dtype} is not float32 in whole groups of 32")
+    return q, d, s
+
+
+def gemm_silu_q(x: torch.Tensor, w: "QuantWeight", dequant: bool | None = None) -> torch.Tensor:
+    """`gemm_silu` on a quantized [gate; up] weight (w.n / 2 a multiple of PANEL), its
+    products as `gemm_q`'s."""
     lib, x = _library_and_rows(x)
     m, k = x.shape
     inter = w.n // 2
     if k != w.k or w.n % (2 * PANEL):
         raise ValueError(f"gemm_silu_q: x [{m}, {k}] and a weight [{w.n}, {w.k}] do not fit")
     act = torch.empty((m, inter), dtype=torch.float32)
-    if lib.pd_gemm_silu_q(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, act.data_ptr(), inter, inter,
-                          torch.get_num_threads()):
+    fn = _quant_fn(lib, "pd_gemm_silu_q", dequant)
+    if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, act.data_ptr(), inter, inter,
+          torch.get_num_threads()):
         raise NativeKernelError("native gemm_silu_q: bad arguments")
     return act
 

@@ -1,5 +1,6 @@
-"""Weight-only int8 / int4 weights in the packed layout the native GEMM dequantizes in
-registers (kernels/csrc/gemm_quant_cpu.c, whose header draws the layout).
+"""Weight-only int8 / int4 weights in the packed layout the native kernels read
+(kernels/csrc/gemm_quant_cpu.c, whose header draws the layout): integer dot products with
+int8 activations for decode-sized products, dequantized in registers for larger ones.
 
 Three kinds, each GGUF's own block math with a float16 scale per 32 values along k:
     q8_0  int8 q                  w = d * q          (`--quantization int8`; GGUF Q8_0)
@@ -77,11 +78,13 @@ def pack(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = N
     if m is not None:
         head.append(panel_major(m.to(torch.float16)).contiguous().view(torch.uint8))
     codes = panel_major(q.reshape(n, g, GROUP))  # [panels, g, 32 rows, 16 columns]
+    # [panels, g, quad t, half h, column c, row j]: rows 4 t + j of column 8 h + c
+    codes = codes.reshape(panels, g, GROUP // 4, 4, 2, PANEL // 2).permute(0, 1, 2, 4, 5, 3)
     if kind == "q8_0":
         body = codes.to(torch.int8).contiguous().view(torch.uint8).reshape(panels, g, -1)
     else:
         c = codes.to(torch.uint8)
-        body = (c[..., :8] | (c[..., 8:] << 4)).reshape(panels, g, -1)  # column c low, c + 8 high nibble
+        body = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(panels, g, -1)  # half 0 low, half 1 high nibble
     blocks = torch.cat((*head, body), dim=-1).reshape(panels, -1)
     out = huge_pages.empty(tuple(blocks.shape), torch.uint8)  # streamed every decode step
     out.copy_(blocks)
@@ -99,11 +102,13 @@ def unpack(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
     d = row_major(blocks[..., :2 * PANEL].contiguous().view(torch.float16))
     m = row_major(blocks[..., 2 * PANEL:4 * PANEL].contiguous().view(torch.float16)) if w.kind == "q4_1" else None
     body = blocks[..., hdr:]
+    quads = (*body.shape[:2], GROUP // 4)
     if w.kind == "q8_0":
-        codes = body.contiguous().view(torch.int8).reshape(*body.shape[:2], GROUP, PANEL)
+        codes = body.contiguous().view(torch.int8).reshape(*quads, 2, PANEL // 2, 4)
     else:
-        b = body.reshape(*body.shape[:2], GROUP, PANEL // 2)
-        codes = torch.cat((b & 15, b >> 4), dim=-1)
+        b = body.reshape(*quads, 1, PANEL // 2, 4)
+        codes = torch.cat((b & 15, b >> 4), dim=3)
+    codes = codes.permute(0, 1, 2, 5, 3, 4).reshape(*body.shape[:2], GROUP, PANEL)  # [.., 32 rows, 16 columns]
     return row_major(codes).reshape(w.n, w.k), d, m
 
 

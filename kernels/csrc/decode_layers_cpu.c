@@ -55,8 +55,8 @@ void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n);
 
 /* One layer's weights and cache (kernels.cpu_decode._LayerStruct mirrors this). Weight
  * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), each of its own
- * kind (PD_W_*: float32, bf16 widened in registers, or weight-only int8 / int4
- * dequantized in registers); the rest float32. */
+ * kind (PD_W_*: float32, bf16 widened in registers, or weight-only int8 / int4 by
+ * pd_gemm_q's int8 dot products); the rest float32. */
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     const void *qkv_p;                    /* [(hq + 2 hkv) d, hidden] packed */

@@ -396,9 +396,18 @@ int pd_gemm_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16
     return gemm(x, ldx, m, k, p, PD_W_BF16, bias, y, ldy, n, num_threads);
 }
 
-/* pd_gemm on panels of any kind (PD_W_*; quantized: gemm_quant_cpu.c, k a multiple of 32) */
+/* pd_gemm on panels of any kind (PD_W_*; quantized: gemm_quant_cpu.c, k a multiple of 32;
+ * up to PD_QDOT_ROWS rows by int8 dot products, pd_gemm_qdot) */
 int pd_gemm_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
               int64_t ldy, int64_t n, int num_threads) {
+    if (m <= PD_QDOT_ROWS && pd_quant_block_bytes(kind) > 0)
+        return pd_gemm_qdot(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
+    return gemm(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
+}
+
+/* pd_gemm_q on the tile that dequantizes in registers (pd_gemm's bits on the dequantized weight) */
+int pd_gemm_q_dequant(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
+                      float *y, int64_t ldy, int64_t n, int num_threads) {
     return gemm(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
 }
 
@@ -453,8 +462,16 @@ int pd_gemm_silu_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const u
     return gemm_silu(x, ldx, m, k, p, PD_W_BF16, act, lda, inter, num_threads);
 }
 
-/* pd_gemm_silu on panels of any kind (PD_W_*) */
+/* pd_gemm_silu on panels of any kind (PD_W_*; quantized: as pd_gemm_q) */
 int pd_gemm_silu_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
                    int64_t lda, int64_t inter, int num_threads) {
+    if (m <= PD_QDOT_ROWS && pd_quant_block_bytes(kind) > 0)
+        return pd_gemm_silu_qdot(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
+    return gemm_silu(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
+}
+
+/* pd_gemm_silu_q on the tile that dequantizes in registers */
+int pd_gemm_silu_q_dequant(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+                           int64_t lda, int64_t inter, int num_threads) {
     return gemm_silu(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
 }

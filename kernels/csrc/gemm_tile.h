@@ -47,4 +47,17 @@ void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, 
 /* Bytes of one block (one group of one panel) of a quantized kind; 0 for another kind. */
 int64_t pd_quant_block_bytes(int kind);
 
+/* Rows of x up to which pd_gemm_q multiplies a quantized weight by int8 dot products
+ * (pd_gemm_qdot: decode batches), more on the dequantizing tile (prefill chunks: the float32
+ * product on the dequantized weight, bit for bit); -DPD_QDOT_ROWS=... moves it */
+#ifndef PD_QDOT_ROWS
+#define PD_QDOT_ROWS 8
+#endif
+/* A quantized weight's product by int8 dot products (gemm_quant_cpu.c): pd_gemm_q's and
+ * pd_gemm_silu_q's arguments and results. */
+int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
+                 float *y, int64_t ldy, int64_t n, int num_threads);
+int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+                      int64_t lda, int64_t inter, int num_threads);
+
 #endif

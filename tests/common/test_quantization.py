@@ -1,8 +1,10 @@
 """`--quantization` (common/quantization.py): weight-only int8 / int4 linears from float
 weights, and a GGUF file's Q8_0 / Q4_0 / Q4_1 linears kept as stored. Judged as vLLM judges
 quantized models, against the reference on the dequantized weights -- here our float32
-engine with every linear's weight replaced by its dequantized form, which the quantized
-engine matches bit for bit (logits and greedy streams), prefill and fused decode alike."""
+engine with every linear's weight replaced by its dequantized form: the quantized engine
+multiplies by int8 dot products (activations rounded to int8 per 32 values,
+kernels/csrc/gemm_quant_cpu.c), so greedy streams may part, and where they first do each
+side's token is in the other's top 5, prefill and fused decode alike."""
 from __future__ import annotations
 
 import pytest
@@ -45,15 +47,15 @@ def dequantized_reference(model_dir: str, quantized: LLM) -> LLM:
     return ref
 
 
-def assert_same_as(ours: LLM, ref: LLM) -> None:
+def assert_within_top5(ours: LLM, ref: LLM) -> None:
+    """vLLM's rule: where the greedy streams first differ, each token in the other's top 5."""
     for prompt in PROMPTS:
-        assert torch.equal(sequence_logits(ours.engine, prompt), sequence_logits(ref.engine, prompt))
-        a, b = greedy(ours, prompt), greedy(ref, prompt)
-        assert a == b and divergence(prompt, a, b, ours.engine, ref.engine).within_top(5)
+        d = divergence(prompt, greedy(ours, prompt), greedy(ref, prompt), ours.engine, ref.engine)
+        assert d.within_top(5), (prompt, d)
 
 
 @pytest.mark.parametrize("arch,quantization", [("qwen3", "int4"), ("qwen2", "int8"), ("llama", "int4")])
-def test_quantized_engine_equals_float32_on_the_dequantized_weights(model_dirs, arch, quantization):
+def test_quantized_engine_against_float32_on_the_dequantized_weights_top5(model_dirs, arch, quantization):
     ours = make(model_dirs[arch], quantization)
     model = ours.engine.runner.model
     kinds = {name: m.quant.kind for name, m in model.named_modules() if isinstance(m, Linear)}
@@ -64,7 +66,7 @@ def test_quantized_engine_equals_float32_on_the_dequantized_weights(model_dirs, 
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # the float copy let go
     if model.config.tie_word_embeddings:  # the lookups read the float table
         assert model.model.embed_tokens.weight.dtype == torch.float32 and model.lm_head.weight.numel() > 0
-    assert_same_as(ours, dequantized_reference(model_dirs[arch], ours))
+    assert_within_top5(ours, dequantized_reference(model_dirs[arch], ours))
 
 
 def test_fingerprint_and_config_carry_the_quantization(model_dirs):
@@ -97,8 +99,8 @@ def test_router_refuses_a_worker_of_another_quantization(model_dirs):
 @pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q4_0", "qwen3"), ("Q8_0", "qwen2")])
 def test_gguf_linears_stay_quantized_as_stored(model_dirs, tmp_path, qtype, arch):
     """A converted GGUF folder loads its quantized linears from the file by default: the
-    same weights as the float32 conversion bit for bit (llama's q/k rows un-permuted), so
-    the same logits as that conversion run in float32."""
+    same weights as the float32 conversion bit for bit (llama's q/k rows un-permuted),
+    greedy within the top 5 of that conversion run in float32."""
     out = convert_gguf(write_gguf(model_dirs[arch], tmp_path / "m.gguf", qtype), tmp_path / "conv", quiet=True)
     assert gguf_source(out) == (tmp_path / "m.gguf").resolve()
     ours, plain = make(out, "auto"), make(out, "none")
@@ -111,7 +113,7 @@ def test_gguf_linears_stay_quantized_as_stored(model_dirs, tmp_path, qtype, arch
             want = plain.engine.runner.model.get_submodule(name).weight
             assert torch.equal(quant.dequantize(m.quant), want), name
     assert "model.layers.0.mlp.down_proj.weight" in floats
-    assert_same_as(ours, plain)
+    assert_within_top5(ours, plain)
     assert ours.engine.runner.model.decode_stack() is not None
     (tmp_path / "m.gguf").unlink()  # the file gone: auto falls back to float, gguf refuses
     assert EngineConfig.build(out).device.quantization == "none"
@@ -121,10 +123,11 @@ def test_gguf_linears_stay_quantized_as_stored(model_dirs, tmp_path, qtype, arch
 
 
 def test_real_model_quantized_against_float32(real_model_dir):
-    """SmolLM2 (its GGUF's Q4_1 linears and Q8_0 lm_head): run as stored (`gguf`) it is its
-    float32 conversion exactly; re-quantized from those floats, int8 and int4 by vLLM's
-    rule against float32: greedy within the top 5 where the streams first differ, and
-    perplexity of a fixed text within 1% (int8) / 10% (int4) of float32's."""
+    """SmolLM2 (its GGUF's Q4_1 linears and Q8_0 lm_head) by vLLM's rule against its float32
+    conversion: run as stored (`gguf`: the same weights, decode by int8 dot products) and
+    re-quantized from those floats (int8, int4), greedy within the top 5 where the streams
+    first differ, and perplexity of a fixed text (one prefill: the dequantizing tile) within
+    1% (gguf, int8) / 10% (int4) of float32's."""
     from tests.common.test_bf16_precision import TEXT
     llms = {q: LLM(real_model_dir, dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=512, quantization=q,
                    enable_prefix_caching=False, max_num_batched_tokens=512) for q in ("none", "gguf", "int8", "int4")}
@@ -140,5 +143,5 @@ def test_real_model_quantized_against_float32(real_model_dir):
             report[q].append(d.position)
             assert d.within_top(5), (q, text, d)
     print(f"\nperplexity {ppl}; first divergence from float32 per prompt (None: identical) {report}")
-    assert ppl["gguf"] == ppl["none"] and report["gguf"] == [None] * 2
-    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01 and abs(ppl["int4"] / ppl["none"] - 1) < 0.10, ppl
+    assert abs(ppl["gguf"] / ppl["none"] - 1) < 0.01 and abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
+    assert abs(ppl["int4"] / ppl["none"] - 1) < 0.10, ppl

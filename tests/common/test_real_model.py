@@ -1,6 +1,9 @@
 """The default model (SmolLM2-135M-Instruct, converted from the wheel's GGUF) in the
-offline engine: greedy output equals transformers' token for token, on chat and plain
-prompts, ASCII and not; text is decode(tokens) with special tokens skipped."""
+offline engine: as it runs by default (its GGUF's Q4_1 linears, int8 dot products in
+decode) it answers a question; its float32 conversion (`quantization="none"`) gives
+transformers' greedy output token for token, on chat and plain prompts, ASCII and not;
+text is decode(tokens) with special tokens skipped. The quantized default against float32
+by vLLM's top-5 rule: tests/common/test_quantization.py."""
 from __future__ import annotations
 
 import pytest
@@ -19,6 +22,11 @@ def llm(real_model_dir) -> LLM:
     return LLM(real_model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256)
 
 
+@pytest.fixture(scope="module")
+def llm_f32(real_model_dir) -> LLM:
+    return LLM(real_model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256, quantization="none")
+
+
 def test_the_default_model_answers_a_question(llm):
     tok = llm.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
@@ -27,8 +35,8 @@ def test_the_default_model_answers_a_question(llm):
     assert out["finish_reason"] == "stop"  # on <|im_end|>, which never shows in the text
 
 
-def test_greedy_matches_transformers(llm, real_model_dir, hf_greedy):
-    tok = llm.tokenizer
+def test_greedy_matches_transformers(llm_f32, real_model_dir, hf_greedy):
+    llm, tok = llm_f32, llm_f32.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     prompts += [tok.encode(p) for p in PLAIN]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)

@@ -1,6 +1,8 @@
 """Weight-only int8 / int4 GEMM (kernels/csrc/gemm_quant_cpu.c, kernels/quant.py): the
-packing, GGUF's blocks repacked as they are, and the product -- bit for bit the float32
-GEMM's on the dequantized weight, and near a float64 product."""
+packing, GGUF's blocks repacked as they are, and the product: by int8 dot products for a
+decode batch (their integer math in float64, up to float32 rounding; near float32 on the
+dequantized weight, within the activations' rounding), on the dequantizing tile for more
+rows, bit for bit the float32 GEMM's on the dequantized weight."""
 from __future__ import annotations
 
 import ctypes
@@ -64,19 +66,78 @@ def test_quantize_refuses_k_outside_whole_groups():
         quant.quantize(torch.randn(16, 64), "q5_0")
 
 
+def integer_reference(x: torch.Tensor, w: quant.QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8 dot products' arithmetic (gemm_quant_cpu.c's header) in float64 on x's
+    codes as the kernel quantizes them: exact but for the kernel's float32 roundings."""
+    qx, dx, sx = cpu_native.quantize_rows(x)
+    q, d, m = quant.unpack(w)
+    g = w.k // 32
+    q = q.to(torch.int64) - (8 if w.kind == "q4_0" else 0)
+    isum = torch.einsum("mgi,ngi->mng", qx.to(torch.int64).reshape(-1, g, 32), q.reshape(w.n, g, 32))
+    y = (isum.double() * d.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1)
+    if m is not None:
+        y += (m.double().unsqueeze(0) * (dx.double() * sx.double()).unsqueeze(1)).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def test_activation_quantization_is_round_to_nearest_per_32():
+    x = torch.randn(3, 96) * torch.tensor([1.0, 1e-3, 30.0]).unsqueeze(1)
+    x[1, :32] = 0  # an all-zero group: scale 0, codes 0
+    q, d, s = cpu_native.quantize_rows(x)
+    amax = x.reshape(3, 3, 32).abs().amax(-1)
+    torch.testing.assert_close(d, amax / 127, rtol=2e-7, atol=0)
+    scaled = x.reshape(3, 3, 32) / torch.where(d == 0, 1.0, d).unsqueeze(-1)
+    assert bool(((q.reshape(3, 3, 32).float() - scaled).abs() <= 0.5 + 1e-4).all())
+    assert int(q.abs().max()) == 127 and torch.equal(q[1, :32], torch.zeros(32, dtype=torch.int8))
+    assert torch.equal(s, q.reshape(3, 3, 32).to(torch.int32).sum(-1))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
-# rows: decode batches under and past the 6-row tile, past the 96-row block; n with panel
-# tails; k in one slice, two halves that split a group (352 / 2 = 176), 192-wide slices
-@pytest.mark.parametrize("m", [1, 2, 6, 7, 100])
+# rows: decode batches and a prefill chunk (row tiles of 4 and their tails); n with panel tails
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 100])
 @pytest.mark.parametrize("n,k", [(9, 32), (50, 352), (70, 576), (33, 1536)])
-def test_quant_gemm_is_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(threads, kind, m, n, k):
+def test_product_is_the_integer_dot_products(threads, kind, m, n, k):
+    """The integer math to float32 rounding, and within the activations' int8 rounding
+    (half a step of max |x| / 127 per value) of float32 on the dequantized weight."""
+    w = random_weight(kind, n, k, m + n + k)
+    x, b = torch.randn(m, k), torch.randn(n)
+    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=False))
+    if m <= cpu_native.QDOT_ROWS:  # what gemm_q chooses for a decode batch
+        assert torch.equal(got, with_threads(threads, lambda: cpu_native.gemm_q(x, w, b)))
+    want = integer_reference(x, w, b)
+    terms = x.abs().double() @ quant.dequantize(w).abs().double().T  # the sums' size
+    assert bool(((got.double() - want).abs() <= 1e-6 * terms + 1e-6).all())
+    dense = F.linear(x.double(), quant.dequantize(w).double(), b.double())
+    step = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, dim=1) / 127 / 2  # each value's rounding bound
+    bound = step.double() @ quant.dequantize(w).abs().double().T
+    assert bool(((got.double() - dense).abs() <= bound + 1e-5).all())
+
+
+def test_integer_reference_catches_a_wrong_kernel():
+    """The reference tells kinds apart (the bound above can fail): q4_0's offset matters."""
+    w = random_weight("q4_0", 32, 64, 2)
+    x = torch.randn(1, 64)
+    q, d, _ = quant.unpack(w)
+    no_offset = quant.pack("q4_1", q, d, torch.zeros_like(d))  # the same codes read without their offset
+    assert not torch.allclose(cpu_native.gemm_q(x, w, dequant=False).double(), integer_reference(x, no_offset), rtol=1e-3)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+# rows under and past the 6-row tile, past the 96-row block; n with panel tails; k in one
+# slice, two halves that split a group (352 / 2 = 176), 192-wide slices
+@pytest.mark.parametrize("m", [1, 7, 9, 100])
+@pytest.mark.parametrize("n,k", [(9, 32), (50, 352), (70, 576), (33, 1536)])
+def test_dequant_tile_is_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(threads, kind, m, n, k):
     w = random_weight(kind, n, k, m + n + k)
     x, b = torch.randn(m, k), torch.randn(n)
     dense = quant.dequantize(w)
-    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b))
+    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=True))
     want = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(dense), n, b))
     assert torch.equal(got, want)
+    if m > cpu_native.QDOT_ROWS:  # what gemm_q chooses for a prefill chunk
+        assert torch.equal(got, with_threads(threads, lambda: cpu_native.gemm_q(x, w, b)))
     ref = F.linear(x.double(), dense.double(), b.double()).float()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
 
@@ -88,6 +149,9 @@ def test_quant_gemm_silu_and_plan(kind, m):
     x = torch.randn(m, 128)
     act = cpu_native.gemm_silu_q(x, w)
     assert torch.equal(act, cpu_native.silu_mul(cpu_native.gemm_q(x, w)))
+    for dequant in (False, True):
+        assert torch.equal(cpu_native.gemm_silu_q(x, w, dequant=dequant),
+                           cpu_native.silu_mul(cpu_native.gemm_q(x, w, dequant=dequant)))
     plan = kernels.LinearPlan(torch.empty(96, 128), None, w)
     assert plan.native and plan.kind == quant.KIND_CODES[kind] and plan.packed is w.data
     assert torch.equal(plan(x), cpu_native.gemm_q(x, w)) and torch.equal(plan.silu_mul(x), act)
@@ -117,8 +181,8 @@ def test_gguf_blocks_repack_to_the_gguf_packages_dequantized_weights(qtype):
 
 
 def test_non_avx2_build_gives_the_same_values(tmp_path):
-    """Built for a CPU without AVX2 / F16C, the plain C tile reads the same layout (its
-    sums in another order: near, not equal)."""
+    """Built for a CPU without AVX2 / F16C, the plain C code reads the same layout: its
+    integer dot products and dequantizing tile near the AVX2 build's."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -129,13 +193,14 @@ def test_non_avx2_build_gives_the_same_values(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     plain = ctypes.CDLL(str(lib))
-    fn = plain.pd_gemm_q
-    fn.restype, fn.argtypes = cpu_native.library().pd_gemm_q.restype, cpu_native.library().pd_gemm_q.argtypes
-    for kind in KINDS:
-        w, x = random_weight(kind, 40, 96, 5), torch.randn(3, 96)
-        y = torch.empty(3, 40)
-        assert fn(x.data_ptr(), 96, 3, 96, w.data.data_ptr(), w.code, 0, y.data_ptr(), 40, 40, 1) == 0
-        torch.testing.assert_close(y, cpu_native.gemm_q(x, w), rtol=1e-5, atol=1e-5)
+    for dequant in (False, True):
+        fn = plain.pd_gemm_q_dequant if dequant else plain.pd_gemm_qdot
+        fn.restype, fn.argtypes = cpu_native.library().pd_gemm_q.restype, cpu_native.library().pd_gemm_q.argtypes
+        for kind in KINDS:
+            w, x = random_weight(kind, 40, 96, 5), torch.randn(9, 96)
+            y = torch.empty(9, 40)
+            assert fn(x.data_ptr(), 96, 9, 96, w.data.data_ptr(), w.code, 0, y.data_ptr(), 40, 40, 1) == 0
+            torch.testing.assert_close(y, cpu_native.gemm_q(x, w, dequant=dequant), rtol=1e-5, atol=1e-5)
 
 
 def test_avx512_build_compiles(tmp_path):

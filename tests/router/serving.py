@@ -114,9 +114,10 @@ def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len:
 
 @contextlib.contextmanager
 def serving_pd(model_dir: str, workdir: Path, max_model_len: int, timeout: float = 150.0,
-               faults: str | None = None) -> Iterator[Served]:
+               faults: str | None = None, extra: tuple[str, ...] = ()) -> Iterator[Served]:
     """One prefill + one decode worker behind the router, checked ready; stopped with SIGTERM."""
-    served = start_server(model_dir, workdir, ["--prefill", "1", "--decode", "1"], max_model_len, timeout, faults)
+    served = start_server(model_dir, workdir, ["--prefill", "1", "--decode", "1"], max_model_len, timeout, faults,
+                          extra)
     try:
         check_ready_file_workers(served, {"prefill-0": "prefill", "decode-0": "decode"})
         yield served

@@ -1,4 +1,6 @@
-"""`pdserve serve` 1P+1D on the real default model, driven by the official openai client:
+"""`pdserve serve` 1P+1D on the real default model's float32 conversion (`--quantization
+none`: exactness is judged at float32; its quantized default against float32 by vLLM's
+top-5 rule in tests/common/test_quantization.py), driven by the official openai client:
 completions and chat, streamed and not, with accented and emoji prompts, equal
 transformers' greedy output; streamed text == non-streamed text == decode(tokens); a stop
 string that spans tokens cuts the text the same way in both."""
@@ -21,7 +23,8 @@ PROMPT = "Crème brûlée, jalapeño and 🍣 are"
 
 @pytest.fixture(scope="module")
 def served(real_model_dir, tmp_path_factory):
-    with serving_pd(real_model_dir, tmp_path_factory.mktemp("serve_real"), 256, timeout=300) as s:
+    with serving_pd(real_model_dir, tmp_path_factory.mktemp("serve_real"), 256, timeout=300,
+                    extra=("--quantization", "none")) as s:
         yield s
 
 
