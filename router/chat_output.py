@@ -1,17 +1,18 @@
 """One chat choice's answer as the request's tools and the server's reasoning parser shape
 it: `reasoning_content` split out, tool calls read from the text ("auto") or made from
 the grammar-bound output (a named or "required" choice), streamed or whole. Streamed:
-text goes out as it comes (a possible tag's start held back); an "auto" call goes out as
-one delta when its block closes, a named call's arguments as they come, "required" calls
-when the output ends. The reasoning text is sent as `reasoning_content` and as
-`reasoning` (newer vLLM's name). finish_reason as vLLM: "tool_calls" for auto calls found and a
-"required" answer that stopped; a named call keeps "stop"."""
+text goes out as it comes (a possible tag's start held back); an "auto" call goes out
+once its name is written, then its arguments as they come (router/tool_parsers.py), a
+named call's arguments as they come, "required" calls when the output ends. The
+reasoning text is sent as `reasoning_content` and as `reasoning` (newer vLLM's name).
+finish_reason as vLLM: "tool_calls" for auto calls found and a "required" answer that
+stopped; a named call keeps "stop"."""
 from __future__ import annotations
 
 import json
 
 from router.reasoning import ReasoningSplitter, split_reasoning
-from router.tool_parsers import HermesParser, ToolCall, new_call_id, parse_tool_calls
+from router.tool_parsers import HermesParser, ToolCall, merged, new_call_id, parse_tool_calls
 from router.tools import ToolPlan
 
 
@@ -45,16 +46,15 @@ class ChoiceOutput:
         out: dict = _reasoning(reasoning) if reasoning else {}
         if self.parser is None:
             return {**out, "content": content} if content or not out else out
-        content, found = self.parser.feed(content)
+        content, calls = self.parser.feed(content)
         if finished:
             c, more = self.parser.finish()
-            content, found = content + c, found + more
-        first = len(self.calls)
-        self.calls += found
+            content, calls = content + c, merged(calls + more)
+        self.calls = self.parser.calls
         if content:
             out["content"] = content
-        if found:
-            out["tool_calls"] = [call.openai(first + i) for i, call in enumerate(found)]
+        if calls:
+            out["tool_calls"] = calls
         return out
 
     def _named_delta(self, text: str, finished: bool) -> dict:

@@ -133,6 +133,31 @@ def test_auto_reads_the_calls_the_model_writes_after_its_reasoning(client, strea
     assert (reasoning, content, reason) == ("plan it", "I will check.", "tool_calls")
 
 
+def test_auto_streams_each_call_in_fragments_that_add_up_to_the_whole_answer(client):
+    second = CALL_TEXT.replace('"city": "Paris", "days": 2', '"city": "Rome", "days": 7')
+    kw = {"messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 200,
+          "extra_body": _forced("<think>plan</think>" + CALL_TEXT + "\n" + second)}
+    whole = _chat(client, **kw).choices[0]
+    model = client.models.list().data[0].id
+    with client.chat.completions.stream(model=model, **kw) as stream:  # the openai SDK sums the deltas
+        deltas = [c.delta.tool_calls for e in stream if e.type == "chunk" for c in e.chunk.choices
+                  if c.delta.tool_calls]
+        final = stream.get_final_completion().choices[0]
+    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
+        [(c.id, "get_weather", args) for c, args in zip(final.message.tool_calls,
+                                                         [{"city": "Paris", "days": 2}, {"city": "Rome", "days": 7}])]
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert final.message.reasoning_content == "plan"
+    pieces = [d for ds in deltas for d in ds]
+    heads = [d for d in pieces if d.id is not None]
+    assert [(d.index, d.function.name, d.type) for d in heads] == [(0, "get_weather", "function"),
+                                                                    (1, "get_weather", "function")]
+    assert all(d.function.name is None for d in pieces if d.id is None)  # later deltas: arguments only
+    assert len([d for d in pieces if d.index == 0]) > 2  # the arguments came in several deltas
+
+
 def test_auto_without_thinking_and_without_calls(client):
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     res = _chat(client, tools=TOOLS, temperature=0, extra_body={**_forced(CALL_TEXT + CALL_TEXT), **off},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.lib.streaming._deltas import accumulate_delta
 
 from common.engine.grammar import check
 from router.chat_output import ChoiceOutput
@@ -81,13 +82,15 @@ def test_wire_tool_calls_read_arguments_as_vllm():
 
 def _stream(out: ChoiceOutput, text: str, cuts: list[int]) -> tuple[dict, str | None]:
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    got: dict = {"content": "", "reasoning": "", "calls": []}
+    got: dict = {"content": "", "reasoning": ""}
+    calls: dict[int, dict] = {}
     for i, piece in enumerate(pieces):
         d = out.delta(piece, finished=i == len(pieces) - 1)
         got["content"] += d.get("content") or ""
         got["reasoning"] += d.get("reasoning_content") or ""
-        got["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in d.get("tool_calls", ())
-                         if "name" in c["function"]]
+        for c in d.get("tool_calls", ()):  # summed as the openai SDK's stream helper sums them
+            calls[c["index"]] = accumulate_delta(calls.get(c["index"], {}), c)
+    got["calls"] = [(c["function"]["name"], c["function"]["arguments"]) for _, c in sorted(calls.items())]
     return got, out.finish_reason("stop")
 
 
@@ -98,10 +101,10 @@ def test_auto_with_reasoning_streamed_adds_up_to_the_whole_answer():
     assert (msg["reasoning_content"], msg["content"]) == ("hmm", "Let me see.")
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == \
         [("get_weather", '{"city": "Oslo"}')]
-    for cut in range(0, len(text), 3):
-        got, reason = _stream(ChoiceOutput(plan, True, True), text, [cut])
+    for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        got, reason = _stream(ChoiceOutput(plan, True, True), text, cuts)
         assert (got["reasoning"], got["content"], got["calls"], reason) == \
-            ("hmm", "Let me see.", [("get_weather", '{"city": "Oslo"}')], "tool_calls"), cut
+            ("hmm", "Let me see.", [("get_weather", '{"city": "Oslo"}')], "tool_calls"), cuts
 
 
 def test_named_and_required_outputs():
