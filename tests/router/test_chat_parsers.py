@@ -73,7 +73,7 @@ def _streamed_tools(pieces: list[str], max_calls: int | None = None) -> tuple[st
     from openai.lib.streaming._deltas import accumulate_delta
     p = HermesParser(max_calls)
     content, acc = [], {}
-    for i, piece in enumerate([*pieces, None]):
+    for piece in [*pieces, None]:
         c, deltas = p.feed(piece) if piece is not None else p.finish()
         content.append(c)
         for d in deltas:
