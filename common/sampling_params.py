@@ -37,10 +37,14 @@ class StructuredOutput:
     """A constraint on the output text: `kind` (one of STRUCTURED_KINDS) and `spec`, its
     text (a JSON schema, a regex, a JSON list of choices, an EBNF grammar; "" for
     json_object). Only the shape is checked here; whether it compiles is checked at the
-    edge and by each engine (common/engine/grammar.py)."""
+    edge and by each engine (common/engine/grammar.py). `reasoning_end` (a token id, the
+    end of reasoning such as Qwen3's `</think>`): the grammar applies only from the token
+    after the first output token of that id, as vLLM's with a reasoning parser; None: from
+    the first output token."""
 
     kind: str
     spec: str = ""
+    reasoning_end: int | None = None
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -49,6 +53,8 @@ class StructuredOutput:
         if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
             raise SamplingParamsError(f"a structured output spec may hold at most {MAX_STRUCTURED_SPEC_CHARS} "
                                       f"characters, got {len(self.spec)}")
+        if self.reasoning_end is not None and not 0 <= self.reasoning_end < 2**31:
+            raise SamplingParamsError(f"structured reasoning_end must be a token id, got {self.reasoning_end}")
 
 
 @dataclass(frozen=True)

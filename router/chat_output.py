@@ -24,8 +24,7 @@ class ChoiceOutput:
     def __init__(self, plan: ToolPlan | None, reasoning: bool, thinking: bool) -> None:
         self.choice = plan.choice if plan is not None else "none"
         self.name = plan.name if plan is not None else None
-        forced = self.choice in ("named", "required")  # the grammar writes the call from the first token
-        self.splitter = ReasoningSplitter(thinking) if reasoning and not forced else None
+        self.splitter = ReasoningSplitter(thinking) if reasoning else None
         self.parser = HermesParser(None if plan is None or plan.parallel else 1) if self.choice == "auto" else None
         self.text = ""  # a "required" answer, parsed when it ends
         self.calls: list[ToolCall] = []
@@ -34,16 +33,16 @@ class ChoiceOutput:
     # ---- streamed --------------------------------------------------------------------
     def delta(self, text: str, finished: bool) -> dict:
         """The delta fields of a chunk carrying `text` (the last chunk: `finished`)."""
-        if self.choice == "named":
-            return self._named_delta(text, finished)
-        if self.choice == "required":
-            self.text += text
-            return {"content": "", **self._required_calls(len(self.calls))} if finished else {}
         reasoning, content = self.splitter.feed(text) if self.splitter else ("", text)
         if finished and self.splitter:
             r, c = self.splitter.finish()
             reasoning, content = reasoning + r, content + c
         out: dict = _reasoning(reasoning) if reasoning else {}
+        if self.choice == "named":
+            return {**out, **self._named_delta(content, finished)}
+        if self.choice == "required":
+            self.text += content
+            return {**out, "content": "", **self._required_calls(len(self.calls))} if finished else out
         if self.parser is None:
             return {**out, "content": content} if content or not out else out
         content, calls = self.parser.feed(content)
@@ -77,17 +76,17 @@ class ChoiceOutput:
     # ---- whole -----------------------------------------------------------------------
     def message(self, text: str) -> dict:
         """The fields of a whole answer's message (role aside)."""
-        if self.choice == "named":
-            self.calls = [ToolCall(new_call_id(), self.name or "", text)]
-            return {"content": "", "tool_calls": [self.calls[0].openai()]}
-        if self.choice == "required":
-            calls = required_calls(text)
-            if calls is None:  # cut short by max_tokens: not a whole list of calls
-                return {"content": text}
-            self.calls = calls
-            return {"content": "", "tool_calls": [c.openai() for c in calls]}
         reasoning, content = split_reasoning(text, self.splitter.thinking) if self.splitter else (None, text)
         out: dict = _reasoning(reasoning) if self.splitter is not None else {}
+        if self.choice == "named":
+            self.calls = [ToolCall(new_call_id(), self.name or "", content or "")]
+            return {"content": "", "tool_calls": [self.calls[0].openai()], **out}
+        if self.choice == "required":
+            calls = required_calls(content or "")
+            if calls is None:  # cut short by max_tokens: not a whole list of calls
+                return {"content": content, **out}
+            self.calls = calls
+            return {"content": "", "tool_calls": [c.openai() for c in calls], **out}
         if self.parser is not None:
             content, self.calls = parse_tool_calls(content or "", self.parser.max_calls)
             if self.calls:

@@ -34,6 +34,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
 ROLES = {"colocated": ["--colocated", "1", "--prefill", "0", "--decode", "0"], "pd": ["--prefill", "1", "--decode", "1"]}
+OFF = {"chat_template_kwargs": {"enable_thinking": False}}  # the grammar of a forced call starts at once
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 
 
@@ -81,16 +82,17 @@ def _streamed(chunks) -> dict:
 
 
 def test_named_tool_choice_gives_arguments_that_validate(client):
+    """(With thinking off: the grammar starts at once; after reasoning, see below.)"""
     named = {"type": "function", "function": {"name": "get_weather"}}
     for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
-        res = _chat(client, tools=TOOLS, tool_choice=named, **kw)
+        res = _chat(client, tools=TOOLS, tool_choice=named, extra_body=OFF, **kw)
         choice = res.choices[0]
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_weather" and call.id.startswith("call_") and call.type == "function"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
         assert choice.finish_reason == "stop"  # as vLLM and OpenAI: a named call stops
-    whole = _chat(client, tools=TOOLS, tool_choice=named, temperature=0).choices[0].message.tool_calls[0]
-    got = _streamed(_chat(client, stream=True, tools=TOOLS, tool_choice=named, temperature=0))
+    whole = _chat(client, tools=TOOLS, tool_choice=named, extra_body=OFF, temperature=0).choices[0].message.tool_calls[0]
+    got = _streamed(_chat(client, stream=True, tools=TOOLS, tool_choice=named, extra_body=OFF, temperature=0))
     assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == \
         [("get_weather", whole.function.arguments)]
     assert got["finish_reason"] == "stop" and got["calls"][0]["id"].startswith("call_")
@@ -98,15 +100,15 @@ def test_named_tool_choice_gives_arguments_that_validate(client):
 
 def test_required_tool_choice_gives_calls_of_the_tools(client):
     for parallel in (True, False):
-        res = _chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3, max_tokens=200,
+        res = _chat(client, tools=TOOLS, tool_choice="required", extra_body=OFF, temperature=1.0, seed=3, max_tokens=200,
                     parallel_tool_calls=parallel)
         choice = res.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.tool_calls and (parallel or len(choice.message.tool_calls) == 1)
         for call in choice.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    whole = _chat(client, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200).choices[0]
-    got = _streamed(_chat(client, stream=True, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200))
+    whole = _chat(client, tools=TOOLS, tool_choice="required", extra_body=OFF, temperature=0, max_tokens=200).choices[0]
+    got = _streamed(_chat(client, stream=True, tools=TOOLS, tool_choice="required", extra_body=OFF, temperature=0, max_tokens=200))
     assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert got["finish_reason"] == whole.finish_reason == "tool_calls"
@@ -182,6 +184,51 @@ def test_reasoning_split_without_tools(client, stream):
     # cut while thinking: all reasoning, as vLLM's qwen3 parser
     msg = _chat(client, temperature=0, max_tokens=3, extra_body=_forced("<think>one two three four five")).choices[0]
     assert msg.finish_reason == "length" and msg.message.content is None and msg.message.reasoning_content
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+FORCED = [({"tools": TOOLS, "tool_choice": NAMED}, "stop"), ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, "tool_calls"),
+          ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMAS["get_weather"]}}},
+           "stop")]
+
+
+def _answer(res, stream: bool) -> tuple[str | None, list[tuple[str, dict]], object, str]:
+    """(reasoning, calls (name, arguments), the content read as JSON, finish_reason) of an answer."""
+    if stream:
+        got = _streamed(res)
+        calls = [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()]
+        return got["reasoning"] or None, calls, json.loads(got["content"] or "null"), got["finish_reason"]
+    choice = res.choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
+    return (getattr(choice.message, "reasoning_content", None), calls, json.loads(choice.message.content or "null"),
+            choice.finish_reason)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_or_json_follows_the_reasoning(client, tools_model, stream):
+    think_end = Tokenizer(tools_model).encode("</think>")
+    bias = {str(think_end[0]): 6}  # the random model ends its reasoning after a few tokens
+    for seed, (kw, finish) in enumerate(FORCED):
+        res = _chat(client, stream=stream, temperature=1.0, seed=seed, logit_bias=bias, max_tokens=300, **kw)
+        reasoning, calls, content, reason = _answer(res, stream)
+        assert reasoning and reason == finish, (kw, reasoning, calls, content)
+        if "tools" not in kw:
+            calls = [("get_weather", content)]
+        assert calls and all(n in SCHEMAS for n, _ in calls), (kw, calls)
+        for name, args in calls:
+            jsonschema.validate(args, SCHEMAS[name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_thinking_off_the_grammar_starts_at_once(client, tools_model, stream):
+    bias = {str(Tokenizer(tools_model).encode("</think>")[0]): 6}
+    for seed, (kw, finish) in enumerate(FORCED):
+        res = _chat(client, stream=stream, temperature=1.0, seed=seed, logit_bias=bias, max_tokens=300,
+                    extra_body=OFF, **kw)
+        reasoning, calls, content, reason = _answer(res, stream)
+        assert reasoning is None and reason == finish, (kw, reasoning, calls, content)
+        for name, args in calls or [("get_weather", content)]:
+            jsonschema.validate(args, SCHEMAS[name])
 
 
 def test_tool_messages_render_and_are_answered(client):
