@@ -57,6 +57,19 @@ class StructuredOutput:
             raise SamplingParamsError(f"structured reasoning_end must be a token id, got {self.reasoning_end}")
 
 
+def prompt_logprobs_problem(n: int) -> str | None:
+    """Why `prompt_logprobs` n cannot be served, or None. -1 (vLLM: the whole vocabulary
+    at each prompt position) is refused, as vLLM does under its default `--max-logprobs`
+    20: it is vocab_size entries per prompt token."""
+    if n == -1:
+        return (f"prompt_logprobs -1 (every vocabulary token at each prompt position) is not served: that is "
+                f"vocab_size entries per prompt token (vLLM refuses it too unless started with --max-logprobs -1); "
+                f"ask for 0..{MAX_LOGPROBS}")
+    if not 0 <= n <= MAX_LOGPROBS:
+        return f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {n}"
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -157,8 +170,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and (problem := prompt_logprobs_problem(self.prompt_logprobs)):
+            raise SamplingParamsError(problem)
         self._validate_stops()
         self._validate_penalties()
         if self.structured is not None:
