@@ -80,7 +80,7 @@ class SamplingParams:
 
     The logits of a step pass, in this order (vLLM's): `logit_bias` (token id -> bias),
     the `min_tokens` mask (EOS and `stop_token_ids` cannot be sampled before that many
-    output tokens), `repetition_penalty` (prompt and output tokens; transformers'
+    output tokens, unless the grammar allows nothing else), `repetition_penalty` (prompt and output tokens; transformers'
     semantics), `frequency_penalty` / `presence_penalty` (output tokens; OpenAI's), then
     temperature, `min_p`, top-k and top-p. A sampled `stop_token_ids` token ends the
     request with "stop" (kept in the output, like EOS). `logit_bias` is held as sorted

@@ -183,3 +183,23 @@ def test_a_grammar_with_reasoning_end_starts_after_that_token(tiny, model_dirs):
     plain, waiting = tiny.generate(prompts[:1] * 2, [never, dataclasses.replace(never, structured=so)], use_tqdm=False)
     assert waiting["token_ids"] == plain["token_ids"]  # reasoning never ends: the grammar never applies
     assert not _grammar_accepts(tiny, so, plain["token_ids"])
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_its_end(tiny):
+    """min_tokens hides the ends until then, except where the grammar allows nothing but
+    its end: there the request stops as without min_tokens (sampled too: no row samples
+    from no token). Where the grammar leaves another way, min_tokens holds."""
+    eos = min(tiny.engine.eos_token_ids)
+    prompt = mixed_prompts(tiny.engine.config.model.vocab_size, seed=3)[0]
+    choice = StructuredOutput("choice", '["yes"]')
+    eager = SamplingParams(temperature=0, max_tokens=30, logit_bias={eos: 100.0}, structured=StructuredOutput(
+        "regex", "[a-z]+"))  # the model would end after one token
+    rows = [SamplingParams(temperature=t, seed=1, max_tokens=30, min_tokens=m, structured=choice)
+            for t in (0, 1.0) for m in (0, 10)] + [eager, dataclasses.replace(eager, min_tokens=6)]
+    outs = tiny.generate([prompt] * len(rows), rows, use_tqdm=False)
+    for free, held in (outs[0:2], outs[2:4]):
+        assert held["token_ids"] == free["token_ids"] and held["finish_reason"] == "stop" and held["text"] == "yes"
+        assert len(held["token_ids"]) < 10
+    quick, held = outs[4:]
+    assert quick["finish_reason"] == held["finish_reason"] == "stop"
+    assert len(quick["token_ids"]) < 6 <= len(held["token_ids"]) and re.fullmatch("[a-z]+", held["text"])
