@@ -3,8 +3,11 @@ random model whose chat template is Qwen3's own (`make-model --chat-template qwe
 served with vLLM's flags (--enable-auto-tool-choice --tool-call-parser hermes
 --reasoning-parser qwen3), colocated and 1P+1D: a named or required tool_choice gives
 calls whose arguments validate against the tool's schema (the grammar writes them, so a
-random model does); "auto" and the reasoning split read an output the test forces with a
-structured_outputs regex, streamed and not; tool messages render; bad tools are a 400
+random model does), after the model's reasoning (the grammar starts after `</think>`) or
+at once with thinking off; "auto" and the reasoning split read an output the test forces:
+the model reasons a few tokens, a bias on `</think>` ends that, then a structured_outputs
+regex writes the rest; streamed calls come as OpenAI's fragments and add up (the openai
+SDK's stream helper) to the whole answer's; tool messages render; bad tools are a 400
 naming the field; tools travel on the ZeroMQ wire and into /tokenize."""
 from __future__ import annotations
 
@@ -115,47 +118,56 @@ def test_required_tool_choice_gives_calls_of_the_tools(client):
 
 
 def _forced(text: str) -> dict:
-    """extra_body that makes the model write exactly `text` (a regex of it)."""
+    """extra_body that makes the model write exactly `text` (a regex of it) once its grammar applies."""
     return {"structured_outputs": {"regex": re.escape(text)}}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_auto_reads_the_calls_the_model_writes_after_its_reasoning(client, stream):
-    text = "<think>plan it</think>I will check." + CALL_TEXT
-    res = _chat(client, stream=stream, tools=TOOLS, temperature=0, extra_body=_forced(text))
-    if stream:
-        got = _streamed(res)
-        calls = [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()]
-        reasoning, content, reason = got["reasoning"], got["content"], got["finish_reason"]
-    else:
-        msg = res.choices[0].message
-        calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
-        reasoning, content, reason = msg.reasoning_content, msg.content, res.choices[0].finish_reason
+@pytest.fixture(scope="module")
+def thinks_then(tools_model):
+    """thinks_then(text): the kwargs that make the random model reason a few tokens of its
+    own, end its reasoning (a bias on `</think>`), then write exactly `text` (the grammar
+    applies after the reasoning)."""
+    think_end = Tokenizer(tools_model).encode("</think>")
+    assert len(think_end) == 1
+    return lambda text: {"temperature": 1.0, "seed": 4, "logit_bias": {str(think_end[0]): 6},
+                         "extra_body": _forced(text)}
+
+
+def test_auto_reads_the_calls_the_model_writes_after_its_reasoning(client, thinks_then):
+    kw = thinks_then("I will check." + CALL_TEXT)
+    res = _chat(client, tools=TOOLS, **kw)
+    msg = res.choices[0].message
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
     assert calls == [("get_weather", {"city": "Paris", "days": 2})]
-    assert (reasoning, content, reason) == ("plan it", "I will check.", "tool_calls")
+    assert (msg.content, res.choices[0].finish_reason) == ("I will check.", "tool_calls")
+    assert msg.reasoning_content and "</think>" not in msg.reasoning_content
+    got = _streamed(_chat(client, stream=True, tools=TOOLS, **kw))
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == \
+        [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+    assert (got["reasoning"], got["content"], got["finish_reason"]) == (msg.reasoning_content, msg.content,
+                                                                       "tool_calls")
 
 
-def test_auto_streams_each_call_in_fragments_that_add_up_to_the_whole_answer(client):
+def test_auto_streams_each_call_in_fragments_that_add_up_to_the_whole_answer(client, thinks_then):
     second = CALL_TEXT.replace('"city": "Paris", "days": 2', '"city": "Rome", "days": 7')
-    kw = {"messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 200,
-          "extra_body": _forced("<think>plan</think>" + CALL_TEXT + "\n" + second)}
+    kw = {"messages": ASK, "tools": TOOLS, "max_tokens": 200, **thinks_then(CALL_TEXT + "\n" + second)}
     whole = _chat(client, **kw).choices[0]
     model = client.models.list().data[0].id
     with client.chat.completions.stream(model=model, **kw) as stream:  # the openai SDK sums the deltas
         deltas = [c.delta.tool_calls for e in stream if e.type == "chunk" for c in e.chunk.choices
                   if c.delta.tool_calls]
         final = stream.get_final_completion().choices[0]
-    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
-        [(c.id, "get_weather", args) for c, args in zip(final.message.tool_calls,
-                                                         [{"city": "Paris", "days": 2}, {"city": "Rome", "days": 7}])]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome", "days": 7})]
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert final.finish_reason == whole.finish_reason == "tool_calls"
-    assert final.message.reasoning_content == "plan"
+    assert final.message.reasoning_content == whole.message.reasoning_content
     pieces = [d for ds in deltas for d in ds]
     heads = [d for d in pieces if d.id is not None]
     assert [(d.index, d.function.name, d.type) for d in heads] == [(0, "get_weather", "function"),
                                                                     (1, "get_weather", "function")]
+    assert len({d.id for d in heads}) == 2
     assert all(d.function.name is None for d in pieces if d.id is None)  # later deltas: arguments only
     assert len([d for d in pieces if d.index == 0]) > 2  # the arguments came in several deltas
 
@@ -172,18 +184,16 @@ def test_auto_without_thinking_and_without_calls(client):
     assert res.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_reasoning_split_without_tools(client, stream):
-    res = _chat(client, stream=stream, temperature=0, extra_body=_forced("<think>abc</think>def"))
-    if stream:
-        got = _streamed(res)
-        assert (got["reasoning"], got["content"], got["finish_reason"]) == ("abc", "def", "stop")
-    else:
-        msg = res.choices[0].message
-        assert (msg.reasoning_content, msg.content, res.choices[0].finish_reason) == ("abc", "def", "stop")
-    # cut while thinking: all reasoning, as vLLM's qwen3 parser
-    msg = _chat(client, temperature=0, max_tokens=3, extra_body=_forced("<think>one two three four five")).choices[0]
+def test_reasoning_split_without_tools(client, thinks_then):
+    kw = thinks_then("def")
+    msg = _chat(client, **kw).choices[0]
+    assert msg.message.reasoning_content and (msg.message.content, msg.finish_reason) == ("def", "stop")
+    got = _streamed(_chat(client, stream=True, **kw))
+    assert (got["reasoning"], got["content"], got["finish_reason"]) == (msg.message.reasoning_content, "def", "stop")
+    # cut while thinking: all reasoning, as vLLM's qwen3 parser (and the grammar never began)
+    msg = _chat(client, temperature=0, max_tokens=3, extra_body=_forced("one two three four five")).choices[0]
     assert msg.finish_reason == "length" and msg.message.content is None and msg.message.reasoning_content
+    assert not msg.message.reasoning_content.startswith("one")
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
