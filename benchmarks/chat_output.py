@@ -38,7 +38,7 @@ def answer(chars: int) -> str:
 
 def run(pieces: list[str], shaping) -> float:
     """Seconds to turn every delta into a chunk."""
-    env = Envelope(CHAT, "r", "m", 0.0, str, shaping)
+    env = Envelope(CHAT, "r", "m", 0.0, str, shaping=shaping)
     outs = [TokenOutput(request_id="r", token_ids=[1], text=p, finished=i == len(pieces) - 1,
                         finish_reason="stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
     t = time.perf_counter()

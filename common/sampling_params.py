@@ -37,10 +37,14 @@ class StructuredOutput:
     """A constraint on the output text: `kind` (one of STRUCTURED_KINDS) and `spec`, its
     text (a JSON schema, a regex, a JSON list of choices, an EBNF grammar; "" for
     json_object). Only the shape is checked here; whether it compiles is checked at the
-    edge and by each engine (common/engine/grammar.py)."""
+    edge and by each engine (common/engine/grammar.py). `reasoning_end` (a token id, the
+    end of reasoning such as Qwen3's `</think>`): the grammar applies only from the token
+    after the first output token of that id, as vLLM's with a reasoning parser; None: from
+    the first output token."""
 
     kind: str
     spec: str = ""
+    reasoning_end: int | None = None
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -49,6 +53,21 @@ class StructuredOutput:
         if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
             raise SamplingParamsError(f"a structured output spec may hold at most {MAX_STRUCTURED_SPEC_CHARS} "
                                       f"characters, got {len(self.spec)}")
+        if self.reasoning_end is not None and not 0 <= self.reasoning_end < 2**31:
+            raise SamplingParamsError(f"structured reasoning_end must be a token id, got {self.reasoning_end}")
+
+
+def prompt_logprobs_problem(n: int) -> str | None:
+    """Why `prompt_logprobs` n cannot be served, or None. -1 (vLLM: the whole vocabulary
+    at each prompt position) is refused, as vLLM does under its default `--max-logprobs`
+    20: it is vocab_size entries per prompt token."""
+    if n == -1:
+        return (f"prompt_logprobs -1 (every vocabulary token at each prompt position) is not served: that is "
+                f"vocab_size entries per prompt token (vLLM refuses it too unless started with --max-logprobs -1); "
+                f"ask for 0..{MAX_LOGPROBS}")
+    if not 0 <= n <= MAX_LOGPROBS:
+        return f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {n}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,7 +80,7 @@ class SamplingParams:
 
     The logits of a step pass, in this order (vLLM's): `logit_bias` (token id -> bias),
     the `min_tokens` mask (EOS and `stop_token_ids` cannot be sampled before that many
-    output tokens), `repetition_penalty` (prompt and output tokens; transformers'
+    output tokens, unless the grammar allows nothing else), `repetition_penalty` (prompt and output tokens; transformers'
     semantics), `frequency_penalty` / `presence_penalty` (output tokens; OpenAI's), then
     temperature, `min_p`, top-k and top-p. A sampled `stop_token_ids` token ends the
     request with "stop" (kept in the output, like EOS). `logit_bias` is held as sorted
@@ -151,8 +170,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an int64, in [-2**63, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and (problem := prompt_logprobs_problem(self.prompt_logprobs)):
+            raise SamplingParamsError(problem)
         self._validate_stops()
         self._validate_penalties()
         if self.structured is not None:

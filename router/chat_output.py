@@ -1,17 +1,18 @@
 """One chat choice's answer as the request's tools and the server's reasoning parser shape
 it: `reasoning_content` split out, tool calls read from the text ("auto") or made from
 the grammar-bound output (a named or "required" choice), streamed or whole. Streamed:
-text goes out as it comes (a possible tag's start held back); an "auto" call goes out as
-one delta when its block closes, a named call's arguments as they come, "required" calls
-when the output ends. The reasoning text is sent as `reasoning_content` and as
-`reasoning` (newer vLLM's name). finish_reason as vLLM: "tool_calls" for auto calls found and a
-"required" answer that stopped; a named call keeps "stop"."""
+text goes out as it comes (a possible tag's start held back); an "auto" call goes out
+once its name is written, then its arguments as they come (router/tool_parsers.py), a
+named call's arguments as they come, "required" calls when the output ends. The
+reasoning text is sent as `reasoning_content` and as `reasoning` (newer vLLM's name).
+finish_reason as vLLM: "tool_calls" for auto calls found and a "required" answer that
+stopped; a named call keeps "stop"."""
 from __future__ import annotations
 
 import json
 
 from router.reasoning import ReasoningSplitter, split_reasoning
-from router.tool_parsers import HermesParser, ToolCall, new_call_id, parse_tool_calls
+from router.tool_parsers import HermesParser, ToolCall, merged, new_call_id, parse_tool_calls
 from router.tools import ToolPlan
 
 
@@ -23,8 +24,7 @@ class ChoiceOutput:
     def __init__(self, plan: ToolPlan | None, reasoning: bool, thinking: bool) -> None:
         self.choice = plan.choice if plan is not None else "none"
         self.name = plan.name if plan is not None else None
-        forced = self.choice in ("named", "required")  # the grammar writes the call from the first token
-        self.splitter = ReasoningSplitter(thinking) if reasoning and not forced else None
+        self.splitter = ReasoningSplitter(thinking) if reasoning else None
         self.parser = HermesParser(None if plan is None or plan.parallel else 1) if self.choice == "auto" else None
         self.text = ""  # a "required" answer, parsed when it ends
         self.calls: list[ToolCall] = []
@@ -33,28 +33,27 @@ class ChoiceOutput:
     # ---- streamed --------------------------------------------------------------------
     def delta(self, text: str, finished: bool) -> dict:
         """The delta fields of a chunk carrying `text` (the last chunk: `finished`)."""
-        if self.choice == "named":
-            return self._named_delta(text, finished)
-        if self.choice == "required":
-            self.text += text
-            return {"content": "", **self._required_calls(len(self.calls))} if finished else {}
         reasoning, content = self.splitter.feed(text) if self.splitter else ("", text)
         if finished and self.splitter:
             r, c = self.splitter.finish()
             reasoning, content = reasoning + r, content + c
         out: dict = _reasoning(reasoning) if reasoning else {}
+        if self.choice == "named":
+            return {**out, **self._named_delta(content, finished)}
+        if self.choice == "required":
+            self.text += content
+            return {**out, "content": "", **self._required_calls(len(self.calls))} if finished else out
         if self.parser is None:
             return {**out, "content": content} if content or not out else out
-        content, found = self.parser.feed(content)
+        content, calls = self.parser.feed(content)
         if finished:
             c, more = self.parser.finish()
-            content, found = content + c, found + more
-        first = len(self.calls)
-        self.calls += found
+            content, calls = content + c, merged(calls + more)
+        self.calls = self.parser.calls
         if content:
             out["content"] = content
-        if found:
-            out["tool_calls"] = [call.openai(first + i) for i, call in enumerate(found)]
+        if calls:
+            out["tool_calls"] = calls
         return out
 
     def _named_delta(self, text: str, finished: bool) -> dict:
@@ -77,17 +76,17 @@ class ChoiceOutput:
     # ---- whole -----------------------------------------------------------------------
     def message(self, text: str) -> dict:
         """The fields of a whole answer's message (role aside)."""
-        if self.choice == "named":
-            self.calls = [ToolCall(new_call_id(), self.name or "", text)]
-            return {"content": "", "tool_calls": [self.calls[0].openai()]}
-        if self.choice == "required":
-            calls = required_calls(text)
-            if calls is None:  # cut short by max_tokens: not a whole list of calls
-                return {"content": text}
-            self.calls = calls
-            return {"content": "", "tool_calls": [c.openai() for c in calls]}
         reasoning, content = split_reasoning(text, self.splitter.thinking) if self.splitter else (None, text)
         out: dict = _reasoning(reasoning) if self.splitter is not None else {}
+        if self.choice == "named":
+            self.calls = [ToolCall(new_call_id(), self.name or "", content or "")]
+            return {"content": "", "tool_calls": [self.calls[0].openai()], **out}
+        if self.choice == "required":
+            calls = required_calls(content or "")
+            if calls is None:  # cut short by max_tokens: not a whole list of calls
+                return {"content": content, **out}
+            self.calls = calls
+            return {"content": "", "tool_calls": [c.openai() for c in calls], **out}
         if self.parser is not None:
             content, self.calls = parse_tool_calls(content or "", self.parser.max_calls)
             if self.calls:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
-from common.sampling_params import MAX_LOGPROBS, StructuredOutput
+from common.sampling_params import MAX_LOGPROBS, StructuredOutput, prompt_logprobs_problem
 
 
 class _NullIsDefault(BaseModel):
@@ -60,7 +62,14 @@ class _Common(_NullIsDefault):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     # vLLM's: each prompt token's logprob and the n most likely there (not with stream)
-    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = None  # -1 (vLLM: the whole vocabulary) refused, saying why
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, n: int | None) -> int | None:
+        if n is not None and (problem := prompt_logprobs_problem(n)):
+            raise PydanticCustomError("prompt_logprobs", problem)
+        return n
     # OpenAI parameters pdserve does not implement: declared so that a request asking for
     # them is refused (unsupported()) instead of silently served without them
     echo: Any = None  # served by completions (vLLM's chat echo, the last message again, is not)

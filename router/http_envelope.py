@@ -132,7 +132,9 @@ class Envelope:
         if self.shaping is None:
             content = self.shape.content(self.text(out, index, first), first)
         else:
-            state = self.choice_outputs.setdefault(index, self.shaping())
+            state = self.choice_outputs.get(index)
+            if state is None:
+                state = self.choice_outputs[index] = self.shaping()
             delta = state.delta(out.text, out.finished)
             content = {"delta": {"role": "assistant", **delta} if first else delta}
             reason = state.finish_reason(reason) if out.finished else None

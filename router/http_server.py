@@ -24,7 +24,7 @@ from router.http_api import (ChatBody, CompletionBody, DetokenizeBody, Structure
 from router.http_envelope import COMPLETION, CHAT, ChoiceOutputs, Envelope, PromptEcho, Shape
 from router.http_edge import EdgeMiddleware, error, install_error_handlers, sse_error
 from router.chat_output import ChoiceOutput
-from router.reasoning import thinking_on
+from router.reasoning import grammar_after_reasoning, thinking_on
 from router.text import merge_outputs, openai_usage
 from router.tools import ToolError, ToolPlan, tool_plan, wire_tool_calls
 
@@ -104,19 +104,24 @@ class OpenAIServer:
                                   continue_final_message=body.continue_final_message,
                                   chat_template_kwargs=body.chat_template_kwargs,
                                   tools=plan.tools if plan is not None else None)
-        if plan is not None and (forced := plan.structured()) is not None:
-            sub = dataclasses.replace(sub, sampling=dataclasses.replace(sub.sampling, structured=forced))
-        return await self.respond(body, [sub], CHAT, self.chat_shaping(body, plan))
+        forced = plan.structured() if plan is not None else None
+        so = grammar_after_reasoning(forced or sub.sampling.structured, self.router.tokenizer,
+                                     cfg.reasoning_parser, body.chat_template_kwargs)
+        if so is not sub.sampling.structured:
+            sub = dataclasses.replace(sub, sampling=dataclasses.replace(sub.sampling, structured=so))
+        waits = so is not None and so.reasoning_end is not None
+        return await self.respond(body, [sub], CHAT, self.chat_shaping(body, plan, waits))
 
-    def chat_shaping(self, body: ChatBody, plan: ToolPlan | None) -> ChoiceOutputs | None:
+    def chat_shaping(self, body: ChatBody, plan: ToolPlan | None, waits: bool) -> ChoiceOutputs | None:
         """How each choice's output is shaped, or None where it is plain text: tool calls
-        ("auto", named, required) and the reasoning split (router/chat_output.py)."""
+        ("auto", named, required) and the reasoning split (router/chat_output.py), which a
+        forced call's output has only where its grammar `waits` for the reasoning's end."""
         parser = self.router.config.reasoning_parser
         if (plan is None or plan.choice == "none") and parser is None:
             return None
         live = plan if plan is not None and plan.choice != "none" else None
-        return functools.partial(ChoiceOutput, live, parser is not None,
-                                 thinking_on(parser or "", body.chat_template_kwargs))
+        split = parser is not None and (live is None or live.choice == "auto" or waits)
+        return functools.partial(ChoiceOutput, live, split, thinking_on(parser or "", body.chat_template_kwargs))
 
     async def tokenize(self, body: TokenizeBody) -> Response | dict:
         """vLLM's /tokenize: the ids a completion (prompt) or chat (messages) would be served."""

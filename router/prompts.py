@@ -1,13 +1,13 @@
 """What the router does to a request before it routes it: the checks that need no
-tokenizer (cheap enough for the event loop), then the chat template, the tokens and the
-block hashes (in the router's tokenizer pool). Pure functions of the request, the
-tokenizer and the router's config."""
+tokenizer (cheap enough for the event loop), then the grammar's compile check, the chat
+template, the tokens and the block hashes (in the router's tokenizer pool). Pure
+functions of the request, the tokenizer and the router's config."""
 from __future__ import annotations
 
 import dataclasses
 
 from common.hashing import block_hashes
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutput
 from common.text.chat_template import ChatTemplateError
 from common.text.tokenizer import Tokenizer
 from common.validation import RequestError, check_chat, check_prompt_chars, check_sampling, check_text, check_token_ids
@@ -36,6 +36,16 @@ def check_request(sub: SubmitRequest, vocab_size: int, config: RouterConfig) -> 
     except RequestError as e:
         raise RouteError(str(e)) from None
     return params
+
+
+def check_grammar(so: StructuredOutput) -> None:
+    """RouteError unless the grammar compiles (xgrammar, cached per spec; seconds on the
+    first use, so never on the event loop): no worker gets a grammar it would refuse."""
+    from common.engine.grammar import GrammarError, check  # xgrammar: only when asked
+    try:
+        check(so)
+    except GrammarError as e:
+        raise RouteError(f"sampling.structured ({so.kind}) does not compile: {e}") from None
 
 
 def prompt_ids(tok: Tokenizer, sub: SubmitRequest) -> list[int]:
@@ -67,6 +77,8 @@ def prepare(sub: SubmitRequest, tok: Tokenizer, config: RouterConfig, now: float
     `max_tokens` is lowered to what fits the context (vLLM's min(max_tokens, max_model_len
     - prompt tokens)): the engine stops there anyway."""
     params = check_request(sub, tok.vocab_size, config)
+    if params.structured is not None:
+        check_grammar(params.structured)
     ids = tokenize(tok, sub)
     try:
         check_token_ids(ids, tok.vocab_size, config.max_model_len)

@@ -8,13 +8,30 @@ prompt); an output that never writes `</think>` is all reasoning (cut short whil
 thinking), except under `qwen3` when the request turned thinking off
 (`chat_template_kwargs: {"enable_thinking": false}`, whose prompt already closes an empty
 think block): then it is all content. Text before a `<think>` stays reasoning (vLLM's
-non-streamed parser drops it; its streamed one keeps it)."""
+non-streamed parser drops it; its streamed one keeps it). A chat request's grammar
+(response_format, structured_outputs, a forced tool call) applies after `</think>`."""
 from __future__ import annotations
 
+import dataclasses
+
+from common.sampling_params import StructuredOutput
 from common.text.detokenizer import held_back_tail
+from common.text.tokenizer import Tokenizer
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def grammar_after_reasoning(so: StructuredOutput | None, tokenizer: Tokenizer, parser: str | None,
+                            template_kwargs: dict | None) -> StructuredOutput | None:
+    """`so` bound to start after the reasoning (vLLM's structured output with a reasoning
+    parser): its `reasoning_end` is the id of `</think>`. Unchanged where there is no
+    grammar or no parser, thinking is off (the prompt closed the think block: the grammar
+    starts at once) or `</think>` is not one token of the vocabulary."""
+    if so is None or parser is None or not thinking_on(parser, template_kwargs):
+        return so
+    ids = tokenizer.encode(END)
+    return dataclasses.replace(so, reasoning_end=ids[0]) if len(ids) == 1 else so
 
 
 def thinking_on(parser: str, template_kwargs: dict | None) -> bool:

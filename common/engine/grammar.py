@@ -10,6 +10,9 @@ offline from our tokenizer.json. vLLM and SGLang default to it too.
 A sequence's matcher is rebuilt from its output tokens whenever it is missing or behind
 (`sync`): matching is deterministic, so the decode worker continues the prefill worker's
 grammar state from the tokens alone, and a preempted (recomputed) sequence stays in sync.
+A grammar with `reasoning_end` starts after the first output token of that id (the end
+of reasoning): where that is is read from the output tokens too, so nothing more crosses
+the P/D hand-off; until then the sequence samples unconstrained.
 A matcher only ever accepts tokens already appended to the sequence, so a failed step
 (re-run by the engine's isolation) leaves it as it was."""
 from __future__ import annotations
@@ -134,15 +137,23 @@ class Grammars:
             self._cache.popitem(last=False)
         return compiled
 
-    def sync(self, seq: Sequence) -> Any:
-        """`seq`'s matcher, advanced through every output token so far (made fresh when
-        missing). ValueError if an output token breaks the grammar."""
+    def sync(self, seq: Sequence) -> Any | None:
+        """`seq`'s matcher, advanced through every output token since its grammar began
+        (made fresh when missing); None while the grammar waits for the end of reasoning.
+        ValueError if an output token breaks the grammar."""
         state: _MatcherState | None = seq.grammar
+        so = seq.sampling_params.structured
+        assert so is not None
         if state is None:
-            assert seq.sampling_params.structured is not None
-            state = seq.grammar = _MatcherState(_xgr().GrammarMatcher(self.compile(seq.sampling_params.structured)))
+            state = seq.grammar = _MatcherState(_xgr().GrammarMatcher(self.compile(so)), so.reasoning_end is None)
         out = seq.output_token_ids
-        for token in out[state.num_accepted:]:
+        if state.start is None:
+            try:
+                state.start = out.index(so.reasoning_end, state.scanned) + 1
+            except ValueError:
+                state.scanned = len(out)
+                return None
+        for token in out[state.start + state.num_accepted:]:
             if not state.matcher.accept_token(token):
                 raise ValueError(f"output token {token} does not fit the request's structured output")
             state.num_accepted += 1
@@ -150,26 +161,33 @@ class Grammars:
 
     def is_complete(self, seq: Sequence) -> bool:
         """Whether `seq`'s grammar has reached its end (its stop token accepted)."""
-        return bool(self.sync(seq).is_terminated())
+        matcher = self.sync(seq)
+        return matcher is not None and bool(matcher.is_terminated())
 
-    def bitmask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+    def bitmask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed-token bitmask [B, ceil(V/32)] int32 (CPU) of a step's sampled rows,
-        filled on the constrained rows, and those rows' indices."""
+        filled on the rows whose grammar applies, and those rows' indices (None: no row's)."""
         xgr = _xgr()
-        rows = [i for i, s in enumerate(seqs) if s.sampling_params.structured is not None]
         mask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        for i in rows:
-            self.sync(seqs[i]).fill_next_token_bitmask(mask, i)
-        return mask, rows
+        rows = []
+        for i, s in enumerate(seqs):
+            matcher = self.sync(s) if s.sampling_params.structured is not None else None
+            if matcher is not None:
+                matcher.fill_next_token_bitmask(mask, i)
+                rows.append(i)
+        return (mask, rows) if rows else None
 
 
 class _MatcherState:
-    """A sequence's matcher and how many of its output tokens it has accepted."""
+    """A sequence's matcher, the output index its grammar starts at (None: reasoning goes
+    on; `scanned` output tokens hold no end of it) and how many tokens it has accepted."""
 
-    __slots__ = ("matcher", "num_accepted")
+    __slots__ = ("matcher", "start", "scanned", "num_accepted")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, started: bool) -> None:
         self.matcher = matcher
+        self.start: int | None = 0 if started else None
+        self.scanned = 0
         self.num_accepted = 0
 
 

@@ -75,8 +75,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], token_ids
               if p.min_tokens and len(token_ids[i]) - num_prompt_tokens[i] < p.min_tokens
               for t in _stop_ids(p, eos_token_ids) if t < vocab]
     if banned:
-        rows, cols = zip(*banned)
-        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        _ban(logits, banned, [p.structured is not None for p in params])
     pen = [i for i, p in enumerate(params) if p.uses_penalties]
     if len(pen) == len(params):  # every row: in place, no [R, V] copy out and back
         _apply_penalties(logits, params, token_ids, num_prompt_tokens)
@@ -84,6 +83,23 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], token_ids
         logits[pen] = _apply_penalties(logits[pen], [params[i] for i in pen], [token_ids[i] for i in pen],
                                        [num_prompt_tokens[i] for i in pen])
     return logits
+
+
+def _ban(logits: torch.Tensor, banned: list[tuple[int, int]], constrained: list[bool]) -> None:
+    """min_tokens: the (row, id) ends to -inf, except in a constrained row whose grammar
+    allows nothing else (its mask left only ends): there the grammar's end wins, and the
+    request stops before min_tokens rather than sample from no token at all."""
+    dev = logits.device
+    rows, cols = (torch.tensor(x, device=dev) for x in zip(*banned))
+    guarded = sorted({i for i, _ in banned if constrained[i]})
+    if not guarded:
+        logits[rows, cols] = float("-inf")
+        return
+    kept = logits[rows, cols]  # [N]: the ends' logits before the ban
+    logits[rows, cols] = float("-inf")
+    alive = torch.ones(logits.shape[0], dtype=torch.bool, device=dev)  # [B]: a row has a token left
+    alive[guarded] = torch.isfinite(logits[guarded]).any(dim=-1)
+    logits[rows, cols] = torch.where(alive[rows], logits[rows, cols], kept)
 
 
 def _stop_ids(p: SamplingParams, eos_token_ids: frozenset[int]) -> set[int]:

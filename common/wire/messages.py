@@ -21,7 +21,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 PROTOCOL_VERSION = 3  # 2: workers send one `step_outputs` per step instead of a `token_output` per token;
 # 3: `submit` carries `tools` and chat messages their tool calls and replies; the pool control API
 # (`pools_request` ... `worker_drain`); n > 1 (sampling `n`; `index` on outputs and abort; kv_ready's
-# fork_* fields); prompt logprobs
+# fork_* fields); prompt logprobs; `structured`'s reasoning_end
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 

@@ -6,6 +6,7 @@ token-exact; a preempted constrained sequence stays in sync; a spec that does no
 compile is refused; compiled grammars are cached in a bounded LRU."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -153,3 +154,52 @@ def test_structured_crosses_the_wire_as_a_typed_map():
     sub = SubmitRequest(request_id="r", sampling=SamplingParams(structured=so), prompt_token_ids=[1, 2])
     back = decode(encode(sub))
     assert back.sampling.structured == so and isinstance(back.sampling.structured, StructuredOutput)
+    after = dataclasses.replace(so, reasoning_end=151668)
+    assert decode(encode(dataclasses.replace(sub, sampling=SamplingParams(structured=after)))).sampling.structured == after
+
+
+def test_a_grammar_with_reasoning_end_starts_after_that_token(tiny, model_dirs):
+    """Up to the first `reasoning_end` token the output is the unconstrained one (same
+    seed), token for token; after it, the grammar's; a step where no row's grammar
+    applies fills no mask."""
+    from common.text.tokenizer import Tokenizer
+    end = 7  # any id: a bias makes the random model write it after a few tokens
+    prompts = mixed_prompts(tiny.engine.config.model.vocab_size, seed=11)[:4]
+    so = StructuredOutput("json", json.dumps(FIXED), reasoning_end=end)
+    free = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, ignore_eos=True, logit_bias={end: 6.0})
+            for s in range(4)]
+    bound = [dataclasses.replace(p, structured=so) for p in free]
+    outs = tiny.generate(prompts + prompts, free + bound, use_tqdm=False)
+    tok = Tokenizer(model_dirs["qwen3"])
+    ends = []
+    for a, b in zip(outs[:4], outs[4:]):
+        k = a["token_ids"].index(end) + 1
+        ends.append(k)
+        assert b["token_ids"][:k] == a["token_ids"][:k] and b["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(tok.decode(b["token_ids"][k:])), FIXED)
+        assert a["token_ids"][k:] != b["token_ids"][k:]
+    assert max(ends) > 2, ends  # some reasoning came before the grammar
+    never = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={end: -100.0})
+    plain, waiting = tiny.generate(prompts[:1] * 2, [never, dataclasses.replace(never, structured=so)], use_tqdm=False)
+    assert waiting["token_ids"] == plain["token_ids"]  # reasoning never ends: the grammar never applies
+    assert not _grammar_accepts(tiny, so, plain["token_ids"])
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_its_end(tiny):
+    """min_tokens hides the ends until then, except where the grammar allows nothing but
+    its end: there the request stops as without min_tokens (sampled too: no row samples
+    from no token). Where the grammar leaves another way, min_tokens holds."""
+    eos = min(tiny.engine.eos_token_ids)
+    prompt = mixed_prompts(tiny.engine.config.model.vocab_size, seed=3)[0]
+    choice = StructuredOutput("choice", '["yes"]')
+    eager = SamplingParams(temperature=0, max_tokens=30, logit_bias={eos: 100.0}, structured=StructuredOutput(
+        "regex", "[a-z]+"))  # the model would end after one token
+    rows = [SamplingParams(temperature=t, seed=1, max_tokens=30, min_tokens=m, structured=choice)
+            for t in (0, 1.0) for m in (0, 10)] + [eager, dataclasses.replace(eager, min_tokens=6)]
+    outs = tiny.generate([prompt] * len(rows), rows, use_tqdm=False)
+    for free, held in (outs[0:2], outs[2:4]):
+        assert held["token_ids"] == free["token_ids"] and held["finish_reason"] == "stop" and held["text"] == "yes"
+        assert len(held["token_ids"]) < 10
+    quick, held = outs[4:]
+    assert quick["finish_reason"] == held["finish_reason"] == "stop"
+    assert len(quick["token_ids"]) < 6 <= len(held["token_ids"]) and re.fullmatch("[a-z]+", held["text"])

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from router.reasoning import ReasoningSplitter, split_reasoning, thinking_on
-from router.tool_parsers import HermesParser, parse_tool_calls
+from router.tool_parsers import HermesParser, ToolCall, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -56,19 +56,33 @@ def test_thinking_on_follows_enable_thinking_for_qwen3_only():
     assert thinking_on("deepseek_r1", {"enable_thinking": False})
 
 
-def _calls(calls) -> list[tuple[str, dict]]:
-    return [(c.name, json.loads(c.arguments)) for c in calls]
+def _calls(calls) -> list[tuple[str, dict | str]]:
+    """(name, arguments read as JSON, or as written where they are not whole JSON)."""
+    def read(args: str) -> dict | str:
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return [(c.name, read(c.arguments)) for c in calls]
 
 
 def _streamed_tools(pieces: list[str], max_calls: int | None = None) -> tuple[str, list]:
+    """The content and calls of a stream, its tool-call deltas summed as the openai SDK's
+    stream helper sums them; each call's first delta carries its id, type and name (and
+    arguments ""), the later ones only arguments."""
+    from openai.lib.streaming._deltas import accumulate_delta
     p = HermesParser(max_calls)
-    content, calls = [], []
-    for piece in pieces:
-        c, found = p.feed(piece)
+    content, acc = [], {}
+    for piece in [*pieces, None]:
+        c, deltas = p.feed(piece) if piece is not None else p.finish()
         content.append(c)
-        calls += found
-    c, found = p.finish()
-    return "".join(content) + c, calls + found
+        for d in deltas:
+            first = d["index"] not in acc
+            assert ("id" in d and d["type"] == "function" and "name" in d["function"]) == first, d
+            acc[d["index"]] = accumulate_delta(acc.get(d["index"], {}), d)
+    calls = [ToolCall(a["id"], a["function"]["name"], a["function"]["arguments"]) for _, a in sorted(acc.items())]
+    assert [(c.id, c.name, c.arguments) for c in calls] == [(c.id, c.name, c.arguments) for c in p.calls]
+    return "".join(content), calls
 
 
 WEATHER = ("get_weather", {"city": "Paris", "days": 2})
@@ -88,15 +102,22 @@ TIME = ("get_time", {})
     ('<tool_call>\n{"name": "get_ti', '<tool_call>\n{"name": "get_ti', []),  # cut inside the JSON
     ("a <tool_ca", "a <tool_ca", []),
     ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("f", {"x": 1})]),
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', None, [("f", {"a": 1})]),  # read whole
+    ('<tool_call>{"name": "f", "parameters": {"s": "} ]</tool_\\"x", "n": [{"k": []}]}}</tool_call>', None,
+     [("f", {"s": '} ]</tool_"x', "n": [{"k": []}]})]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}, "junk": 2}</tool_call>x', "x", [("f", {"a": 1})]),
+    (CALL + '<tool_call>{"name": "g", "arguments": {"a": [1, ', None, [WEATHER, ("g", '{"a": [1, ')]),  # cut in its arguments
 ])
 def test_hermes_parse_whole_and_at_every_cut(text, content, calls):
-    got_content, got_calls = parse_tool_calls(text)
-    assert (got_content, _calls(got_calls)) == (content, calls)
-    for cut in range(len(text) + 1):
-        c, found = _streamed_tools([text[:cut], text[cut:]])
-        assert ((c or None) if found else c, _calls(found)) == (content, calls), cut
-    c, found = _streamed_tools(list(text))
-    assert ((c or None) if found else c, _calls(found)) == (content, calls)
+    def same(got_content, got_calls):
+        return ((got_content or None) if got_calls else got_content, _calls(got_calls)) == (content, calls)
+
+    whole_content, whole = parse_tool_calls(text)
+    assert same(whole_content, whole)
+    for pieces in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:
+        c, found = _streamed_tools(pieces)
+        assert same(c, found), pieces
+        assert [(f.name, f.arguments) for f in found] == [(w.name, w.arguments) for w in whole], pieces
 
 
 def test_hermes_one_call_when_parallel_calls_are_off():
@@ -105,11 +126,18 @@ def test_hermes_one_call_when_parallel_calls_are_off():
     assert _calls(_streamed_tools([CALL, CALL2], max_calls=1)[1]) == [WEATHER]
 
 
-def test_hermes_stream_sends_text_at_once_and_a_call_when_it_closes():
+def test_hermes_stream_sends_a_call_when_named_then_its_arguments_as_written():
     p = HermesParser()
     assert p.feed("Checking <tool") == ("Checking ", [])
-    assert p.feed('_call>{"name": "get_time", ') == ("", [])
-    content, calls = p.feed('"arguments": {}}</tool_call>')
-    assert content == "" and _calls(calls) == [TIME] and calls[0].id.startswith("call_")
-    assert calls[0].openai(0) == {"index": 0, "id": calls[0].id, "type": "function",
-                                  "function": {"name": "get_time", "arguments": "{}"}}
+    assert p.feed('_call>{"name": "get_weather", ') == ("", [])
+    content, deltas = p.feed('"arguments": {"city": "Pa')
+    call_id = p.calls[0].id
+    assert content == "" and call_id.startswith("call_") and deltas == [
+        {"index": 0, "id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]
+    assert p.feed('ris", "days": 2}') == ("", [{"index": 0, "function": {"arguments": 'ris", "days": 2}'}}])
+    assert p.feed("}\n</tool_call>") == ("", [])
+    assert p.feed('<tool_call>{"name": "get_time", "arguments": {') == \
+        ("", [{"index": 1, "id": p.calls[1].id, "type": "function", "function": {"name": "get_time", "arguments": "{"}}])
+    assert p.feed("}</tool_") == ("", [{"index": 1, "function": {"arguments": "}"}}])
+    assert [(c.name, c.arguments) for c in p.calls] == [("get_weather", '{"city": "Paris", "days": 2}'),
+                                                        ("get_time", "{}")]

@@ -4,6 +4,7 @@ worker dies or comes back at another address."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import zmq
@@ -325,4 +326,40 @@ def test_a_silent_worker_is_dead_when_the_routers_clock_says_so(model_dirs):
             assert h.router.registry.live(("colocated",)) == []
         finally:
             await h.close()
+    run(scenario())
+
+
+def test_a_grammar_that_does_not_compile_is_refused_before_any_worker(model_dirs):
+    """Through the ZeroMQ front end and router/client.py: a bad regex or JSON schema is
+    refused by the router with the compiler's reason; the worker never hears of it, while
+    a good grammar reaches it."""
+    from router.client import AsyncClient, ServerError
+    from router.zmq_frontend import ZmqFrontend
+
+    async def scenario():
+        h = Harness(model_dirs["qwen3"])
+        front = ZmqFrontend(h.router, "tcp://127.0.0.1:0")
+        front.start()
+        client = AsyncClient(front.address)
+        try:
+            w = await h.registered("c0")
+            for kind, spec, reason in [("regex", "a(", "regex"), ("json", '{"type": 5}', "json")]:
+                try:
+                    await client.generate([5, 6, 7], max_tokens=2, structured={"kind": kind, "spec": spec})
+                    raise AssertionError("a grammar that does not compile was served")
+                except ServerError as e:
+                    assert str(e).startswith(f"sampling.structured ({reason}) does not compile: "), str(e)
+                assert await w.next_request(timeout_s=0.3) is None
+            good = asyncio.create_task(client.generate([5, 6, 7], max_tokens=2,
+                                                       structured={"kind": "regex", "spec": "[ab]+"}))
+            _, req = await w.next_request()
+            assert req.sampling.structured.spec == "[ab]+"
+            good.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await good
+        finally:
+            await client.close()
+            front.close()
+            await h.close()
+
     run(scenario())

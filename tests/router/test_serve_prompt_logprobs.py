@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from router.client import Client
+from router.client import Client, ServerError
 from tests.reliability.harness import wait_blocks_baseline
 from tests.router.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, start_server, stop_server
 
@@ -159,12 +159,21 @@ def test_zmq_client_prompt_logprobs(served, tok, reference):
     ("completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("chat/completions", {"messages": CHAT, "max_tokens": 0, "prompt_logprobs": 1}, "max_tokens"),
     ("chat/completions", {"messages": CHAT, "prompt_logprobs": 30}, "prompt_logprobs"),
+    ("chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_bad_values_are_refused_naming_the_field(colocated_f32, path, body, field):
     resp = httpx.post(f"{colocated_f32.http}/{path}", json={"model": "qwen3", **body}, timeout=30)
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert field in err["message"] and err.get("param") == field
+    if body.get("prompt_logprobs") == -1:  # vLLM's "whole vocabulary": refused, saying why
+        assert "every vocabulary token" in err["message"] and "--max-logprobs" in err["message"]
+
+
+def test_prompt_logprobs_minus_one_is_refused_on_the_zeromq_wire_too(colocated_f32):
+    with Client(colocated_f32.zmq, timeout_s=60) as c:
+        with pytest.raises(ServerError, match="every vocabulary token at each prompt position"):
+            c.generate([1, 2, 3], max_tokens=0, prompt_logprobs=-1)
 
 
 def test_echo_and_prompt_logprobs_with_n_choices(served, tok, reference):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.lib.streaming._deltas import accumulate_delta
 
 from common.engine.grammar import check
 from router.chat_output import ChoiceOutput
@@ -81,13 +82,15 @@ def test_wire_tool_calls_read_arguments_as_vllm():
 
 def _stream(out: ChoiceOutput, text: str, cuts: list[int]) -> tuple[dict, str | None]:
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    got: dict = {"content": "", "reasoning": "", "calls": []}
+    got: dict = {"content": "", "reasoning": ""}
+    calls: dict[int, dict] = {}
     for i, piece in enumerate(pieces):
         d = out.delta(piece, finished=i == len(pieces) - 1)
         got["content"] += d.get("content") or ""
         got["reasoning"] += d.get("reasoning_content") or ""
-        got["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in d.get("tool_calls", ())
-                         if "name" in c["function"]]
+        for c in d.get("tool_calls", ()):  # summed as the openai SDK's stream helper sums them
+            calls[c["index"]] = accumulate_delta(calls.get(c["index"], {}), c)
+    got["calls"] = [(c["function"]["name"], c["function"]["arguments"]) for _, c in sorted(calls.items())]
     return got, out.finish_reason("stop")
 
 
@@ -98,19 +101,26 @@ def test_auto_with_reasoning_streamed_adds_up_to_the_whole_answer():
     assert (msg["reasoning_content"], msg["content"]) == ("hmm", "Let me see.")
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == \
         [("get_weather", '{"city": "Oslo"}')]
-    for cut in range(0, len(text), 3):
-        got, reason = _stream(ChoiceOutput(plan, True, True), text, [cut])
+    for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        got, reason = _stream(ChoiceOutput(plan, True, True), text, cuts)
         assert (got["reasoning"], got["content"], got["calls"], reason) == \
-            ("hmm", "Let me see.", [("get_weather", '{"city": "Oslo"}')], "tool_calls"), cut
+            ("hmm", "Let me see.", [("get_weather", '{"city": "Oslo"}')], "tool_calls"), cuts
 
 
 def test_named_and_required_outputs():
     named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, True)
-    out = ChoiceOutput(named, True, True)  # the reasoning parser leaves a forced call alone
+    out = ChoiceOutput(named, False, True)  # no split: the grammar starts at once
     first, later = out.delta('{"city": ', False), out.delta('"Oslo"}', True)
     assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
     assert later == {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}
     assert out.finish_reason("stop") == "stop"
+    text = '<think>hm</think>{"city": "Oslo"}'  # the grammar starts after the reasoning
+    msg = ChoiceOutput(named, True, True).message(text)
+    assert (msg["reasoning_content"], msg["tool_calls"][0]["function"]["arguments"]) == ("hm", '{"city": "Oslo"}')
+    for cut in range(len(text) + 1):
+        got, reason = _stream(ChoiceOutput(named, True, True), text, [cut])
+        assert (got["reasoning"], got["content"], got["calls"], reason) == \
+            ("hm", "", [("get_weather", '{"city": "Oslo"}')], "stop"), cut
     required = tool_plan([WEATHER, TIME], "required", None, True)
     text = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     msg = ChoiceOutput(required, False, True).message(text)
@@ -120,6 +130,10 @@ def test_named_and_required_outputs():
     assert cut.message(text[:30]) == {"content": text[:30]} and cut.finish_reason("length") == "length"
     got, reason = _stream(ChoiceOutput(required, False, True), text, [10, 40])
     assert got["calls"] == [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')] and reason == "tool_calls"
+    got, reason = _stream(ChoiceOutput(required, True, True), "<think>x</think>" + text, [5, 20, 60])
+    assert got["calls"] == [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')] and got["reasoning"] == "x"
+    msg = ChoiceOutput(required, True, True).message("<think>x</think>" + text)
+    assert msg["reasoning_content"] == "x" and len(msg["tool_calls"]) == 2
 
 
 def test_qwen3_template_renders_tools_as_transformers(tmp_path):
