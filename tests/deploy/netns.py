@@ -15,6 +15,10 @@ import pytest
 
 HTTP, ZMQ, CONTROL, WORKER = 8000, 8001, 8002, 8100  # each namespace has its own ports
 CLI = [sys.executable, "-m", "router.cli"]
+# every worker: a small KV cache (by default a worker takes 20% of the host's RAM for it,
+# GBs per worker: slow to allocate, and two or three of them beside the suite run a CI box
+# out of memory) and one torch thread (2 cores are shared by all the hosts)
+WORKER_DEFAULTS = ("--num-kv-blocks", "512", "--num-threads", "1")
 
 CLIENT = r"""
 import json, sys, time, urllib.request, urllib.error
@@ -191,15 +195,15 @@ def start_cluster(hosts: Hosts, model: str, addr: dict[str, str], workers: dict[
                   common: list[str], router_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
                   own_flags: dict[str, tuple[str, ...]] | None = None) -> dict[str, subprocess.Popen]:
     """`pdserve router` in host "router" and one `pdserve worker --join` per entry of
-    `workers` (host name -> role; the host name is its worker id; `own_flags`: flags of
-    that worker alone, after the others), each logging to logs/<host>.log; returns host
-    name -> process."""
+    `workers` (host name -> role; the host name is its worker id; its flags WORKER_DEFAULTS,
+    `common`, `worker_flags`, then `own_flags`: flags of that worker alone), each logging to
+    logs/<host>.log; returns host name -> process."""
     procs = {"router": start_router(hosts, model, addr["router"], logs / "router.log", common, router_flags)}
     join = f"tcp://{addr['router']}:{CONTROL}"
     for name, role in workers.items():
         procs[name] = hosts.run(name, [*CLI, "worker", model, "--role", role, "--join", join, "--host", addr[name],
-                                       "--port", str(WORKER), "--worker-id", name, *common, *worker_flags,
-                                       *(own_flags or {}).get(name, ())],
+                                       "--port", str(WORKER), "--worker-id", name, *WORKER_DEFAULTS, *common,
+                                       *worker_flags, *(own_flags or {}).get(name, ())],
                                 logs / f"{name}.log")
     return procs
 

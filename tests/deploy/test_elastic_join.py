@@ -50,7 +50,8 @@ def test_router_alone_drains_a_joined_prefill_worker_which_exits_0(model_dirs, t
                                     stdout=f, stderr=subprocess.STDOUT, env=env)
 
     def worker(role: str, wid: str) -> subprocess.Popen:
-        return start(["worker", "--role", role, "--join", join, "--worker-id", wid, "--heartbeat", "0.2"], wid + ".log")
+        return start(["worker", "--role", role, "--join", join, "--worker-id", wid, "--heartbeat", "0.2",
+                      "--num-kv-blocks", "512"], wid + ".log")  # not 20% of the host's RAM
 
     def scale(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([*cli, "scale", "--router", join, "--secret-file", str(secret), "--json", *flags],

@@ -60,7 +60,7 @@ def test_joined_worker_outlives_its_router_and_rejoins_a_new_one(model_dirs, tmp
     router_argv = ["router", "--http-port", str(http), "--zmq-port", str(zmq_port), "--control-port", str(control)]
     procs = [start(router_argv, "router.log"),
              start(["worker", "--role", "colocated", "--join", f"tcp://127.0.0.1:{control}", "--router-timeout", "1",
-                    "--worker-id", "c0"], "worker.log")]
+                    "--worker-id", "c0", "--num-kv-blocks", "512", "--num-threads", "1"], "worker.log")]
     try:
         _wait_ok(url, procs, 120)
         first = _complete(url, Path(model).name)

@@ -60,7 +60,7 @@ def test_internal_traffic_is_encrypted_and_a_stranger_cannot_join(model_dirs, tm
         logs = read_logs(tmp_path, [*procs, "stranger", "cap"])
         assert client.returncode == 0, f"client: {client.stderr}\n" + tails(logs)
         got = json.loads(client.stdout)
-        llm = LLM(model, dtype="float32")
+        llm = LLM(model, dtype="float32", num_kv_blocks=256)
         want = [o["token_ids"] for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
         assert got["token_ids"] == want
         for role in ("prefill", "decode"):

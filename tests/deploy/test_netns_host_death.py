@@ -125,7 +125,7 @@ def test_prefill_and_decode_hosts_die_mid_traffic(model_dirs, tmp_path, monkeypa
         assert "results" in said and "final" in said and not any(w == "timeout" for w in said), context
         assert all(f"killed {name}" in said for name in KILL_AT.values()), context
 
-        llm = LLM(model, dtype="float32", num_threads=1)
+        llm = LLM(model, dtype="float32", num_threads=1, num_kv_blocks=256)
         want = llm.generate([p for p, _ in JOBS], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                                                    for _, n in JOBS])
         got = json.loads(said["results"])

@@ -32,7 +32,7 @@ def test_router_and_workers_in_three_namespaces(model_dirs, tmp_path):
         logs = read_logs(tmp_path, procs)
         assert client.returncode == 0, f"client: {client.stderr}\n" + tails(logs)
         got = json.loads(client.stdout)
-        llm = LLM(model, dtype="float32")
+        llm = LLM(model, dtype="float32", num_kv_blocks=256)
         want = [o["token_ids"] for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
         assert got["token_ids"] == want
         # the pair is on two hosts: tcp, and its KV bytes really went over it

@@ -24,7 +24,7 @@ def test_small_decode_worker_serves_everything(backend, model_dirs, vocab_size, 
 
     dep = start_pair(model_dir, backend, engine_options(num_kv_blocks=256, max_model_len=512),
                      decode_options={"num_kv_blocks": D_BLOCKS, "max_model_len": 256},
-                     workdir=tmp_path)
+                     workdir=tmp_path, together=True)
     try:
         result = dep.run(prompts, MAX_NEW, timeout_s=120)
         assert not result.errors, f"{result.errors}\n{dep.logs()}"

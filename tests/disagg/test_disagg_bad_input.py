@@ -57,7 +57,7 @@ REFUSED = {
 @pytest.fixture(scope="module")
 def pair(model_dirs, tmp_path_factory):
     dep = start_pair(model_dirs["qwen3"], "shm", engine_options(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN),
-                     workdir=tmp_path_factory.mktemp("bad-input"))
+                     workdir=tmp_path_factory.mktemp("bad-input"), together=True)
     yield dep
     dep.close()
 

@@ -21,7 +21,8 @@ def test_bf16_pair_matches_one_engine(backend, model_dirs, vocab_size, tmp_path)
         llm = LLM(model_dir, **OPTIONS)
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW)  # as the driver's requests
         want = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-    dep = start_pair(model_dir, backend, OPTIONS, prefill_options={"max_num_batched_tokens": 64}, workdir=tmp_path)
+    dep = start_pair(model_dir, backend, OPTIONS, prefill_options={"max_num_batched_tokens": 64}, workdir=tmp_path,
+                     together=True)
     try:
         result = dep.run(prompts, MAX_NEW)
         assert not result.errors, f"requests failed: {result.errors}\n{dep.logs()}"

@@ -42,22 +42,17 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def refused(prefill, model_dirs):
-    """refused(case) -> the decode worker of `case`, started once and run to its exit."""
+    """refused(case) -> the decode worker of `case`, run to its exit. Every case's worker
+    starts at once (on 2 cores, about half the wall time of one after the other)."""
     launcher, p = prefill
-    workers: dict[str, WorkerProcess] = {}
-
-    def get(case: str) -> WorkerProcess:
-        if case not in workers:
-            arch, flags, _ = CASES[case]
-            d = start_worker(launcher, f"d-{case}-{uuid.uuid4().hex[:6]}", "decode", model_dirs[arch],
-                             {**flags, "prefill_peers": (p.address,)})
-            with pytest.raises(LaunchError):
-                launcher.wait_ready([d], timeout=60)
-            d.proc.wait(timeout=30)
-            workers[case] = d
-        return workers[case]
-
-    return get
+    workers = {case: start_worker(launcher, f"d-{case}-{uuid.uuid4().hex[:6]}", "decode", model_dirs[arch],
+                                  {**flags, "prefill_peers": (p.address,)})
+               for case, (arch, flags, _) in CASES.items()}
+    for d in workers.values():
+        with pytest.raises(LaunchError):
+            launcher.wait_ready([d], timeout=120)
+        d.proc.wait(timeout=30)
+    return workers.__getitem__
 
 
 def _wait_for_no_shm(d: WorkerProcess, timeout_s: float = 10.0) -> None:

@@ -1,6 +1,7 @@
-"""Fixtures for the `pdserve serve` end-to-end tests. The prefill + decode deployment is
-package-scoped: started once for every test file here that asks for it, stopped (and
-checked to leave no worker behind) after the last of them."""
+"""Fixtures for the `pdserve serve` end-to-end tests. The prefill + decode deployment and
+the one-colocated-worker deployment are package-scoped: each started once for every test
+file here that asks for it, stopped (and checked to leave no worker behind) after the last
+of them."""
 from __future__ import annotations
 
 import openai
@@ -8,7 +9,7 @@ import pytest
 
 from common.text.tokenizer import Tokenizer
 from tests.helpers import one_torch_thread
-from tests.router.serving import MAX_MODEL_LEN, RawClient, serving_pd
+from tests.router.serving import MAX_MODEL_LEN, RawClient, colocated_server, serving_pd
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,12 @@ def pd(model_dir, tmp_path_factory):
     """One prefill + one decode worker behind the router; stopped with SIGTERM."""
     with serving_pd(model_dir, tmp_path_factory.mktemp("serve_pd"), MAX_MODEL_LEN) as served:
         yield served
+
+
+@pytest.fixture(scope="package")
+def colocated(model_dir, tmp_path_factory):
+    """One colocated worker behind the router; stopped with SIGTERM."""
+    yield from colocated_server(model_dir, tmp_path_factory.mktemp("serve_colocated"), MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="package")

@@ -237,8 +237,8 @@ def served_model(client: "openai.OpenAI") -> str:
 
 
 def colocated_server(model_dir: str, workdir: Path, max_model_len: int) -> Iterator[Served]:
-    """One colocated worker's `pdserve serve`, for a module fixture to `yield from`: stopped
-    (SIGTERM) after the module, whatever happened."""
+    """One colocated worker's `pdserve serve`, for a fixture to `yield from`: stopped
+    (SIGTERM) at the fixture's teardown, whatever happened."""
     served = start_server(model_dir, workdir, ["--colocated", "1", "--prefill", "0", "--decode", "0"], max_model_len)
     try:
         yield served

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from common import LLM, SamplingParams
-from tests.router.serving import colocated_server, CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids
+from tests.router.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 TOP = 3
@@ -24,11 +24,6 @@ def offline(model_dir):
     def run(ids: list[int], top: int = TOP) -> dict:
         return llm.generate([ids], SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=top), use_tqdm=False)[0]
     return run
-
-
-@pytest.fixture(scope="module")
-def colocated(model_dir, tmp_path_factory):
-    yield from colocated_server(model_dir, tmp_path_factory.mktemp("serve_colocated_lp"), MAX_MODEL_LEN)
 
 
 @pytest.fixture(params=["pd", "colocated"])

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from common import LLM, SamplingParams
-from tests.router.serving import colocated_server, CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, openai_client
+from tests.router.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, openai_client
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 MAX_NEW = 8
@@ -21,11 +21,6 @@ MAX_NEW = 8
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
     return LLM(model_dir, dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def colocated(model_dir, tmp_path_factory):
-    yield from colocated_server(model_dir, tmp_path_factory.mktemp("serve_colocated_n"), MAX_MODEL_LEN)
 
 
 @pytest.fixture(params=["pd", "colocated"])

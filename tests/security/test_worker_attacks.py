@@ -28,7 +28,7 @@ MAX_NEW = 6
 @pytest.fixture(scope="module")
 def pair(model_dirs, tmp_path_factory):
     dep = start_pair(model_dirs["qwen3"], "shm", engine_options(num_kv_blocks=64, max_model_len=256),
-                     workdir=tmp_path_factory.mktemp("attacks"))
+                     workdir=tmp_path_factory.mktemp("attacks"), together=True)
     yield dep
     dep.close()
 

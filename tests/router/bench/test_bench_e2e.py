@@ -1,14 +1,12 @@
 """`pdserve bench` end to end: a real 1 prefill + 1 decode CPU server (`pdserve serve`, tiny
-Qwen3, one torch thread per worker), a 2-rate sweep and a single detailed run as
-subprocesses; the JSON and the three plots come out, and no process outlives the test."""
+Qwen3, one torch thread per worker: the package's `pd`), a 2-rate sweep and a single
+detailed run as subprocesses; the JSON and the three plots come out, and no process
+outlives the server (its teardown checks)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,58 +17,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUM_PROMPTS = 8
 
 
-def _alive(pid: int) -> bool:
-    """A live (not zombie) pdserve process (router or worker) with this pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z" and \
-        any(m in cmdline for m in ("router.cli", "prefill_node", "decode_node"))
-
-
 @pytest.fixture(scope="module")
-def server(model_dirs, tmp_path_factory):
-    """A 1P+1D server; yields its ready-file info. Teardown stops it and checks that the
-    router and both workers are gone."""
-    work = tmp_path_factory.mktemp("bench_server")
-    ready = work / "ready.json"
-    log = open(work / "serve.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", model_dirs["qwen3"], "--prefill", "1", "--decode", "1",
-         "--num-threads", "1", "--http-port", "0", "--zmq-port", "0", "--ready-file", str(ready),
-         "--num-kv-blocks", "256", "--max-model-len", "256"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    pids: list[int] = [proc.pid]
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server not ready (exit code {proc.poll()}):\n{(work / 'serve.log').read_text()[-3000:]}")
-            time.sleep(0.1)
-        info = json.loads(ready.read_text())
-        pids += [w["pid"] for w in info["workers"].values()]
-        assert info["pid"] == proc.pid and len(info["workers"]) == 2
-        yield info
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            for pid in pids:  # only the processes this fixture started
-                if _alive(pid):
-                    os.kill(pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [p for p in pids if _alive(p)]
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        assert not left, f"processes left after SIGTERM: {left}"
+def server(pd) -> dict:
+    """The package's 1P+1D server (tests/router/conftest.py): its ready-file info. Its
+    teardown stops it and checks that the router and both workers are gone."""
+    return pd.info
 
 
 def _bench(server: dict, model_dir: str, out: Path, *extra: str) -> dict:

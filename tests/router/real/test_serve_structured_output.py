@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.router.serving import openai_client, served_model, serving_pd
+from tests.router.serving import served_model
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -23,17 +23,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Give me a person as JSON with a name and an age."}]
 PLAIN = "The three primary colors are"
-
-
-@pytest.fixture(scope="module")
-def served(real_model_dir, tmp_path_factory):
-    with serving_pd(real_model_dir, tmp_path_factory.mktemp("serve_structured"), 512, timeout=300) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai_client(served)
 
 
 _model = served_model

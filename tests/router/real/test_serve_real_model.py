@@ -6,11 +6,11 @@ transformers' greedy output; streamed text == non-streamed text == decode(tokens
 string that spans tokens cuts the text the same way in both."""
 from __future__ import annotations
 
-import openai
 import pytest
 
 from common.text.tokenizer import Tokenizer
-from tests.router.serving import openai_client, served_model, serving_pd
+from tests.router.real.conftest import MAX_MODEL_LEN
+from tests.router.serving import served_model
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -19,18 +19,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ACCENTS = [{"role": "system", "content": "Réponds en français. 🙂"},
            {"role": "user", "content": "Quelle est la capitale de l'Allemagne ? 🇩🇪"}]
 PROMPT = "Crème brûlée, jalapeño and 🍣 are"
-
-
-@pytest.fixture(scope="module")
-def served(real_model_dir, tmp_path_factory):
-    with serving_pd(real_model_dir, tmp_path_factory.mktemp("serve_real"), 256, timeout=300,
-                    extra=("--quantization", "none")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai_client(served)
 
 
 _model = served_model
@@ -112,5 +100,5 @@ def test_what_agent_sdks_send(client, rtok):
     res = client.chat.completions.create(model=_model(client), messages=story, temperature=0)
     n_prompt = len(rtok.encode(rtok.apply_chat_template(story)))
     assert res.usage.completion_tokens > 16, res.choices[0].message.content
-    assert res.choices[0].finish_reason == "stop" or res.usage.completion_tokens == 256 - n_prompt
+    assert res.choices[0].finish_reason == "stop" or res.usage.completion_tokens == MAX_MODEL_LEN - n_prompt
     assert res.choices[0].message.content == rtok.decode(res.choices[0].token_ids)

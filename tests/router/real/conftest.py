@@ -1,0 +1,26 @@
+"""The real default model's float32 conversion (`--quantization none`: the served tests
+compare with transformers token for token) behind `pdserve serve` 1P+1D, for every test
+file here: started
+once (a real-model start-up costs tens of seconds on 2 cores) and stopped, checked to
+leave no worker behind, after the last of them. Package-scoped so that it goes as soon as
+these files are done, not at the end of tests/router."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.router.serving import openai_client, serving_pd
+
+MAX_MODEL_LEN = 256  # a long chat runs to it (test_what_agent_sdks_send): kept short
+
+
+@pytest.fixture(scope="package")
+def served(real_model_dir, tmp_path_factory):
+    with serving_pd(real_model_dir, tmp_path_factory.mktemp("serve_real"), MAX_MODEL_LEN, timeout=300,
+                    extra=("--quantization", "none")) as s:
+        yield s
+
+
+@pytest.fixture(scope="package")
+def client(served) -> openai.OpenAI:
+    return openai_client(served)
