@@ -381,17 +381,13 @@ static inline void tile_any(int kind, int two, int rows, int64_t kc, const float
 }
 
 /* Whether run_panels takes panels of this kind two at a time (a pair tile) */
-static inline int panel_pairs(int kind) {
 #if defined(PD_PANEL_PAIRS)
-    (void)kind;
-    return 1;
+#define panel_pairs(kind) 1
 #elif defined(PD_BF16_PAIRS)
-    return kind == PD_W_BF16;
+#define panel_pairs(kind) ((kind) == PD_W_BF16)
 #else
-    (void)kind;
-    return 0;
+#define panel_pairs(kind) 0
 #endif
-}
 
 /* Whether a weight of this kind can have k inputs: a quantized one in whole groups. */
 static inline int kind_fits(int kind, int64_t k) {
