@@ -201,7 +201,7 @@ def run_child(kind: str, args: argparse.Namespace, model_dir: Path, overhead: bo
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-out", str(out),
                "--model", str(model_dir), "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
                "--hf-batch-size", str(args.hf_batch_size), "--out", args.out,
-               "--overhead-steps", str(args.overhead_steps if overhead else 0)]
+               "--overhead-steps", str(args.overhead_steps if overhead else 0), "--dtype", args.dtype]
         if args.profile and overhead:
             cmd.append("--profile")
         subprocess.run(cmd, check=True)
@@ -217,7 +217,8 @@ def child_main(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {}
     if args.child == "ours":
         llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=64, max_num_batched_tokens=2048,
-                  block_size=BLOCK_SIZE, num_kv_blocks=kv_blocks_for(work), num_threads=NUM_THREADS)
+                  block_size=BLOCK_SIZE, num_kv_blocks=kv_blocks_for(work), num_threads=NUM_THREADS,
+                  dtype=args.dtype)
         result["throughput"] = run_ours(llm, work).as_dict()
         if args.overhead_steps:
             prof = Path(args.out).with_suffix(".prof") if args.profile else None
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HuggingFace-format model dir (default: make the small qwen3 model)")
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", help="pdserve's dtype (float32, bfloat16, auto)")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,

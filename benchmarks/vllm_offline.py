@@ -4,7 +4,7 @@ the vLLM venv's python (it imports nothing from pdserve):
     VLLM_TARGET_DEVICE=cpu /work/vllm-venv/bin/python benchmarks/vllm_offline.py WORKLOAD.json OUT.json
 
 WORKLOAD.json: {"model", "prompts" (token id lists), "output_lens", "max_model_len",
-"max_num_seqs", "max_num_batched_tokens"}. Greedy with ignore_eos, so every prompt yields
+"max_num_seqs", "max_num_batched_tokens", and optionally "dtype" (default float32)}. Greedy with ignore_eos, so every prompt yields
 exactly its output length; a 2-prompt warm-up runs first and is not counted. OUT.json gets
 output_tokens, seconds (wall time of the one timed `generate`), cpu_seconds (this process,
 not vLLM's engine-core child) and tokens_per_s. The `__main__` guard matters: vLLM starts
@@ -21,7 +21,7 @@ def main(workload_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     w = json.loads(open(workload_path).read())
-    llm = LLM(model=w["model"], dtype="float32", max_model_len=w["max_model_len"], max_num_seqs=w["max_num_seqs"],
+    llm = LLM(model=w["model"], dtype=w.get("dtype", "float32"), max_model_len=w["max_model_len"], max_num_seqs=w["max_num_seqs"],
               max_num_batched_tokens=w["max_num_batched_tokens"], seed=0)
     prompts = [{"prompt_token_ids": p} for p in w["prompts"]]
     warm = [{"prompt_token_ids": p["prompt_token_ids"][:64]} for p in prompts[:2]]

@@ -3,13 +3,13 @@
     python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
         [--configs colocated,1p1d] [--rates 1,3] [--num-prompts 60] [--skip-offline] [--skip-serving]
         [--crosscheck-rate 1] [--servers-up one|all] [--repeats 1] [--emulate-avx2]
-        [--model DIR] [--out-dir results/vs_vllm]
+        [--model DIR] [--dtype float32|bfloat16] [--out-dir results/vs_vllm]
 
 Not part of CI. Without --vllm-python (or with one that cannot import vllm) the vLLM side is
 skipped with a message saying so, and only pdserve is measured.
 
 Model: the small qwen3 made by `pdserve make-model DIR --arch qwen3 --size small` (seed 0;
-made under results/models/qwen3-small if missing), float32 on both.
+made under results/models/qwen3-small if missing), float32 on both (`--dtype bfloat16`: both engines in bf16 in the offline comparison).
 
 Offline: the offline_throughput.py workload (`--offline-prompts` random token-id prompts,
 inputs 32-512, outputs 16-256, greedy, ignore_eos): pdserve's `LLM.generate` with 2 torch
@@ -94,7 +94,7 @@ def offline(args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> dict
     wl = tmp / "offline_workload.json"
     wl.write_text(json.dumps({"model": model, "prompts": work.prompts, "output_lens": work.output_lens,
                               "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
-                              "max_num_batched_tokens": MAX_BATCHED}))
+                              "max_num_batched_tokens": MAX_BATCHED, "dtype": args.dtype}))
     runs: dict[str, list[dict]] = {"pdserve": [], "vllm": []}
     for rep in range(args.offline_repeats):
         order = ["pdserve", "vllm"] if rep % 2 == 0 else ["vllm", "pdserve"]
@@ -103,7 +103,7 @@ def offline(args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> dict
             if eng == "pdserve":
                 cmd = [sys.executable, str(REPO / "benchmarks" / "offline_throughput.py"), "--child", "ours",
                        "--child-out", str(out), "--model", model, "--num-prompts", str(args.offline_prompts),
-                       "--seed", "0", "--overhead-steps", "0"]
+                       "--seed", "0", "--overhead-steps", "0", "--dtype", args.dtype]
                 env = dict(os.environ, PYTHONPATH=str(REPO))
             elif args.vllm_python:
                 cmd = [args.vllm_python, str(REPO / "benchmarks" / "vllm_offline.py"), str(wl), str(out)]
@@ -124,7 +124,8 @@ def offline(args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> dict
     p, v = best["pdserve"], best["vllm"]
     return {"workload": {"num_prompts": args.offline_prompts, "input_len_range": [32, 512],
                          "output_len_range": [16, 256], "total_output_tokens": work.total_output,
-                         "pdserve_num_kv_blocks": kv_blocks_for(work), "pdserve_threads": 2},
+                         "pdserve_num_kv_blocks": kv_blocks_for(work), "pdserve_threads": 2,
+                         "dtype": args.dtype},
             "runs": runs, "pdserve": p, "vllm": v,
             "ratio_pdserve_over_vllm": p["tokens_per_s"] / v["tokens_per_s"] if p and v else None}
 
@@ -423,6 +424,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--offline-prompts", type=int, default=64)
     p.add_argument("--offline-repeats", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="both engines' dtype in the offline comparison")
     p.add_argument("--crosscheck-rate", type=float, default=None,
                    help="after the sweep, one more point at this rate per server with our client and then "
                         "with `vllm bench serve` (needs --vllm-python), to check the two clients agree")

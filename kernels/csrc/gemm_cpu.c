@@ -27,7 +27,9 @@
  * AVX512_BF16's vdpbf16ps: that instruction needs bf16 activations (one more rounding of
  * every input) and k-pair-interleaved panels (a second layout), and it sums pairs in its
  * own order, so the two ISA builds would stop agreeing; decode, the case bf16 is for, is
- * bound by the weight stream, which widening halves just the same.
+ * bound by the weight stream, which widening halves just the same. On AVX2 the one or two
+ * rows of a decode step take bf16 panels two at a time, prefetched ahead (see
+ * tile_pair1_bf16), or a row's multiply-add chains, not the memory, would set the pace.
  *
  * Summation order: each output is summed over k in slices, each slice a chain of fused
  * multiply-adds from zero, and the slices' sums added into y in order (the bias first)
@@ -212,12 +214,20 @@ static inline __attribute__((always_inline)) void store_row(float *yi, __m256 v0
    (exact), two cheap ops where widening each half (vpmovzxwd + shift) takes four on
    Zen 1; the accumulators then hold even and odd columns, put back in order once per
    tile (UNZIP), not once per step of k. Each column's chain of fused multiply-adds is
-   the float32 kernel's on the widened weight: the same bits. */
+   the float32 kernel's on the widened weight: the same bits.
+   bf16 panels are also prefetched BF16_AHEAD bytes ahead of their loads: a one-row tile
+   issues a panel row's load per multiply-add latency, so the loads the core keeps in
+   flight cover too few bytes of a stream of 16-bit weights to hide the memory's latency
+   (the hardware prefetcher also stops at each 4 KB page edge, and the smaller bf16
+   matrices are under a huge page). Measured on Zen 3 with SmolLM2's shapes: 512-1024
+   bytes best, 2048 and up slower. */
+#define BF16_AHEAD 1024
 #define LOAD2_F32(q, b0, b1) const __m256 b0 = _mm256_loadu_ps(q), b1 = _mm256_loadu_ps((q) + 8);
 #define LOAD2_BF16(q, b0, b1)                                                                                          \
-    const __m256i w_ = _mm256_loadu_si256((const __m256i *)(q));                                                       \
-    const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(w_, 16));                                                  \
-    const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(w_, _mm256_set1_epi32((int)0xffff0000u)));
+    _mm_prefetch((const char *)(q) + BF16_AHEAD, _MM_HINT_T0);                                                         \
+    const __m256i b0##w = _mm256_loadu_si256((const __m256i *)(q));                                                    \
+    const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0##w, 16));                                               \
+    const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(b0##w, _mm256_set1_epi32((int)0xffff0000u)));
 static inline __attribute__((always_inline)) void unzip(__m256 *even, __m256 *odd) {
     const __m256 lo = _mm256_unpacklo_ps(*even, *odd), hi = _mm256_unpackhi_ps(*even, *odd);
     *even = _mm256_permute2f128_ps(lo, hi, 0x20); /* columns 0-7 */
@@ -232,6 +242,39 @@ TILE(4)
 TILE(3)
 TILE(2)
 TILE(1)
+
+/* bf16 by two panels at once, for the one or two rows of a decode step. A row's chains
+   of fused multiply-adds (two per panel) each wait a multiply-add's latency per step of
+   k, so one row by one bf16 panel consumes 32 bytes of w per latency: about 20 GB/s on
+   Zen 3, near the memory's own rate, which it then does not reach; float32 panels carry
+   twice the bytes per step. Two panels give a row four independent chains and 64 bytes
+   per step; every output's chain is unchanged (the same bits). */
+#define DECL_P(i) DECL(i) __m256 e##i##0 = _mm256_setzero_ps(), e##i##1 = _mm256_setzero_ps();
+#define STEP_P(i)                                                                                                      \
+    {                                                                                                                  \
+        const __m256 a = _mm256_broadcast_ss(x + (i)*rs + kk * ks);                                                    \
+        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                                                     \
+        c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                                                     \
+        e##i##0 = _mm256_fmadd_ps(a, f0, e##i##0);                                                                     \
+        e##i##1 = _mm256_fmadd_ps(a, f1, e##i##1);                                                                     \
+    }
+#define UNZIP_P(i) unzip(&c##i##0, &c##i##1); unzip(&e##i##0, &e##i##1);
+#define STORE_P(i)                                                                                                     \
+    store_row(y + (i)*ldy, c##i##0, c##i##1, accumulate, bias, NR);                                                    \
+    store_row(y + (i)*ldy + NR, e##i##0, e##i##1, accumulate, bias ? bias + NR : 0, ncols1);
+#define PAIR_BF16(R)                                                                                                   \
+    static void tile_pair##R##_bf16(int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,            \
+                                    const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias,      \
+                                    int ncols1) {                                                                      \
+        ROWS##R(DECL_P) for (int64_t kk = 0; kk < kc; kk++) {                                                          \
+            LOAD2_BF16(p0 + kk * NR, b0, b1)                                                                           \
+            LOAD2_BF16(p1 + kk * NR, f0, f1)                                                                           \
+            ROWS##R(STEP_P)                                                                                            \
+        }                                                                                                              \
+        ROWS##R(UNZIP_P) ROWS##R(STORE_P)                                                                              \
+    }
+PAIR_BF16(1)
+PAIR_BF16(2) /* 8 accumulators; 3 rows would spill */
 
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols) {
@@ -256,6 +299,19 @@ void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t
         default: tile1_bf16(kc, x, rs, ks, p, y, ldy, accumulate, bias, ncols);
     }
 }
+
+void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
+                        const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
+    if (rows <= 1)
+        tile_pair1_bf16(kc, x, rs, ks, p0, p1, y, ldy, accumulate, bias, ncols1);
+    else if (rows == 2)
+        tile_pair2_bf16(kc, x, rs, ks, p0, p1, y, ldy, accumulate, bias, ncols1);
+    else {
+        pd_gemm_tile_bf16(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
+        pd_gemm_tile_bf16(rows, kc, x, rs, ks, p1, y + NR, ldy, accumulate, bias ? bias + NR : 0, ncols1);
+    }
+}
+#define PD_BF16_PAIRS 1 /* run_panels takes bf16 panels two at a time */
 #else
 /* Without AVX2 (a build on another CPU): the same loops in plain C. */
 #define MR PD_MR
@@ -286,7 +342,9 @@ void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks,
     pd_gemm_tile(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
     pd_gemm_tile(rows, kc, x, rs, ks, p1, y + NR, ldy, accumulate, bias ? bias + NR : 0, ncols1);
 }
+#endif
 
+#if !defined(PD_PANEL_PAIRS) && !defined(PD_BF16_PAIRS)
 void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
                         const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
     pd_gemm_tile_bf16(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
@@ -322,6 +380,15 @@ static inline void tile_any(int kind, int two, int rows, int64_t kc, const float
     }
 }
 
+/* Whether run_panels takes panels of this kind two at a time (a pair tile) */
+#if defined(PD_PANEL_PAIRS)
+#define panel_pairs(kind) 1
+#elif defined(PD_BF16_PAIRS)
+#define panel_pairs(kind) ((kind) == PD_W_BF16)
+#else
+#define panel_pairs(kind) 0
+#endif
+
 /* Whether a weight of this kind can have k inputs: a quantized one in whole groups. */
 static inline int kind_fits(int kind, int64_t k) {
     return kind == PD_W_F32 || kind == PD_W_BF16 || (pd_quant_block_bytes(kind) > 0 && k % PD_QGROUP == 0);
@@ -336,12 +403,9 @@ static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 :
 static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
                        float *y, int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
     const int64_t kstep = k_step(k);
+    const int pairs = panel_pairs(kind);
     for (int64_t j = pb, step; j < pe; j += step) {
-#ifdef PD_PANEL_PAIRS
-        step = j + 1 < pe ? 2 : 1;
-#else
-        step = 1;
-#endif
+        step = pairs && j + 1 < pe ? 2 : 1;
         const int ncols = (j + step) * NR <= n ? NR : (int)(n - (j + step - 1) * NR); /* of the last panel */
         const float *bj = bias ? bias + j * NR : 0;
         for (int64_t k0 = 0; k0 < k; k0 += kstep) {
@@ -357,13 +421,10 @@ static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const 
 
 /* Thread t's panels of `panels` split between `threads`: [bound(t), bound(t + 1)), in
  * whole pairs where the tile takes two panels at once */
-static inline int64_t bound(int64_t panels, int t, int threads) {
-#ifdef PD_PANEL_PAIRS
+static inline int64_t bound(int64_t panels, int t, int threads, int pairs) {
+    if (!pairs) return panels * t / threads;
     const int64_t b = (panels + 1) / 2 * t / threads * 2;
     return b < panels ? b : panels;
-#else
-    return panels * t / threads;
-#endif
 }
 
 static int gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
@@ -378,7 +439,8 @@ static int gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p
        soname), so no second pool spins against torch's between calls. */
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
     for (int t = 0; t < num_threads; t++) {
-        const int64_t pb = bound(panels, t, num_threads), pe = bound(panels, t + 1, num_threads);
+        const int pairs = panel_pairs(kind);
+        const int64_t pb = bound(panels, t, num_threads, pairs), pe = bound(panels, t + 1, num_threads, pairs);
         for (int64_t r0 = 0; r0 < m; r0 += MC)
             run_panels(x + r0 * ldx, ldx, m - r0 < MC ? m - r0 : MC, k, p, kind, bias, y + r0 * ldy, ldy, n, pb, pe);
     }

@@ -45,16 +45,18 @@ def test_bf16_gemm_vs_float64(threads, m, n, k, with_bias):
     torch.testing.assert_close(got, expected(x, w, b), rtol=1e-4, atol=1e-4 * k ** 0.5)
 
 
-@pytest.mark.parametrize("m", [1, 7, 200])
+@pytest.mark.parametrize("m", [1, 2, 7, 200])
 @pytest.mark.parametrize("k", [77, 300, 1100])
-def test_bf16_gemm_is_the_float32_gemm_of_the_widened_weight_bit_for_bit(m, k):
+@pytest.mark.parametrize("n", [70, 90])  # an odd panel count, and a last pair of panels the second one partial
+def test_bf16_gemm_is_the_float32_gemm_of_the_widened_weight_bit_for_bit(m, k, n):
     """Widening is exact and the sums run in pd_gemm's order: the same bits, so whatever
-    holds of the float32 GEMM (a row independent of its batch, MKL's order) holds here."""
-    g = torch.Generator().manual_seed(k + m)
-    x, w, b = torch.randn(m, k, generator=g), torch.randn(70, k, generator=g).to(torch.bfloat16), torch.randn(70)
+    holds of the float32 GEMM (a row independent of its batch, MKL's order) holds here --
+    also where a decode step's rows take bf16 panels two at a time."""
+    g = torch.Generator().manual_seed(k + m + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(torch.bfloat16), torch.randn(n)
     for threads in (1, 2):
-        got = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(w), 70, b))
-        want = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(w.float()), 70, b))
+        got = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(w), n, b))
+        want = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(w.float()), n, b))
         assert torch.equal(got, want)
 
 
@@ -69,7 +71,7 @@ def test_pack_weight_narrows_to_nearest_even():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("m", [1, 3, 8, 100])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 100])
 @pytest.mark.parametrize("k,inter", [(64, 16), (576, 1536), (200, 48)])
 def test_bf16_gemm_silu(threads, m, k, inter):
     g = torch.Generator().manual_seed(m + k + inter)
