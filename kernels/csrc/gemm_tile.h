@@ -17,14 +17,6 @@
 #define PD_MR 8 /* rows per tile: by two panels, 16 accumulators of 16 lanes */
 #else
 #define PD_MR 6 /* rows per tile: by one panel, 12 accumulators of 8 lanes */
-
-/* pd_gemm_tile on one panel of a quantized weight (gemm_quant_cpu.c): `panel` is its first
- * block, k0 the k where x's columns start; x's columns are unit stride. */
-void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,
-                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols);
-/* Bytes of one block (one group of one panel) of a quantized kind; 0 for another kind. */
-int64_t pd_quant_block_bytes(int kind);
-
 #endif
 
 /* y[0:rows, 0:ncols] (+)= x[0:rows, 0:kc] @ p[0:kc, 0:ncols], rows <= PD_MR, ncols <= PD_NR.
