@@ -28,6 +28,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.report import run_facts, write_report  # noqa: E402
 
 FEATURES = {  # name -> SamplingParams keyword arguments on top of the plain ones
     "plain": {},
@@ -122,18 +125,16 @@ def main() -> int:
         ours.close()
         base.close()
     ms = {name: cpu_ms_per_token(t) for name, t in turns.items()}
-    report = {"model": args.model, "prompts": args.prompts, "tokens": args.tokens, "rounds": args.rounds,
+    report = {**run_facts(), "model": args.model, "prompts": args.prompts, "tokens": args.tokens, "rounds": args.rounds,
               "baseline": str(Path(args.baseline).resolve()), "cpu_ms_per_token": ms,
               "unused_over_baseline": ms["plain"] / ms["baseline"],
               "used_over_plain": {name: ms[name] / ms["plain"] for name in FEATURES if name != "plain"},
               "turns": turns}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"CPU ms per generated token (median of {args.rounds}): baseline {ms['baseline']:.3f}, "
           f"this checkout {ms['plain']:.3f} -> unused features cost {report['unused_over_baseline']:.3f}x")
     for name, ratio in report["used_over_plain"].items():
         print(f"  {name:18s} {ms[name]:8.3f} ms/token  {ratio:.3f}x plain")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

@@ -41,6 +41,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
+from benchmarks.report import write_report  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.wire.auth import DeploymentKey, read_secret_file  # noqa: E402
 from common.wire.messages import AbortRequest, KVReady, PrefillRequest  # noqa: E402
@@ -246,10 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     result = run(args.tokens, args.reps, args.netns)
     print_table(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_report(result, args.out)
     return 0
 
 

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conditional_disagg import workload  # noqa: E402
 from servers import MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, log, start_pdserve  # noqa: E402
 
+from benchmarks.report import write_report  # noqa: E402
 from common.config import ModelConfig, SchedulerConfig  # noqa: E402
 from router.bench.metrics import RequestRecord, attainment  # noqa: E402
 from router.bench.runner import run_workload  # noqa: E402
@@ -188,10 +189,7 @@ def main() -> int:
             out["deployments"][cfg] = {"load_average_1_5_15": load, "latency_model": model.to_json(),
                                        "simulated": sim, "measured": meas, "simulated_over_measured": _ratio(sim, meas)}
             log(f"{cfg}: simulated/measured {json.dumps(out['deployments'][cfg]['simulated_over_measured'])}")
-    path = Path(a.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    log(f"wrote {path}")
+    write_report(out, a.out)
     return 0
 
 

@@ -30,9 +30,7 @@ weights). Target (issue 13): median per-token time <= 2x the bound.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -45,6 +43,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.report import run_facts, write_report  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
 
 TARGET_RATIO = 2.0
@@ -133,15 +132,10 @@ def main() -> int:
     for dt in dtypes[1:]:
         print(f"{dtypes[0]} median / {dt} median: {first['decode_ms_median'] / by_dtype[dt]['decode_ms_median']:.2f}")
     report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": str(model), "threads": args.threads, "tokens": args.tokens, "target_ratio": TARGET_RATIO,
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
-        **first, "by_dtype": by_dtype,  # the first dtype's figures at the top level, as before
+        **run_facts(), "model": str(model), "threads": args.threads, "tokens": args.tokens,
+        "target_ratio": TARGET_RATIO, **first, "by_dtype": by_dtype,  # the first dtype's figures at the top level
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(report, args.out)
     return 0
 
 
