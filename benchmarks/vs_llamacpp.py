@@ -43,9 +43,10 @@ import numpy as np
 import llama_cpp
 from llama_cpp import Llama
 path, threads = sys.argv[1], int(sys.argv[2])
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=4096, n_batch=512,
-            n_ubatch=512, n_seq_max=8, kv_unified=True, verbose=False)
-ctx, n_vocab = llm._ctx.ctx, llm.n_vocab()
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512, verbose=False)
+params = llm.context_params  # a second context that holds 8 sequences (Llama's own holds one)
+params.n_seq_max, params.n_ctx, params.kv_unified = 8, 4096, True
+ctx, n_vocab = llama_cpp.llama_init_from_model(llm._model.model, params), llm.n_vocab()
 mem = llama_cpp.llama_get_memory(ctx)
 
 def decode(entries):
@@ -153,7 +154,7 @@ def main() -> int:
         theirs.close()
     med = {eng: {b: statistics.median(v) for b, v in per.items()} for eng, per in runs.items()}
     report = {**run_facts(), "gguf": str(gguf), "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
-              "pdserve_quantization": ours.engine.config.quantization,
+              "pdserve_quantization": ours.engine.config.device.quantization,
               "step_ms_median": {e: {str(b): v for b, v in per.items()} for e, per in med.items()},
               "llamacpp_over_pdserve": {str(b): med["llama.cpp"][b] / med["pdserve"][b] for b in BATCHES},
               "runs": {e: {str(b): v for b, v in per.items()} for e, per in runs.items()}}
