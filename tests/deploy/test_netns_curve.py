@@ -11,7 +11,6 @@ Needs root (CI runs as root): without the privilege it FAILS, saying so."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +54,7 @@ def test_internal_traffic_is_encrypted_and_a_stranger_cannot_join(model_dirs, tm
                                  f"http://{addr['router']}:{HTTP}", json.dumps(PROMPTS),
                                  str(MAX_TOKENS), Path(model).name], capture_output=True, text=True, timeout=300)
         stranger_rc = stranger.wait(120)
-        capture.send_signal(signal.SIGINT)
+        capture.terminate()  # its SIGTERM handler ends the capture (SIGINT is ignored in a background job)
         capture.wait(15)
         logs = read_logs(tmp_path, [*procs, "stranger", "cap"])
         assert client.returncode == 0, f"client: {client.stderr}\n" + tails(logs)
