@@ -32,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from gpu_check_features import check_features  # noqa: E402
 from gpu_check_transfer import check_cuda_ipc, check_nccl, on_gpu, sync, timed  # noqa: E402
 from servers import log, repo_pythonpath, start_pdserve  # noqa: E402
 
@@ -383,7 +384,12 @@ def check_bf16(args, models) -> dict:
     return res
 
 
-CHECKS = {"env": check_env, "triton": check_triton, "engine": check_engine, "bf16": check_bf16, "graph_speed": check_graph_speed,
+def check_sampling_features(args, models) -> dict:
+    return check_features(args, models, _llm, prompts_for)
+
+
+CHECKS = {"env": check_env, "triton": check_triton, "engine": check_engine, "bf16": check_bf16,
+          "features": check_sampling_features, "graph_speed": check_graph_speed,
           "cuda_ipc": check_cuda_ipc, "nccl": check_nccl, "pair": check_pair, "serving": check_serving}
 
 
