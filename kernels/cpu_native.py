@@ -39,13 +39,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
-SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("gemm_quant_cpu.c"),
+SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("gemm_quant_cpu.c"), SOURCE.with_name("qdot_cpu.c"),
            SOURCE.with_name("elementwise_cpu.c"),
            SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"),
            # the two attention kernels again, reading a bf16 cache (they include the files above)
            SOURCE.with_name("paged_decode_attention_bf16_cpu.c"),
            SOURCE.with_name("prefill_attention_bf16_cpu.c"))  # one library
-HEADERS = (SOURCE.with_name("gemm_tile.h"), SOURCE.with_name("bf16.h"))
+HEADERS = (SOURCE.with_name("gemm_tile.h"), SOURCE.with_name("bf16.h"), SOURCE.with_name("quant_block.h"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # compiling
 # Linking is a separate step without -ffast-math: with it gcc links crtfastmath.o, whose
 # constructor sets flush-to-zero / denormals-are-zero for the whole process that loads us.

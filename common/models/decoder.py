@@ -144,8 +144,9 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._stack: DecodeStack | None = None
-        self._stack_of: tuple[object, list[torch.Tensor], list[int]] | None = None  # (caches, weights, their data_ptrs)
+        self._stack_of: tuple[object, tuple[list, list]] | None = None  # (caches, _stack_fingerprint())
         self._stack_linears: list[tuple[Linear, ...]] | None = None  # each layer's four, for decode_stack
+        self._stack_params: list[tuple[dict, str]] = []  # (a module's _parameters, name): what the stack reads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,22 +186,23 @@ class DecoderForCausalLM(nn.Module):
     def decode_stack(self) -> DecodeStack | None:
         """The native decode stack for the current weights and caches (None where it does
         not apply). It reads the linears' packed copies and the norms where they lie; it
-        is set up again when the caches are rebound, a weight's storage is swapped or a
-        linear's weight is written (which re-packs it: `Linear.plan`)."""
+        is set up again when the caches are rebound, a parameter it reads is replaced, its
+        storage swapped or written in place, or a linear planned again (`Linear.plan`)."""
         if self._stack_linears is None:  # module lookups cost ~1 us each: once, not per step
             self._stack_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                     layer.mlp.down_proj) for layer in self.model.layers]
+            modules = [m for layer, four in zip(self.model.layers, self._stack_linears)
+                       for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                                 layer.self_attn.k_norm, *four) if m is not None]
+            self._stack_params = [(m._parameters, name) for m in modules for name, p in m._parameters.items()
+                                  if p is not None]
+        if self._stack_of is not None and self._stack_of == (self.kv_caches, self._stack_fingerprint()):
+            return self._stack
         plans = [[lin.plan() for lin in four] for four in self._stack_linears]
-        packed = [[plan.packed for plan in four] for four in plans]
-        if self._stack_of is not None:
-            caches, params, ptrs = self._stack_of
-            # the stack holds the packed copies it reads, so a re-packed weight has a new address
-            if caches is self.kv_caches and ptrs == [p.data_ptr() for p in params]:
-                return self._stack
         layers = []
-        for layer, (k_cache, v_cache), (qkv_p, o_p, gate_up_p, down_p), four in zip(self.model.layers, self.kv_caches,
-                                                                                     packed, plans):
+        for layer, (k_cache, v_cache), four in zip(self.model.layers, self.kv_caches, plans):
             attn = layer.self_attn
+            qkv_p, o_p, gate_up_p, down_p = (plan.packed for plan in four)
             layers.append(LayerTensors(
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                 qkv_p=qkv_p, qkv_b=attn.qkv_proj.bias,
@@ -213,9 +215,17 @@ class DecoderForCausalLM(nn.Module):
                          head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
                          qk_eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5)  # as DecoderLayer's
         self._stack = DecodeStack.build(layers, dims) if len(layers) == len(self.model.layers) else None
-        params = [t for layer in layers for t in layer.tensors()]
-        self._stack_of = (self.kv_caches, params, [p.data_ptr() for p in params])
+        self._stack_of = (self.kv_caches, self._stack_fingerprint())
         return self._stack
+
+    def _stack_fingerprint(self) -> tuple[list, list]:
+        """What the stack was set up from, cheap enough to check every decode step (~50 us
+        for 30 layers: no module attribute lookups): each parameter it reads (a norm's,
+        or a linear's, whose plan it holds), by storage and version; each linear's plan
+        and quant, by identity."""
+        params = [d[name] for d, name in self._stack_params]
+        return ([(p.data_ptr(), p._version) for p in params],
+                [(lin._plan, lin.quant) for four in self._stack_linears for lin in four])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]

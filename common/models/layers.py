@@ -22,14 +22,21 @@ class Linear(nn.Linear):
     _plan_of: tuple[int, ...] | None = None
     quant = None  # kernels.quant.QuantWeight | None
 
+    def _key(self) -> tuple[int, ...]:
+        """What a plan is made of: the weight's and the bias's storage and version (a swap or
+        an in-place write changes one), and `quant`. Read from `_parameters` directly:
+        nn.Module's attribute lookup costs ~1 us."""
+        params = self._parameters
+        w, b = params["weight"], params["bias"]
+        key = (w.data_ptr(), w._version, id(self.quant))
+        return key if b is None else key + (b.data_ptr(), b._version)
+
     def plan(self) -> kernels.LinearPlan:
         """The plan for the weight and bias as they are now."""
-        w, b = self.weight, self.bias
-        key = (w.data_ptr(), w._version, id(self.quant))
-        if b is not None:
-            key += (b.data_ptr(), b._version)
+        key = self._key()
         if self._plan_of != key:
-            self._plan = kernels.LinearPlan(w.detach(), None if b is None else b.detach(), self.quant)
+            b = self.bias
+            self._plan = kernels.LinearPlan(self.weight.detach(), None if b is None else b.detach(), self.quant)
             self._plan_of = key
         return self._plan
 

@@ -67,7 +67,7 @@ def test_quantize_refuses_k_outside_whole_groups():
 
 
 def integer_reference(x: torch.Tensor, w: quant.QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The int8 dot products' arithmetic (gemm_quant_cpu.c's header) in float64 on x's
+    """The int8 dot products' arithmetic (qdot_cpu.c's header) in float64 on x's
     codes as the kernel quantizes them: exact but for the kernel's float32 roundings."""
     qx, dx, sx = cpu_native.quantize_rows(x)
     q, d, m = quant.unpack(w)
@@ -189,7 +189,8 @@ def test_non_avx2_build_gives_the_same_values(tmp_path):
     csrc = Path(cpu_native.__file__).with_name("csrc")
     lib = tmp_path / "plain.so"
     res = subprocess.run([cc, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared", "-o", str(lib),
-                          *(str(csrc / f) for f in ("gemm_cpu.c", "gemm_quant_cpu.c", "elementwise_cpu.c")), "-lm"],
+                          *(str(csrc / f) for f in ("gemm_cpu.c", "gemm_quant_cpu.c", "qdot_cpu.c", "elementwise_cpu.c")),
+                          "-lm"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     plain = ctypes.CDLL(str(lib))
@@ -203,11 +204,12 @@ def test_non_avx2_build_gives_the_same_values(tmp_path):
             torch.testing.assert_close(y, cpu_native.gemm_q(x, w, dequant=dequant), rtol=1e-5, atol=1e-5)
 
 
-def test_avx512_build_compiles(tmp_path):
+@pytest.mark.parametrize("name", ["gemm_quant_cpu.c", "qdot_cpu.c"])
+def test_avx512_build_compiles(tmp_path, name):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    src = Path(cpu_native.__file__).with_name("csrc") / "gemm_quant_cpu.c"
+    src = Path(cpu_native.__file__).with_name("csrc") / name
     res = subprocess.run([cc, "-O3", "-march=x86-64-v4", "-ffast-math", "-fPIC", "-Werror", "-c", "-o",
                           str(tmp_path / "q.o"), str(src)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr

@@ -1,0 +1,327 @@
+/* A quantized weight's product with a decode batch by int8 dot products, llama.cpp's way
+ * (pd_gemm_q's choice up to PD_QDOT_ROWS rows of x; the panel layout is drawn in
+ * gemm_quant_cpu.c's header): each row of x quantized per 32 values to int8 with one
+ * float scale (llama.cpp's q8_0 / q8_1 activations), integer dot products per group, a
+ * few float steps per group and column.
+ *
+ * Arithmetic, per row of x, group g and column: x's group quantized as
+ * dx = max |x| * (1 / 127), qx = round-to-nearest-even(x * (127 / max |x|)), sx = sum qx;
+ * isum = sum q qx over the group (exact, in int32); then
+ *     Q8:  acc = fma(d dx, isum, acc)          Q4: acc = fma(d dx, isum - 8 sx, acc)
+ *     Q4M: acc = acc + fma(m, dx sx, (d dx) isum)
+ * each product, multiply-add and sum rounded to float32 once, groups in order of k. Q4M's
+ * group term is complete before it meets acc, so that the chain from group to group is
+ * one add (the other steps of successive groups overlap). The plain C build (no AVX2)
+ * computes the same integers and the same float steps.
+ *
+ * A decode step streams every weight once and does little arithmetic per byte, so the
+ * code is shaped for the memory stream: a pass over a panel runs up to 4 rows of x (each
+ * weight load serves them all), and on AVX2 each group's lines are prefetched
+ * PD_QPREFETCH bytes ahead, across panel (and matrix) ends, so that the prefetcher is not
+ * left to find the stream again at each 4 KB page.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PD_QAVX2 1
+#endif
+
+#include "quant_block.h"
+
+#define NR PD_NR
+#define QG PD_QGROUP
+#define ROW_TILE 4              /* rows of x per pass over a panel */
+#define PARALLEL_MIN_MACS 65536 /* as pd_gemm's: below this one thread */
+#ifndef PD_QPREFETCH
+#define PD_QPREFETCH 1024 /* bytes ahead of the group being read */
+#endif
+#define AI inline __attribute__((always_inline))
+
+void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n); /* elementwise_cpu.c */
+
+/* x's rows quantized per group: codes q [m][k], scales d, code sums s and d s [m][k / 32] */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    float *ds;
+} qrows_t;
+
+/* One group of 32 floats: codes, scale, code sum (the header's formulas) */
+static void quantize_group(const float *x, int8_t *q, float *d, int32_t *s) {
+#ifdef PD_QAVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], a = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i sum = _mm256_setzero_si256(), c[4];
+    for (int i = 0; i < 4; i++) { /* cvtps rounds to nearest even (the default MXCSR) */
+        c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+        sum = _mm256_add_epi32(sum, c[i]);
+    }
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *s = _mm_cvtsi128_si32(s4);
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < QG; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < QG; i++) {
+        q[i] = (int8_t)lrintf(x[i] * id); /* nearest even (the default rounding mode) */
+        sum += q[i];
+    }
+    *s = sum;
+#endif
+    *d = amax * (1.0f / 127.0f);
+}
+
+/* x [m, k] (rows ldx apart) quantized into q, d, s; exported for the tests */
+int pd_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *q, float *d, int32_t *s) {
+    if (m < 0 || k <= 0 || k % QG || ldx < k) return 1;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < k / QG; g++)
+            quantize_group(x + i * ldx + g * QG, q + i * k + g * QG, d + i * (k / QG) + g, s + i * (k / QG) + g);
+    return 0;
+}
+
+#ifdef PD_QAVX2
+#define PIN(v) __asm__("" : "+x"(v))
+
+/* out[i][0:16] = row i's products with one panel (nb blocks at `panel`), rows i < R of r
+ * from row r0. R and KIND are constants in each copy. */
+static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
+                          float out[][NR]) {
+    const int64_t nb = k / QG, bb = pd_quant_block_size(KIND), qb = pd_quant_quad_bytes(KIND);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const int8_t *xq[ROW_TILE];
+    const float *xd[ROW_TILE], *xds[ROW_TILE];
+    const int32_t *xs[ROW_TILE];
+    __m256 acc[ROW_TILE][2];
+    for (int i = 0; i < R; i++) {
+        xq[i] = r->q + (r0 + i) * k;
+        xd[i] = r->d + (r0 + i) * nb;
+        xs[i] = r->s + (r0 + i) * nb;
+        xds[i] = r->ds + (r0 + i) * nb;
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *blk = panel + g * bb, *data = blk + pd_quant_header_bytes(KIND);
+#if PD_QPREFETCH > 0
+        for (int64_t b = 0; b < bb; b += 64) _mm_prefetch((const char *)blk + PD_QPREFETCH + b, _MM_HINT_T0);
+#endif
+        __m256i is[ROW_TILE][2];
+        for (int i = 0; i < R; i++) is[i][0] = is[i][1] = _mm256_setzero_si256();
+        for (int t = 0; t < PD_QUADS; t++) {
+            const uint8_t *qd = data + t * qb;
+            if (KIND == PD_W_Q8) { /* |w| by sign(x, w): signed x signed in maddubs' unsigned x signed */
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
+                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+                for (int i = 0; i < R; i++) {
+                    int32_t x4;
+                    memcpy(&x4, xq[i] + g * QG + 4 * t, 4);
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+                    is[i][0] = _mm256_add_epi32(is[i][0], _mm256_madd_epi16(p0, ones));
+                    is[i][1] = _mm256_add_epi32(is[i][1], _mm256_madd_epi16(p1, ones));
+                    PIN(is[i][0]);
+                    PIN(is[i][1]);
+                }
+            } else { /* codes 0..15 unsigned: maddubs directly; 8 quads' int16 sums stay under 2^15 */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
+                const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int i = 0; i < R; i++) {
+                    int32_t x4;
+                    memcpy(&x4, xq[i] + g * QG + 4 * t, 4);
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    is[i][0] = _mm256_add_epi16(is[i][0], _mm256_maddubs_epi16(w0, xb));
+                    is[i][1] = _mm256_add_epi16(is[i][1], _mm256_maddubs_epi16(w1, xb));
+                    PIN(is[i][0]);
+                    PIN(is[i][1]);
+                }
+            }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        __m256 m0 = d0, m1 = d1;
+        if (KIND == PD_W_Q4M) {
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        }
+        for (int i = 0; i < R; i++) {
+            const __m256 dx = _mm256_set1_ps(xd[i][g]);
+            __m256i s0 = is[i][0], s1 = is[i][1];
+            if (KIND != PD_W_Q8) {
+                s0 = _mm256_madd_epi16(s0, ones);
+                s1 = _mm256_madd_epi16(s1, ones);
+            }
+            if (KIND == PD_W_Q4) {
+                const __m256i eight_s = _mm256_set1_epi32(8 * xs[i][g]);
+                s0 = _mm256_sub_epi32(s0, eight_s);
+                s1 = _mm256_sub_epi32(s1, eight_s);
+            }
+            if (KIND == PD_W_Q4M) {
+                const __m256 mds = _mm256_set1_ps(xds[i][g]);
+                __m256 t0 = _mm256_mul_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0));
+                __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1));
+                PIN(t0);
+                PIN(t1);
+                t0 = _mm256_fmadd_ps(m0, mds, t0);
+                t1 = _mm256_fmadd_ps(m1, mds, t1);
+                PIN(t0);
+                PIN(t1);
+                acc[i][0] = _mm256_add_ps(acc[i][0], t0);
+                acc[i][1] = _mm256_add_ps(acc[i][1], t1);
+            } else {
+                acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0), acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1), acc[i][1]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(out[i], acc[i][0]);
+        _mm256_storeu_ps(out[i] + 8, acc[i][1]);
+    }
+}
+
+#define QDOT_COPY(R, KIND)                                                                                             \
+    static void qdot_##R##_##KIND(int64_t k, const uint8_t *p, const qrows_t *r, int64_t r0, float out[][NR]) {      \
+        qdot_panel(R, KIND, k, p, r, r0, out);                                                                         \
+    }
+#define QDOT_COPIES(KIND) QDOT_COPY(1, KIND) QDOT_COPY(2, KIND) QDOT_COPY(3, KIND) QDOT_COPY(4, KIND)
+QDOT_COPIES(2)
+QDOT_COPIES(3)
+QDOT_COPIES(4)
+typedef void (*qdot_fn)(int64_t, const uint8_t *, const qrows_t *, int64_t, float (*)[NR]);
+static const qdot_fn qdots[3][ROW_TILE + 1] = {{0, qdot_1_2, qdot_2_2, qdot_3_2, qdot_4_2},
+                                               {0, qdot_1_3, qdot_2_3, qdot_3_3, qdot_4_3},
+                                               {0, qdot_1_4, qdot_2_4, qdot_3_4, qdot_4_4}};
+
+static void qdot_rows(int kind, int rows, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
+                      float out[][NR]) {
+    qdots[kind - PD_W_Q8][rows](k, panel, r, r0, out);
+}
+#else
+/* The plain C reading of the same sums (no AVX2) */
+static void qdot_rows(int kind, int rows, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
+                      float out[][NR]) {
+    const int64_t nb = k / QG, bb = pd_quant_block_size(kind), qb = pd_quant_quad_bytes(kind);
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < NR; c++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < nb; g++) {
+                const uint8_t *blk = panel + g * bb, *data = blk + pd_quant_header_bytes(kind);
+                const int8_t *xq = r->q + (r0 + i) * k + g * QG;
+                int32_t isum = 0;
+                for (int t = 0; t < PD_QUADS; t++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t *qd = data + t * qb;
+                        const int w = kind == PD_W_Q8 ? (int8_t)qd[32 * (c / 8) + 4 * (c % 8) + j]
+                                                      : (c < 8 ? qd[4 * c + j] & 15 : qd[4 * (c - 8) + j] >> 4);
+                        isum += w * xq[4 * t + j];
+                    }
+                const int64_t gi = (r0 + i) * nb + g;
+                const float ddx = pd_f16(blk + 2 * c) * r->d[gi];
+                if (kind == PD_W_Q4M) {
+                    const float t = ddx * (float)isum;
+                    acc += fmaf(pd_f16(blk + 2 * NR + 2 * c), r->ds[gi], t);
+                } else {
+                    acc = fmaf(ddx, (float)(kind == PD_W_Q4 ? isum - 8 * r->s[gi] : isum), acc);
+                }
+            }
+            out[i][c] = acc;
+        }
+}
+#endif
+
+/* Quantized x's rows for m rows of k, one allocation (freed with free(r->q)): 0 when out
+ * of memory */
+static int quantized_rows(qrows_t *r, const float *x, int64_t ldx, int64_t m, int64_t k) {
+    const int64_t nb = m * (k / QG);
+    r->q = malloc((size_t)(m * k + nb * (int64_t)(2 * sizeof(float) + sizeof(int32_t))));
+    if (!r->q) return 0;
+    r->d = (float *)(r->q + m * k); /* m k is a multiple of 32: aligned */
+    r->s = (int32_t *)(r->d + nb);
+    r->ds = (float *)(r->s + nb);
+    pd_quantize_rows_q8(x, ldx, m, k, r->q, r->d, r->s);
+    for (int64_t i = 0; i < nb; i++) r->ds[i] = r->d[i] * (float)r->s[i];
+    return 1;
+}
+
+static int threads_for(int64_t macs, int64_t panels, int num_threads) {
+    if (macs < PARALLEL_MIN_MACS) return 1;
+    return panels < num_threads ? (int)(panels > 0 ? panels : 1) : num_threads;
+}
+
+/* y[0:m, 0:n] = x @ w^T (+ bias) for a quantized weight w (p: its packed panels) by
+ * integer dot products (the header). Threads split the panels. Returns 0, 1 (bad
+ * arguments) or 2 (out of memory). */
+int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
+                 int64_t ldy, int64_t n, int num_threads) {
+    if (m < 0 || n < 0 || k <= 0 || k % QG || ldx < k || ldy < n || num_threads < 1 || !pd_quant_block_size(kind))
+        return 1;
+    if (m == 0 || n == 0) return 0;
+    qrows_t r;
+    if (!quantized_rows(&r, x, ldx, m, k)) return 2;
+    const int64_t panels = (n + NR - 1) / NR, pbytes = k / QG * pd_quant_block_size(kind);
+    const int threads = threads_for(m * n * k, panels, num_threads);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) {
+        float out[ROW_TILE][NR];
+        for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++) {
+            const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
+            for (int64_t i = 0; i < m; i += ROW_TILE) {
+                const int rows = m - i < ROW_TILE ? (int)(m - i) : ROW_TILE;
+                qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, out);
+                for (int ii = 0; ii < rows; ii++)
+                    for (int c = 0; c < ncols; c++)
+                        y[(i + ii) * ldy + j * NR + c] = out[ii][c] + (bias ? bias[j * NR + c] : 0.0f);
+            }
+        }
+    }
+    free(r.q);
+    return 0;
+}
+
+/* act = silu(x @ gate^T) * (x @ up^T) as pd_gemm_silu, for a quantized [gate; up] weight
+ * (inter a multiple of 16) by pd_gemm_qdot's products: gate panel j and up panel inter / 16 + j
+ * per pass. */
+int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+                      int64_t lda, int64_t inter, int num_threads) {
+    if (m < 0 || k <= 0 || k % QG || inter <= 0 || inter % NR || ldx < k || lda < inter || num_threads < 1
+        || !pd_quant_block_size(kind))
+        return 1;
+    if (m == 0) return 0;
+    qrows_t r;
+    if (!quantized_rows(&r, x, ldx, m, k)) return 2;
+    const int64_t panels = inter / NR, pbytes = k / QG * pd_quant_block_size(kind);
+    const int threads = threads_for(m * 2 * inter * k, panels, num_threads);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) {
+        float g[ROW_TILE][NR], u[ROW_TILE][NR];
+        for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++)
+            for (int64_t i = 0; i < m; i += ROW_TILE) {
+                const int rows = m - i < ROW_TILE ? (int)(m - i) : ROW_TILE;
+                qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, g);
+                qdot_rows(kind, rows, k, (const uint8_t *)p + (panels + j) * pbytes, &r, i, u);
+                for (int ii = 0; ii < rows; ii++) pd_silu_mul_row(g[ii], u[ii], act + (i + ii) * lda + j * NR, NR);
+            }
+    }
+    free(r.q);
+    return 0;
+}
