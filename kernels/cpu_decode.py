@@ -3,9 +3,12 @@
 On the CPU there is no graph to capture, and at a few sequences a decoder layer's Python
 dispatch (a dozen torch ops and ctypes calls, each a few microseconds) costs more than
 its arithmetic, at every layer of every step. `DecodeStack` holds
-every layer's weight and cache pointers, set up once, and runs all layers of a pure
-decode batch in one call, through the native kernels the per-op path calls one by one
-(the same results up to float rounding in the q/k norm and rotary step).
+every layer's weight and cache pointers, set up once, and runs a pure decode batch from
+its token ids to the final norm in one call: the embedding lookup, all layers and the
+final norm, through the native kernels the per-op path calls one by one (the same
+results up to float rounding in the q/k norm and rotary step). In a real step each op
+left in Python costs tens of microseconds, not a few: the weights streamed through the
+caches have evicted the interpreter's code and data.
 
 `DecodeStack.build` returns None where it does not apply (not CPU float32 activations,
 norms, float32, bf16 or weight-only int8 / int4 packed weights, a float32 or bf16 KV cache, the native
@@ -27,6 +30,8 @@ _STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
 _KINDS = ("qkv_kind", "o_kind", "gate_up_kind", "down_kind")  # each matrix's PD_W_*
 # what a packed matrix of each kind holds: float32 or bf16 [panels, k, 16] panels, or
 # kernels.quant's uint8 blocks [panels, k / 32 * block_bytes]
+_ERRORS = {1: "bad arguments (a token id or position outside its table, a context longer than its block table, "
+              "or a slot or block id outside the cache)", 2: "out of memory"}
 _KIND_DTYPES = {0: torch.float32, 1: torch.bfloat16, **{c: torch.uint8 for c in quant.KIND_CODES.values()}}
 
 
@@ -62,6 +67,39 @@ class LayerTensors:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.input_norm, self.post_norm, self.qkv_p, self.qkv_b, self.q_norm, self.k_norm,
                             self.o_p, self.gate_up_p, self.down_p) if t is not None]
+
+
+@dataclass(frozen=True)
+class ModelTensors:
+    """What the layers take from the model around them: the embedding table [vocab,
+    hidden] (float32 or bf16), the rotary tables cos and sin_signed [max_positions,
+    head_dim] float32 (sin's first half negated: `common.models.layers.RotaryEmbedding`)
+    and the final norm's weight [hidden] float32."""
+
+    embed: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    final_norm: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.embed, self.cos, self.sin, self.final_norm]
+
+
+class _ModelStruct(ctypes.Structure):
+    """pd_model_t in decode_layers_cpu.c, field for field."""
+
+    _fields_ = [("embed", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("embed_bf16", ctypes.c_int64),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("max_positions", ctypes.c_int64),
+                ("final_norm", ctypes.c_void_p)]
+
+
+def _model_fits(model: ModelTensors, d: "StackDims") -> bool:
+    rows = model.cos.shape[0] if model.cos.dim() == 2 else -1
+    return (all(t.device.type == "cpu" and t.is_contiguous() for t in model.tensors())
+            and model.embed.dim() == 2 and model.embed.shape[1] == d.hidden
+            and model.embed.dtype in (torch.float32, torch.bfloat16)
+            and all(t.dtype == torch.float32 and tuple(t.shape) == (rows, d.head_dim) for t in (model.cos, model.sin))
+            and model.final_norm.dtype == torch.float32 and tuple(model.final_norm.shape) == (d.hidden,))
 
 
 @dataclass(frozen=True)
@@ -124,9 +162,12 @@ def _eligible(layer: LayerTensors, d: StackDims) -> bool:
 class DecodeStack:
     """Every layer's pointers, set up once: a call runs them all for a decode batch."""
 
-    def __init__(self, layers: list[LayerTensors], dims: StackDims) -> None:
-        self.layers, self.dims = layers, dims
+    def __init__(self, layers: list[LayerTensors], dims: StackDims, model: ModelTensors) -> None:
+        self.layers, self.dims, self.model = layers, dims, model
         self._fn = cpu_native.library().pd_decode_layers
+        self._model = _ModelStruct(model.embed.data_ptr(), model.embed.shape[0],
+                                   int(model.embed.dtype == torch.bfloat16), model.cos.data_ptr(),
+                                   model.sin.data_ptr(), model.cos.shape[0], model.final_norm.data_ptr())
         self._structs = (_LayerStruct * len(layers))()
         for s, layer in zip(self._structs, layers):
             for name in _POINTERS:
@@ -140,42 +181,42 @@ class DecodeStack:
         self.num_blocks, self.block_size = layers[0].k_cache.shape[:2] if layers else (0, 1)
 
     @classmethod
-    def build(cls, layers: list[LayerTensors], dims: StackDims) -> DecodeStack | None:
+    def build(cls, layers: list[LayerTensors], dims: StackDims, model: ModelTensors) -> DecodeStack | None:
         """The stack, or None where the native path does not apply to these tensors."""
         if (not layers or not cpu_native.enabled() or cpu_native.library() is None
                 or dims.head_dim % 2 or not all(_eligible(layer, dims) for layer in layers)
-                or len({tuple(layer.k_cache.shape[:2]) for layer in layers}) != 1):
+                or len({tuple(layer.k_cache.shape[:2]) for layer in layers}) != 1 or not _model_fits(model, dims)):
             return None
-        return cls(layers, dims)
+        return cls(layers, dims, model)
 
     @staticmethod
-    def takes(x: torch.Tensor) -> bool:
-        """Whether a batch of these embedded rows fits: CPU float32, and the native
+    def takes(ids: torch.Tensor) -> bool:
+        """Whether a batch of these token ids fits: CPU int64 [m], m > 0, and the native
         kernels not turned off."""
-        return (x.dim() == 2 and 0 < x.shape[0] and x.dtype == torch.float32
-                and x.device.type == "cpu" and cpu_native.enabled())
+        return (ids.dim() == 1 and 0 < ids.shape[0] and ids.dtype == torch.int64 and ids.device.type == "cpu"
+                and cpu_native.enabled())
 
-    def __call__(self, h: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [m, hidden] embeddings (overwritten); slots [m]; tables [m, max_blocks];
-        lens [m]; cos, sin [m, head_dim] (sin's first half negated) -> (h, residual): the
-        last layer's MLP output and the residual stream, for the final norm."""
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor) -> torch.Tensor:
+        """ids, positions, slots [m] int64; tables [m, max_blocks] int32; lens [m] int32
+        -> the final norm's output [m, hidden] float32. A token id or position outside
+        its table raises NativeKernelError (nothing stored then)."""
         d = self.dims
-        m = h.shape[0]
-        h = h.contiguous()
-        residual = torch.empty_like(h)
-        slots = slots.to(torch.int64).contiguous()
-        tables = tables.to(torch.int32).contiguous()
-        lens = lens.to(torch.int32).contiguous()
-        cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
-        if not (slots.shape == lens.shape == (m,) and tables.dim() == 2 and tables.shape[0] == m
-                and cos.shape == sin.shape == (m, d.head_dim)):
-            raise ValueError("DecodeStack: slots, tables, lens, cos and sin must have one row per token")
+        m = ids.shape[0]
+        args = [ids, positions, slots, tables, lens]
+        for i, (t, dtype) in enumerate(zip(args, (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32))):
+            if t.dtype is not dtype or not t.is_contiguous():  # what the runner gives needs no copy
+                args[i] = t.to(dtype).contiguous()
+        ids, positions, slots, tables, lens = args
+        if not (ids.shape == positions.shape == slots.shape == lens.shape == (m,) and tables.dim() == 2
+                and tables.shape[0] == m):
+            raise ValueError("DecodeStack: ids, positions, slots, tables and lens must have one row per token")
+        out = torch.empty((m, d.hidden), dtype=torch.float32)
         status = self._fn(ctypes.addressof(self._structs), len(self.layers), m, d.hidden, d.num_heads, d.num_kv_heads,
                           d.head_dim, d.intermediate, self.block_size, self.num_blocks, d.norm_eps, d.qk_eps, d.scale,
-                          h.data_ptr(), residual.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                          tables.shape[1], cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+                          ctypes.addressof(self._model), ids.data_ptr(), positions.data_ptr(), out.data_ptr(),
+                          slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
+                          torch.get_num_threads())
         if status:
-            raise cpu_native.NativeKernelError(
-                f"native decode layers: {cpu_native.ERRORS.get(status, f'error {status}')}")
-        return h, residual
+            raise cpu_native.NativeKernelError(f"native decode layers: {_ERRORS.get(status, f'error {status}')}")
+        return out

@@ -180,8 +180,8 @@ def library() -> ctypes.CDLL | None:
     fn.restype, fn.argtypes = lib.pd_store_kv.restype, lib.pd_store_kv.argtypes
     fn = lib.pd_decode_layers
     fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 5
-                   + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 7
+                   + [ctypes.c_int64, ctypes.c_int])
     return lib
 
 

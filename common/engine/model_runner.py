@@ -152,7 +152,9 @@ class ModelRunner:
             fill_prompt_logprobs(self.model.compute_logits, hidden[:len(rows)], spans)
             hidden = hidden[len(rows):]  # [S, hidden]
         else:
-            hidden = self.model(input_ids, positions, meta, layer_hook, keep=sample_idx)  # [S, hidden]
+            # every row sampled (a decode batch): all of them, in order, without a copy
+            keep = None if len(sample_idx) == len(input_ids) else sample_idx
+            hidden = self.model(input_ids, positions, meta, layer_hook, keep=keep)  # [S, hidden]
         if not sample_seqs:
             return {}
         return self.sample(hidden, sample_seqs)

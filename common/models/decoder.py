@@ -14,7 +14,7 @@ from common.config import ModelConfig
 from common.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from common.models.rope import rope_frequencies
 from common.rope_config import RopeConfig
-from kernels.cpu_decode import DecodeStack, LayerTensors, StackDims
+from kernels.cpu_decode import DecodeStack, LayerTensors, ModelTensors, StackDims
 
 # HF weight name fragment -> (our fused parameter fragment, shard index)
 PACKED_MODULES = {
@@ -146,7 +146,7 @@ class DecoderForCausalLM(nn.Module):
         self._stack: DecodeStack | None = None
         self._stack_of: tuple[object, tuple[list, list]] | None = None  # (caches, _stack_fingerprint())
         self._stack_linears: list[tuple[Linear, ...]] | None = None  # each layer's four, for decode_stack
-        self._stack_params: list[tuple[dict, str]] = []  # (a module's _parameters, name): what the stack reads
+        self._stack_params: list[tuple[dict, str]] = []  # (a module's _parameters or _buffers, name): what the stack reads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,15 +157,12 @@ class DecoderForCausalLM(nn.Module):
         `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push).
         A pure decode batch of a few sequences on CPU runs every layer in one native call
         (`kernels.cpu_decode`) where that applies; the layers below otherwise."""
-        x = self.model.embed_tokens(input_ids).to(self.activation_dtype)  # bf16 table, float32 stream (precision)
-        if layer_hook is None and meta.num_decode == x.shape[0] and DecodeStack.takes(x):
+        if layer_hook is None and meta.num_decode == input_ids.shape[0] and DecodeStack.takes(input_ids):
             stack = self.decode_stack()
             if stack is not None:
-                rope = self.model.rope
-                h, residual = stack(x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                                    rope.cos[positions], rope.sin_signed[positions])
-                out = self.model.norm(h, residual)[0]
+                out = stack(input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
                 return out if keep is None else out.index_select(0, keep)
+        x = self.model.embed_tokens(input_ids).to(self.activation_dtype)  # bf16 table, float32 stream (precision)
         rope = self.model.rope.tables(positions, x.dtype)  # once per step, for every layer
         residual = None
         last = len(self.model.layers) - 1
@@ -194,8 +191,10 @@ class DecoderForCausalLM(nn.Module):
             modules = [m for layer, four in zip(self.model.layers, self._stack_linears)
                        for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
                                  layer.self_attn.k_norm, *four) if m is not None]
+            modules += [self.model.embed_tokens, self.model.norm]
             self._stack_params = [(m._parameters, name) for m in modules for name, p in m._parameters.items()
                                   if p is not None]
+            self._stack_params += [(self.model.rope._buffers, name) for name in ("cos", "sin_signed")]
         if self._stack_of is not None and self._stack_of == (self.kv_caches, self._stack_fingerprint()):
             return self._stack
         plans = [[lin.plan() for lin in four] for four in self._stack_linears]
@@ -214,7 +213,9 @@ class DecoderForCausalLM(nn.Module):
         dims = StackDims(hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
                          qk_eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5)  # as DecoderLayer's
-        self._stack = DecodeStack.build(layers, dims) if len(layers) == len(self.model.layers) else None
+        rope = self.model.rope
+        around = ModelTensors(self.model.embed_tokens.weight, rope.cos, rope.sin_signed, self.model.norm.weight)
+        self._stack = DecodeStack.build(layers, dims, around) if len(layers) == len(self.model.layers) else None
         self._stack_of = (self.kv_caches, self._stack_fingerprint())
         return self._stack
 
@@ -229,3 +230,4 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]
+

@@ -23,14 +23,18 @@ def quantize_linears(model: nn.Module, quantization: str) -> int:
 
 
 def set_quantized(model: nn.Module, weights: dict[str, QuantWeight]) -> None:
-    """Each named Linear's `quant` from `weights` (module name -> weight of its shape). Its
+    """Each named Linear's `quant` from `weights` (module name -> weight of its shape), the
+    blocks copied into one buffer in the modules' order (`quant.in_one_buffer`). Its
     float weight is let go (the plan dequantizes `quant` where it needs floats), unless an
     embedding table shares it (a tied lm_head: the lookups read it)."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for name, w in weights.items():
-        module = model.get_submodule(name)
+    names = [name for name, _ in model.named_modules() if name in weights]  # the order a forward pass reads them
+    for name in weights:
+        module, w = model.get_submodule(name), weights[name]
         if not isinstance(module, Linear) or (w.n, w.k) != (module.out_features, module.in_features):
             raise ValueError(f"quantized weight [{w.n}, {w.k}] does not fit {name}")
+    for name, w in zip(names, quant.in_one_buffer([weights[name] for name in names])):
+        module = model.get_submodule(name)
         module.quant = w
         if id(module.weight) not in tables:
             module.weight.data = module.weight.data.new_empty((0, module.in_features))

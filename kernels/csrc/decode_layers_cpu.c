@@ -2,34 +2,39 @@
  * replaying a captured CUDA graph. float32, with float32, bf16 or int8 / int4 weight panels and a
  * float32 or bf16 KV cache.
  *
- * For a batch of `m` sequences with one new token each (m small: a decode batch), every
- * layer runs the same steps as common.models.decoder.DecoderLayer, through the same
- * kernels the Python path calls one by one:
+ * For a batch of `m` sequences with one new token each (m small: a decode batch), the
+ * token's embedding row is looked up, then every layer runs the same steps as
+ * common.models.decoder.DecoderLayer, through the same kernels the Python path calls one
+ * by one, and the final norm last:
+ *     h = embed[id] (widened from bf16 where the table is bf16)
  *     x, residual = add_rms_norm(h, residual, input_norm)     (pd_add_rms_norm)
  *     qkv = x @ qkv_w^T (+ qkv_b)                             (pd_gemm)
- *     q, k: per-head RMSNorm (Qwen3, when given), rotary embedding; k and v stored
- *           into the paged cache at the token's slot          (here)
+ *     q, k: per-head RMSNorm (Qwen3, when given), rotary embedding at the token's
+ *           position; k and v stored into the paged cache at the token's slot  (here)
  *     a = paged decode attention(q, cache)                    (pd_paged_decode_attention)
  *     h = a @ o_w^T                                           (pd_gemm)
  *     x, residual = add_rms_norm(h, residual, post_norm)      (pd_add_rms_norm)
  *     h = down(silu(gate) * up)                 (pd_gemm_silu; pd_gemm, pd_silu_mul)
+ *     out = add_rms_norm(h, residual, final_norm)             (after the last layer)
  * Between layers, Python dispatch (a dozen torch ops and ctypes calls, each a few
  * microseconds, plus module calls) costs more than the layer's own work at one
- * sequence. Here it is one call per step.
+ * sequence; and each op left in Python costs far more than that in a real step, where
+ * the weights streamed through the caches have evicted the interpreter's code and data.
+ * Here it is one call per step.
  *
- *   h         [m, hidden] in: the embeddings; out: the last layer's MLP output
- *   residual  [m, hidden] out: the residual stream (the final norm adds h to it)
+ *   ids       [m] int64: the tokens; positions [m] int64: their positions (rotary rows)
+ *   out       [m, hidden] out: the final norm's output
  *   slots     [m] int64: cache slot (block * block_size + offset) of each token; < 0 skips the store
  *   tables    [m, max_blocks] int32, lens [m] int32: as pd_paged_decode_attention
- *   cos, sin  [m, head_dim]: the token's rotary rows; sin's first half stored negated, so
- *             that rotate_half(x) * sin = roll(x, D/2) * sin_signed (common.models.layers)
- * Returns 0, 1 (bad arguments: a slot or block id outside the cache, a length past its
- * table), or 2 (out of memory). Built by kernels/cpu_native.py with the rest.
+ * Returns 0, 1 (bad arguments: a token id or position outside its table, a slot or block
+ * id outside the cache, a length past its table), or 2 (out of memory). Built by
+ * kernels/cpu_native.py with the rest.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "gemm_tile.h"
 
 int pd_gemm_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
@@ -71,6 +76,16 @@ typedef struct {
     int64_t kv_bf16;                      /* 0: float32 cache, 1: bf16 cache (stored rounded to nearest even) */
 } pd_layer_t;
 
+/* What the layers take from the model around them (kernels.cpu_decode._ModelStruct
+ * mirrors this) */
+typedef struct {
+    const void *embed;            /* [vocab, hidden]: float32, or bf16 (embed_bf16) */
+    int64_t vocab, embed_bf16;
+    const float *cos, *sin;       /* [max_positions, d]: rotary rows, sin's first half negated */
+    int64_t max_positions;
+    const float *final_norm;      /* [hidden] */
+} pd_model_t;
+
 /* pd_paged_decode_attention on a layer's cache of either dtype */
 static int attention_w(const pd_layer_t *L, const float *q, const int32_t *tables, const int32_t *lens, float *out,
                        int64_t m, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t max_blocks,
@@ -90,24 +105,42 @@ static int gemm_w(int64_t kind, const float *x, int64_t ldx, int64_t m, int64_t 
     return pd_gemm_q(x, ldx, m, k, p, (int)kind, bias, y, ldy, n, num_threads);
 }
 
+/* h [m, hidden] = the tokens' embedding rows, float32 */
+static void embed_rows(const pd_model_t *M, const int64_t *ids, int64_t m, int64_t hidden, float *h) {
+    for (int64_t r = 0; r < m; r++) {
+        float *row = h + r * hidden;
+        if (M->embed_bf16) {
+            const uint16_t *src = (const uint16_t *)M->embed + ids[r] * hidden;
+            for (int64_t j = 0; j < hidden; j++) row[j] = pd_bf16_to_f32(src[j]);
+        } else {
+            const float *src = (const float *)M->embed + ids[r] * hidden;
+            for (int64_t j = 0; j < hidden; j++) row[j] = src[j];
+        }
+    }
+}
+
 int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, int64_t hidden, int64_t hq,
                      int64_t hkv, int64_t d, int64_t inter, int64_t block_size, int64_t num_blocks, float norm_eps,
-                     float qk_eps, float scale, float *h, float *residual, const int64_t *slots,
-                     const int32_t *tables, const int32_t *lens, int64_t max_blocks, const float *cos,
-                     const float *sin, int num_threads) {
+                     float qk_eps, float scale, const pd_model_t *M, const int64_t *ids, const int64_t *positions,
+                     float *out, const int64_t *slots, const int32_t *tables, const int32_t *lens, int64_t max_blocks,
+                     int num_threads) {
     if (m <= 0 || num_layers < 0 || hidden <= 0 || hkv <= 0 || hq % hkv != 0 || d <= 0 || d % 2 || d > 4096 || inter <= 0
         || block_size <= 0 || num_threads < 1)
         return 1;
     for (int64_t r = 0; r < m; r++)
-        if (slots[r] >= num_blocks * block_size) return 1;
+        if (slots[r] >= num_blocks * block_size || ids[r] < 0 || ids[r] >= M->vocab || positions[r] < 0
+            || positions[r] >= M->max_positions)
+            return 1;
     const int64_t nqkv = (hq + 2 * hkv) * d;
-    /* scratch: x [m, hidden], qkv [m, nqkv], q [m, hq d], attention out [m, hq d],
-       gate_up [m, 2 inter], act [m, inter] */
-    const int64_t need = m * (hidden + nqkv + 2 * hq * d + 3 * inter);
+    /* scratch: h and residual [m, hidden] (the stream), x [m, hidden], qkv [m, nqkv],
+       q [m, hq d], attention out [m, hq d], gate_up [m, 2 inter], act [m, inter] */
+    const int64_t need = m * (3 * hidden + nqkv + 2 * hq * d + 3 * inter);
     float *buf = malloc((size_t)need * sizeof(float));
     if (!buf) return 2;
-    float *x = buf, *qkv = x + m * hidden, *q = qkv + m * nqkv, *att = q + m * hq * d, *gu = att + m * hq * d;
+    float *h = buf, *residual = h + m * hidden, *x = residual + m * hidden, *qkv = x + m * hidden;
+    float *q = qkv + m * nqkv, *att = q + m * hq * d, *gu = att + m * hq * d;
     float *act = gu + m * 2 * inter;
+    embed_rows(M, ids, m, hidden, h);
     int status = 0;
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const pd_layer_t *L = &layers[l];
@@ -121,7 +154,7 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
 #pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
         for (int64_t r = 0; r < m; r++) {
             float tmp[d], kr[d]; /* one head vector each */
-            const float *row = qkv + r * nqkv, *c = cos + r * d, *s = sin + r * d;
+            const float *row = qkv + r * nqkv, *c = M->cos + positions[r] * d, *s = M->sin + positions[r] * d;
             for (int64_t i = 0; i < hq; i++)
                 pd_norm_rope_head(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);
             if (slots[r] < 0) continue;
@@ -159,6 +192,9 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
         if (!status)
             status = gemm_w(L->down_kind, act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
     }
+    if (!status) /* no layers: the embeddings are the stream */
+        status = pd_add_rms_norm(h, num_layers ? residual : NULL, M->final_norm, norm_eps, out, residual, m, hidden,
+                                 hidden, hidden, num_threads);
     free(buf);
     return status;
 }

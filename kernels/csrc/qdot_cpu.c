@@ -38,6 +38,9 @@
 #ifndef PD_QPREFETCH
 #define PD_QPREFETCH 1024 /* bytes ahead of the group being read */
 #endif
+#ifndef PD_QPREFETCH_HINT
+#define PD_QPREFETCH_HINT _MM_HINT_T0
+#endif
 #define AI inline __attribute__((always_inline))
 
 void pd_silu_mul_row(const float *g, const float *u, float *o, int64_t n); /* elementwise_cpu.c */
@@ -121,7 +124,7 @@ static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t 
     for (int64_t g = 0; g < nb; g++) {
         const uint8_t *blk = panel + g * bb, *data = blk + pd_quant_header_bytes(KIND);
 #if PD_QPREFETCH > 0
-        for (int64_t b = 0; b < bb; b += 64) _mm_prefetch((const char *)blk + PD_QPREFETCH + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < bb; b += 64) _mm_prefetch((const char *)blk + PD_QPREFETCH + b, PD_QPREFETCH_HINT);
 #endif
         __m256i is[ROW_TILE][2];
         for (int i = 0; i < R; i++) is[i][0] = is[i][1] = _mm256_setzero_si256();

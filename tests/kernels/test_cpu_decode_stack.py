@@ -213,5 +213,5 @@ def test_no_stack_for_a_wrong_length_vector(engines):
     for field in ("input_norm", "qkv_b"):
         layers = list(stack.layers)
         layers[1] = dataclasses.replace(layers[1], **{field: getattr(layers[1], field)[:-1]})
-        assert DecodeStack.build(layers, stack.dims) is None, field
-    assert DecodeStack.build(list(stack.layers), stack.dims) is not None
+        assert DecodeStack.build(layers, stack.dims, stack.model) is None, field
+    assert DecodeStack.build(list(stack.layers), stack.dims, stack.model) is not None
