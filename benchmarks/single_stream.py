@@ -10,9 +10,10 @@ here, in this process, with the engine's thread count:
 - bound: the bytes a decode step streams -- each linear's weight as the GEMM reads it (its
   int8 / int4 blocks, scales included, where quantized), the lm_head's included (the tied
   embedding table counted once, as the lm_head; an embedding table is otherwise only
-  looked up), norms and biases -- over the best of `--rounds` timed `torch.sum` passes over a float32 buffer of the
-  same size, filled with random values first (a fresh buffer's zero pages would be read
-  from one cached page);
+  looked up), norms and biases, and the K and V the attention reads (every layer's, at
+  the mean context of the timed steps, in the cache's dtype) -- over the best of
+  `--rounds` timed `torch.sum` passes over a float32 buffer of the same size, filled with
+  random values first (a fresh buffer's zero pages would be read from one cached page);
 - decode: `LLM.generate` of `--tokens` greedy tokens (ignore_eos) from a 32-token prompt,
   `--rounds` times; per-token time = (last token - first token) / (tokens - 1) from the
   engine's own per-step timing, so the prompt's prefill is not counted. Best and median
@@ -47,6 +48,7 @@ from benchmarks.report import run_facts, write_report  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
 
 TARGET_RATIO = 2.0
+PROMPT = 32  # prompt tokens of each timed request
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -66,6 +68,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def kv_bytes(llm: LLM, tokens: int, prompt: int = PROMPT) -> int:
+    """Bytes of K and V the attention reads per step, at the mean context of the timed
+    steps (contexts prompt + 1 .. prompt + tokens - 1: the first token comes with the
+    prefill)."""
+    m, cache = llm.engine.config.model, llm.engine.runner.kv_cache
+    per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * cache.element_size()
+    return per_token * (2 * prompt + tokens) // 2
+
+
 def read_bandwidth(nbytes: int, rounds: int) -> float:
     """Bytes per second of the best of `rounds` sums over a random buffer of `nbytes`."""
     buf = torch.rand(nbytes // 4)
@@ -81,7 +92,7 @@ def read_bandwidth(nbytes: int, rounds: int) -> float:
 def decode_ms(llm: LLM, tokens: int) -> float:
     """Per decode step of one request: (last token - first token) / (tokens - 1)."""
     engine = llm.engine
-    seq = engine.new_sequence(list(range(10, 42)), SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
+    seq = engine.new_sequence(list(range(10, 10 + PROMPT)), SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
     engine.add(seq)
     stamps = []
     while engine.has_work():
@@ -109,7 +120,8 @@ def main() -> int:
                     quantization=dt.partition("+")[2] or "none") for dt in dtypes}
     for llm in llms.values():
         decode_ms(llm, 8)  # warm-up: kernels built, weights packed, caches warm
-    nbytes = {dt: weight_bytes(llm.engine.runner.model) for dt, llm in llms.items()}
+    kv = {dt: kv_bytes(llm, args.tokens) for dt, llm in llms.items()}
+    nbytes = {dt: weight_bytes(llm.engine.runner.model) + kv[dt] for dt, llm in llms.items()}
     runs: dict[str, list[dict]] = {dt: [] for dt in dtypes}
     for _ in range(args.rounds):  # alternate bound and decode (and dtypes), so drift in the load hits all
         for dt, llm in llms.items():
@@ -120,10 +132,10 @@ def main() -> int:
     for dt in dtypes:
         bound = min(r["bound_ms"] for r in runs[dt])  # the best bandwidth seen: the tightest bound
         med = statistics.median(r["decode_ms"] for r in runs[dt])
-        by_dtype[dt] = {"weight_bytes": nbytes[dt], "runs": runs[dt], "bound_ms": bound,
+        by_dtype[dt] = {"weight_bytes": nbytes[dt] - kv[dt], "kv_bytes": kv[dt], "runs": runs[dt], "bound_ms": bound,
                         "decode_ms_best": min(r["decode_ms"] for r in runs[dt]), "decode_ms_median": med,
                         "ratio_to_bound": med / bound, "met": med / bound <= TARGET_RATIO}
-        print(f"{dt}: weights {nbytes[dt] / 1e6:.0f} MB; read bandwidth best {nbytes[dt] / bound / 1e6:.1f} GB/s -> "
+        print(f"{dt}: weights and KV {nbytes[dt] / 1e6:.0f} MB; read bandwidth best {nbytes[dt] / bound / 1e6:.1f} GB/s -> "
               f"bound {bound:.1f} ms/token")
         each = " ".join(f"{r['decode_ms']:.1f}" for r in runs[dt])
         print(f"{dt}: decode median {med:.1f} ms/token, best {by_dtype[dt]['decode_ms_best']:.1f} ({each}); "

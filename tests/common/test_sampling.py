@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common import LLM
-from common.engine.sampler import Sampler, _filter_top_k_top_p, make_generator
+from common.engine.sampler import Sampler, _filter_top_k_top_p, greedy, make_generator
 from common.sampling_params import SamplingParams, SamplingParamsError
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -289,3 +289,17 @@ def test_max_model_len_ends_generation(llm):
     assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_greedy_is_torch_argmax_ties_nan_and_strided_rows_included():
+    """numpy's argmax on CPU float32 picks what torch.argmax picks: the first of tied
+    maxima, a NaN over any number, a row of -inf's first entry; rows taken with a step."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (6, 49152), generator=g).float()  # many ties
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 100] = logits[3, 90] = 9.0
+    for rows in (logits, logits[::2], logits.T.contiguous().T):
+        assert greedy(rows) == rows.argmax(dim=-1).tolist()
+    assert greedy(logits.double()) == logits.argmax(dim=-1).tolist()  # other dtypes: torch's own
+
