@@ -180,6 +180,41 @@ def test_swapped_weight_storage_is_followed(model_dirs, torch_path):
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
 
 
+def test_written_weight_replaced_norm_and_swapped_final_norm_are_followed(model_dirs, torch_path):
+    """After the stack was set up: a linear's weight written in place and planned again
+    elsewhere (as a prefill step's per-op path does), a layer norm's parameter replaced
+    by a new one, the final norm's storage swapped: the next decode step reads them all."""
+    engine = LLM(model_dirs["llama"], dtype="float32", num_threads=1, num_kv_blocks=32, max_model_len=128).engine
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 2)
+    model = engine.runner.model
+    with torch.inference_mode():
+        before = model(ids, positions, meta)  # sets the stack up
+    with torch.no_grad():
+        o = model.model.layers[0].self_attn.o_proj
+        o.weight.mul_(0.5)
+        o.plan()
+        norm = model.model.layers[1].post_attention_layernorm
+        norm.weight = torch.nn.Parameter(norm.weight * 1.5, requires_grad=False)
+        model.model.norm.weight.data = model.model.norm.weight * 0.9
+    with torch.inference_mode():
+        fast = model(ids, positions, meta)
+        torch_path(model)
+        slow = model(ids, positions, meta)
+    assert not torch.allclose(before, fast, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+
+
+def test_a_token_id_outside_the_table_is_refused(engines):
+    engine = engines["qwen2"]
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 1)
+    try:
+        with torch.inference_mode(), pytest.raises(cpu_native.NativeKernelError, match="token id or position"):
+            engine.runner.model(torch.full_like(ids, engine.config.model.vocab_size), positions, meta)
+    finally:
+        for s in seqs:
+            engine.abort(s)
+
+
 def test_not_taken_where_it_does_not_apply(engines, monkeypatch):
     """With a layer hook (layer-wise KV push), and with the native kernels off, the
     per-op path runs."""
