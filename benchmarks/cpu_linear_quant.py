@@ -10,7 +10,7 @@ weight-streaming bound measured in the same run.
 Forms as the engine holds them: float32 and bf16 panels; int8 = every matrix Q8_0; int4 =
 the layers' matrices Q4_1 and the lm_head Q8_0 (`--quantization int8|int4`), multiplied by
 int8 dot products at every row count (`gemm_q(..., dequant=False)`; the engine's choice up
-to `cpu_native.QDOT_ROWS`); int8-tile / int4-tile = the same matrices on the tile that
+to `quant.QDOT_ROWS`); int8-tile / int4-tile = the same matrices on the tile that
 dequantizes in registers (`dequant=True`; the engine's choice past that), old and new
 kernels side by side. For each row
 count the best pass of each form is reported with its bytes and its ratio to the bound
@@ -58,7 +58,7 @@ def run_pass(mats: list, dims: list[tuple[int, int]], xs: dict[int, torch.Tensor
     t0 = time.perf_counter()
     for (n, k), m in zip(dims, mats):
         if isinstance(m, quant.QuantWeight):
-            cpu_native.gemm_q(xs[k], m, dequant=dequant)
+            quant.gemm_q(xs[k], m, dequant=dequant)
         else:
             cpu_native.gemm(xs[k], m, n)
     return time.perf_counter() - t0

@@ -211,7 +211,7 @@ class LinearPlan:
 
     `quant` (a `kernels.quant.QuantWeight`): the weight is that weight-only int8 / int4 one
     instead, multiplied natively (`kind` says which: PD_W_* of kernels/csrc/gemm_tile.h;
-    `cpu_native.gemm_q`: int8 dot products for a decode batch, dequantized in registers
+    `quant.gemm_q`: int8 dot products for a decode batch, dequantized in registers
     for more rows); off the native path, `F.linear` on it
     dequantized to float32 (`weight` may be empty then: it is not read)."""
 
@@ -273,7 +273,8 @@ class LinearPlan:
         if (self.native and self._b is None and self._n % (2 * _cpu_native().PANEL) == 0 and x.dim() == 2
                 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"):
             if self.kind > 1:
-                return _cpu_native().gemm_silu_q(x, self.quant)
+                from .quant import gemm_silu_q
+                return gemm_silu_q(x, self.quant)
             return _cpu_native().gemm_silu(x, self.packed, inter)
         return silu_mul(self(x))
 

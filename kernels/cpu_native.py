@@ -27,14 +27,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import huge_pages
-
-if TYPE_CHECKING:
-    from .quant import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +292,7 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch
     return out
 
 
-def _library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
+def library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
     """The built library, and x with unit stride along its rows (what the GEMMs read)."""
     lib = library()
     if lib is None:
@@ -308,7 +303,7 @@ def _library_and_rows(x: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] @ weight[n, k]^T (+ bias [n]) -> [m, n], float32 on CPU, with `packed` =
     pack_weight(weight) in float32 or bf16 (kernels/csrc/gemm_cpu.c)."""
-    lib, x = _library_and_rows(x)
+    lib, x = library_and_rows(x)
     m, k = x.shape
     if (packed.dim() != 3 or packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n or not packed.is_contiguous()
             or packed.dtype not in PACKED_DTYPES):
@@ -329,7 +324,7 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor
     pack_weight([gate; up]) ([2 inter, k], inter a multiple of PANEL; float32 or bf16): SwiGLU's two
     projections and activation in one pass (pd_gemm_silu in kernels/csrc/gemm_cpu.c), the
     same bits as silu_mul(gemm(x, packed, 2 * inter))."""
-    lib, x = _library_and_rows(x)
+    lib, x = library_and_rows(x)
     m, k = x.shape
     if (inter % PANEL or packed.dim() != 3 or packed.shape != (2 * inter // PANEL, k, PANEL)
             or not packed.is_contiguous() or packed.dtype not in PACKED_DTYPES):
@@ -340,65 +335,6 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor
     if fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), act.data_ptr(), inter, inter,
                         torch.get_num_threads()):
         raise NativeKernelError("native gemm_silu: bad arguments")
-    return act
-
-
-# Rows of x up to which gemm_q multiplies by int8 dot products (PD_QDOT_ROWS, gemm_tile.h).
-QDOT_ROWS = 8
-
-
-def _quant_fn(lib: ctypes.CDLL, name: str, dequant: bool | None):
-    return getattr(lib, name + {None: "", True: "_dequant", False: "dot"}[dequant])
-
-
-def gemm_q(x: torch.Tensor, w: "QuantWeight", bias: torch.Tensor | None = None, dequant: bool | None = None
-           ) -> torch.Tensor:
-    """x [m, k] @ w^T (+ bias [n]) -> [m, n] float32, w a weight-only quantized weight
-    (`kernels.quant`; kernels/csrc/gemm_quant_cpu.c). Up to QDOT_ROWS rows (a decode
-    batch; any with dequant=False) by int8 dot products with x quantized per 32 values
-    (`quantize_rows`); more (any with dequant=True) with the weight dequantized in
-    registers, the same bits as `gemm` on `quant.dequantize(w)` packed in float32."""
-    lib, x = _library_and_rows(x)
-    m, k = x.shape
-    if k != w.k:
-        raise ValueError(f"gemm_q: x [{m}, {k}] does not fit a weight [{w.n}, {w.k}]")
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    y = torch.empty((m, w.n), dtype=torch.float32)
-    fn = _quant_fn(lib, "pd_gemm_q", dequant)
-    if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, 0 if bias is None else bias.data_ptr(),
-          y.data_ptr(), w.n, w.n, torch.get_num_threads()):
-        raise NativeKernelError("native gemm_q: bad arguments")
-    return y
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [m, k] float32 (k a multiple of 32) as gemm_q's int8 dot products quantize it: per
-    32 values int8 codes [m, k], scale [m, k / 32] float32 and code sum [m, k / 32] int32."""
-    lib, x = _library_and_rows(x)
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8)
-    d = torch.empty((m, k // 32), dtype=torch.float32)
-    s = torch.empty((m, k // 32), dtype=torch.int32)
-    if x.dtype != torch.float32 or lib.pd_quantize_rows_q8(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(),
-                                                           s.data_ptr()):
-        raise ValueError(f"quantize_rows: x {tuple(x.shape)} {x.dtype} is not float32 in whole groups of 32")
-    return q, d, s
-
-
-def gemm_silu_q(x: torch.Tensor, w: "QuantWeight", dequant: bool | None = None) -> torch.Tensor:
-    """`gemm_silu` on a quantized [gate; up] weight (w.n / 2 a multiple of PANEL), its
-    products as `gemm_q`'s."""
-    lib, x = _library_and_rows(x)
-    m, k = x.shape
-    inter = w.n // 2
-    if k != w.k or w.n % (2 * PANEL):
-        raise ValueError(f"gemm_silu_q: x [{m}, {k}] and a weight [{w.n}, {w.k}] do not fit")
-    act = torch.empty((m, inter), dtype=torch.float32)
-    fn = _quant_fn(lib, "pd_gemm_silu_q", dequant)
-    if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, act.data_ptr(), inter, inter,
-          torch.get_num_threads()):
-        raise NativeKernelError("native gemm_silu_q: bad arguments")
     return act
 
 

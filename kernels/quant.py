@@ -8,15 +8,17 @@ Three kinds, each GGUF's own block math with a float16 scale per 32 values along
     q4_1  int4 q in 0..15         w = d * q + m      (`--quantization int4`; GGUF Q4_1)
 `quantize` makes them from float weights; `from_gguf` repacks a GGUF tensor's raw blocks as
 they are (no dequantize and re-quantize: the same weights bit for bit); `dequantize` is
-the float32 weight the kernel computes with, as gguf-py dequantizes."""
+the float32 weight the kernel computes with, as gguf-py dequantizes. `gemm_q`,
+`gemm_silu_q` and `quantize_rows` call the native products (kernels.cpu_native's library)."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import huge_pages
+from . import cpu_native, huge_pages
 
 GROUP = 32  # k values per scale (PD_QGROUP)
 PANEL = 16  # output columns per panel (PD_NR)
@@ -186,3 +188,61 @@ def in_one_buffer(weights: list[QuantWeight]) -> list[QuantWeight]:
         start += w.nbytes
     return out
 
+
+# Rows of x up to which gemm_q multiplies by int8 dot products (PD_QDOT_ROWS, gemm_tile.h).
+QDOT_ROWS = 8
+
+
+def _quant_fn(lib: ctypes.CDLL, name: str, dequant: bool | None):
+    return getattr(lib, name + {None: "", True: "_dequant", False: "dot"}[dequant])
+
+
+def gemm_q(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, dequant: bool | None = None
+           ) -> torch.Tensor:
+    """x [m, k] @ w^T (+ bias [n]) -> [m, n] float32, w a weight-only quantized weight
+    (kernels/csrc/qdot_cpu.c and gemm_quant_cpu.c). Up to QDOT_ROWS rows (a decode
+    batch; any with dequant=False) by int8 dot products with x quantized per 32 values
+    (`quantize_rows`); more (any with dequant=True) with the weight dequantized in
+    registers, the same bits as `gemm` on `quant.dequantize(w)` packed in float32."""
+    lib, x = cpu_native.library_and_rows(x)
+    m, k = x.shape
+    if k != w.k:
+        raise ValueError(f"gemm_q: x [{m}, {k}] does not fit a weight [{w.n}, {w.k}]")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.empty((m, w.n), dtype=torch.float32)
+    fn = _quant_fn(lib, "pd_gemm_q", dequant)
+    if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, 0 if bias is None else bias.data_ptr(),
+          y.data_ptr(), w.n, w.n, torch.get_num_threads()):
+        raise cpu_native.NativeKernelError("native gemm_q: bad arguments")
+    return y
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] float32 (k a multiple of 32) as gemm_q's int8 dot products quantize it: per
+    32 values int8 codes [m, k], scale [m, k / 32] float32 and code sum [m, k / 32] int32."""
+    lib, x = cpu_native.library_and_rows(x)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8)
+    d = torch.empty((m, k // 32), dtype=torch.float32)
+    s = torch.empty((m, k // 32), dtype=torch.int32)
+    if x.dtype != torch.float32 or lib.pd_quantize_rows_q8(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(),
+                                                           s.data_ptr()):
+        raise ValueError(f"quantize_rows: x {tuple(x.shape)} {x.dtype} is not float32 in whole groups of 32")
+    return q, d, s
+
+
+def gemm_silu_q(x: torch.Tensor, w: QuantWeight, dequant: bool | None = None) -> torch.Tensor:
+    """`gemm_silu` on a quantized [gate; up] weight (w.n / 2 a multiple of cpu_native.PANEL), its
+    products as `gemm_q`'s."""
+    lib, x = cpu_native.library_and_rows(x)
+    m, k = x.shape
+    inter = w.n // 2
+    if k != w.k or w.n % (2 * cpu_native.PANEL):
+        raise ValueError(f"gemm_silu_q: x [{m}, {k}] and a weight [{w.n}, {w.k}] do not fit")
+    act = torch.empty((m, inter), dtype=torch.float32)
+    fn = _quant_fn(lib, "pd_gemm_silu_q", dequant)
+    if fn(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.code, act.data_ptr(), inter, inter,
+          torch.get_num_threads()):
+        raise cpu_native.NativeKernelError("native gemm_silu_q: bad arguments")
+    return act

@@ -69,7 +69,7 @@ def test_quantize_refuses_k_outside_whole_groups():
 def integer_reference(x: torch.Tensor, w: quant.QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The int8 dot products' arithmetic (qdot_cpu.c's header) in float64 on x's
     codes as the kernel quantizes them: exact but for the kernel's float32 roundings."""
-    qx, dx, sx = cpu_native.quantize_rows(x)
+    qx, dx, sx = quant.quantize_rows(x)
     q, d, m = quant.unpack(w)
     g = w.k // 32
     q = q.to(torch.int64) - (8 if w.kind == "q4_0" else 0)
@@ -83,7 +83,7 @@ def integer_reference(x: torch.Tensor, w: quant.QuantWeight, bias: torch.Tensor 
 def test_activation_quantization_is_round_to_nearest_per_32():
     x = torch.randn(3, 96) * torch.tensor([1.0, 1e-3, 30.0]).unsqueeze(1)
     x[1, :32] = 0  # an all-zero group: scale 0, codes 0
-    q, d, s = cpu_native.quantize_rows(x)
+    q, d, s = quant.quantize_rows(x)
     amax = x.reshape(3, 3, 32).abs().amax(-1)
     torch.testing.assert_close(d, amax / 127, rtol=2e-7, atol=0)
     scaled = x.reshape(3, 3, 32) / torch.where(d == 0, 1.0, d).unsqueeze(-1)
@@ -102,9 +102,9 @@ def test_product_is_the_integer_dot_products(threads, kind, m, n, k):
     (half a step of max |x| / 127 per value) of float32 on the dequantized weight."""
     w = random_weight(kind, n, k, m + n + k)
     x, b = torch.randn(m, k), torch.randn(n)
-    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=False))
-    if m <= cpu_native.QDOT_ROWS:  # what gemm_q chooses for a decode batch
-        assert torch.equal(got, with_threads(threads, lambda: cpu_native.gemm_q(x, w, b)))
+    got = with_threads(threads, lambda: quant.gemm_q(x, w, b, dequant=False))
+    if m <= quant.QDOT_ROWS:  # what gemm_q chooses for a decode batch
+        assert torch.equal(got, with_threads(threads, lambda: quant.gemm_q(x, w, b)))
     want = integer_reference(x, w, b)
     terms = x.abs().double() @ quant.dequantize(w).abs().double().T  # the sums' size
     assert bool(((got.double() - want).abs() <= 1e-6 * terms + 1e-6).all())
@@ -120,7 +120,7 @@ def test_integer_reference_catches_a_wrong_kernel():
     x = torch.randn(1, 64)
     q, d, _ = quant.unpack(w)
     no_offset = quant.pack("q4_1", q, d, torch.zeros_like(d))  # the same codes read without their offset
-    assert not torch.allclose(cpu_native.gemm_q(x, w, dequant=False).double(), integer_reference(x, no_offset), rtol=1e-3)
+    assert not torch.allclose(quant.gemm_q(x, w, dequant=False).double(), integer_reference(x, no_offset), rtol=1e-3)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -133,11 +133,11 @@ def test_dequant_tile_is_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(
     w = random_weight(kind, n, k, m + n + k)
     x, b = torch.randn(m, k), torch.randn(n)
     dense = quant.dequantize(w)
-    got = with_threads(threads, lambda: cpu_native.gemm_q(x, w, b, dequant=True))
+    got = with_threads(threads, lambda: quant.gemm_q(x, w, b, dequant=True))
     want = with_threads(threads, lambda: cpu_native.gemm(x, cpu_native.pack_weight(dense), n, b))
     assert torch.equal(got, want)
-    if m > cpu_native.QDOT_ROWS:  # what gemm_q chooses for a prefill chunk
-        assert torch.equal(got, with_threads(threads, lambda: cpu_native.gemm_q(x, w, b)))
+    if m > quant.QDOT_ROWS:  # what gemm_q chooses for a prefill chunk
+        assert torch.equal(got, with_threads(threads, lambda: quant.gemm_q(x, w, b)))
     ref = F.linear(x.double(), dense.double(), b.double()).float()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
 
@@ -147,14 +147,14 @@ def test_dequant_tile_is_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(
 def test_quant_gemm_silu_and_plan(kind, m):
     w = random_weight(kind, 2 * 48, 128, m)
     x = torch.randn(m, 128)
-    act = cpu_native.gemm_silu_q(x, w)
-    assert torch.equal(act, cpu_native.silu_mul(cpu_native.gemm_q(x, w)))
+    act = quant.gemm_silu_q(x, w)
+    assert torch.equal(act, cpu_native.silu_mul(quant.gemm_q(x, w)))
     for dequant in (False, True):
-        assert torch.equal(cpu_native.gemm_silu_q(x, w, dequant=dequant),
-                           cpu_native.silu_mul(cpu_native.gemm_q(x, w, dequant=dequant)))
+        assert torch.equal(quant.gemm_silu_q(x, w, dequant=dequant),
+                           cpu_native.silu_mul(quant.gemm_q(x, w, dequant=dequant)))
     plan = kernels.LinearPlan(torch.empty(96, 128), None, w)
     assert plan.native and plan.kind == quant.KIND_CODES[kind] and plan.packed is w.data
-    assert torch.equal(plan(x), cpu_native.gemm_q(x, w)) and torch.equal(plan.silu_mul(x), act)
+    assert torch.equal(plan(x), quant.gemm_q(x, w)) and torch.equal(plan.silu_mul(x), act)
 
 
 def test_plan_off_the_native_path_multiplies_the_dequantized_weight(monkeypatch):
@@ -201,7 +201,7 @@ def test_non_avx2_build_gives_the_same_values(tmp_path):
             w, x = random_weight(kind, 40, 96, 5), torch.randn(9, 96)
             y = torch.empty(9, 40)
             assert fn(x.data_ptr(), 96, 9, 96, w.data.data_ptr(), w.code, 0, y.data_ptr(), 40, 40, 1) == 0
-            torch.testing.assert_close(y, cpu_native.gemm_q(x, w, dequant=dequant), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(y, quant.gemm_q(x, w, dequant=dequant), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["gemm_quant_cpu.c", "qdot_cpu.c"])
