@@ -144,9 +144,10 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._stack: DecodeStack | None = None
-        self._stack_of: tuple[object, tuple[list, list]] | None = None  # (caches, _stack_fingerprint())
+        self._stack_of: tuple[object, tuple[list, ...]] | None = None  # (caches, _stack_fingerprint())
         self._stack_linears: list[tuple[Linear, ...]] | None = None  # each layer's four, for decode_stack
         self._stack_params: list[tuple[dict, str]] = []  # (a module's _parameters or _buffers, name): what the stack reads
+        self._stack_versioned = 0  # how many of them, the first, are the linears'
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,12 +189,14 @@ class DecoderForCausalLM(nn.Module):
         if self._stack_linears is None:  # module lookups cost ~1 us each: once, not per step
             self._stack_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                     layer.mlp.down_proj) for layer in self.model.layers]
-            modules = [m for layer, four in zip(self.model.layers, self._stack_linears)
-                       for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
-                                 layer.self_attn.k_norm, *four) if m is not None]
-            modules += [self.model.embed_tokens, self.model.norm]
-            self._stack_params = [(m._parameters, name) for m in modules for name, p in m._parameters.items()
+            linears = [lin for four in self._stack_linears for lin in four]
+            read = [m for layer in self.model.layers
+                    for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                              layer.self_attn.k_norm) if m is not None] + [self.model.embed_tokens, self.model.norm]
+            # the linears' parameters first: their versions matter too (a plan is a copy)
+            self._stack_params = [(m._parameters, name) for m in linears + read for name, p in m._parameters.items()
                                   if p is not None]
+            self._stack_versioned = sum(p is not None for m in linears for p in m._parameters.values())
             self._stack_params += [(self.model.rope._buffers, name) for name in ("cos", "sin_signed")]
         if self._stack_of is not None and self._stack_of == (self.kv_caches, self._stack_fingerprint()):
             return self._stack
@@ -219,14 +222,16 @@ class DecoderForCausalLM(nn.Module):
         self._stack_of = (self.kv_caches, self._stack_fingerprint())
         return self._stack
 
-    def _stack_fingerprint(self) -> tuple[list, list]:
+    def _stack_fingerprint(self) -> tuple[list, ...]:
         """What the stack was set up from, cheap enough to check every decode step (~50 us
-        for 30 layers: no module attribute lookups): each parameter it reads (a norm's,
-        or a linear's, whose plan it holds), by storage and version; each linear's plan
-        and quant, by identity."""
+        for 30 layers: no module attribute lookups, flat lists): the storage of each
+        tensor it reads (norms, tables) or holds a plan of (linears), the linears'
+        parameters' versions (an in-place write makes their packed copy stale), and each
+        linear's plan and quant, by identity."""
         params = [d[name] for d, name in self._stack_params]
-        return ([(p.data_ptr(), p._version) for p in params],
-                [(lin._plan, lin.quant) for four in self._stack_linears for lin in four])
+        linears = [lin for four in self._stack_linears for lin in four]
+        return ([p.data_ptr() for p in params], [p._version for p in params[:self._stack_versioned]],
+                [lin._plan for lin in linears], [lin.quant for lin in linears])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]
