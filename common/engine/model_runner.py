@@ -180,6 +180,13 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], counts: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
         """Flatten a decode-first batch into model inputs and attention metadata."""
+        if counts and all(n == 1 for n in counts):
+            return self.prepare_decode(seqs)
+        return self.prepare_mixed(seqs, counts)
+
+    def prepare_mixed(self, seqs: list[Sequence], counts: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        """`prepare` for any decode-first batch (prompt chunks among it)."""
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -227,6 +234,28 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.int64, device=dev), sample_seqs
+
+    def prepare_decode(self, seqs: list[Sequence]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        """`prepare` for a batch of one token per sequence, from plain lists: a decode step's
+        inputs in five tensors (a numpy array per sequence costs more than the step's
+        Python elsewhere, its code cold after the weights streamed through the caches)."""
+        bs, dev = self.block_size, self.device
+        pos = [s.num_computed_tokens for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        sampled = [i for i, (s, p) in enumerate(zip(seqs, pos)) if p + 1 == len(s)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+                                      dtype=torch.int64, device=dev),
+            num_decode=len(seqs),
+            decode_block_tables=torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs],
+                                             dtype=torch.int32, device=dev),
+            decode_context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev),
+            prefill_q_lens=[], prefill_context_lens=[], prefill_block_tables=[])
+        input_ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, pos)], dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return (input_ids, positions, meta, torch.tensor(sampled, dtype=torch.int64, device=dev),
+                [seqs[i] for i in sampled])
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
