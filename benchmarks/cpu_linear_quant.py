@@ -8,7 +8,8 @@ weight-streaming bound measured in the same run.
         [--repeats 7] [--layers N] [--out results/cpu_linear_quant.json]
 
 Forms as the engine holds them: float32 and bf16 panels; int8 = every matrix Q8_0; int4 =
-the layers' matrices Q4_1 and the lm_head Q8_0 (`--quantization int8|int4`), multiplied by
+the layers' matrices Q4_1 and the lm_head Q8_0 (`--quantization int8|int4`; the quantized
+matrices in one buffer in forward order, `quant.in_one_buffer`), multiplied by
 int8 dot products at every row count (`gemm_q(..., dequant=False)`; the engine's choice up
 to `quant.QDOT_ROWS`); int8-tile / int4-tile = the same matrices on the tile that
 dequantizes in registers (`dequant=True`; the engine's choice past that), old and new
@@ -39,8 +40,9 @@ def forms(weights: list[torch.Tensor]) -> dict[str, list]:
     last = len(weights) - 1  # the lm_head
     return {"float32": [cpu_native.pack_weight(w) for w in weights],
             "bf16": [cpu_native.pack_weight(w, torch.bfloat16) for w in weights],
-            "int8": [quant.quantize(w, "q8_0") for w in weights],
-            "int4": [quant.quantize(w, "q8_0" if i == last else "q4_1") for i, w in enumerate(weights)]}
+            "int8": quant.in_one_buffer([quant.quantize(w, "q8_0") for w in weights]),
+            "int4": quant.in_one_buffer([quant.quantize(w, "q8_0" if i == last else "q4_1")
+                                         for i, w in enumerate(weights)])}
 
 
 TILE = "-tile"  # a form's name ending so: its quantized matrices on the dequantizing tile
