@@ -154,7 +154,6 @@ def start_router(ray: Any, dep: DeploymentConfig, bind_node_address: bool) -> An
     """Place the router actor: on a node with the router's resources, pinned there, at
     fixed ports (`bind_node_address`: bound at that node's address, else at the
     configured host). Returns its handle; `ready` says when it serves."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     placement: RayPlacement = dep.ray
     options = router_options(placement.resources.get("router", {}))
     ref = ray.remote(probe).options(**options).remote(3)
@@ -164,9 +163,10 @@ def start_router(ray: Any, dep: DeploymentConfig, bind_node_address: bool) -> An
         raise LaunchError(f"no Ray node has the router's resources {options['resources']} after "
                           f"{READY_TIMEOUT_S:.0f} s (--router-resources; `ray status` shows the cluster's)") from None
     config = fixed_address(dep.router, address if bind_node_address else dep.router.host, free)
+    pinned = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id, soft=False)
     actor_class = ray.remote(RouterActor).options(
         name=ROUTER_ACTOR, namespace=placement.namespace, lifetime="detached", max_restarts=-1, max_task_retries=0,
-        max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **options)
+        max_concurrency=4, scheduling_strategy=pinned, **options)
     return actor_class.remote(dataclasses.replace(dep, router=config, secret=""))
 
 
