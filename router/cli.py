@@ -179,7 +179,7 @@ def _ray_placement(args: argparse.Namespace) -> "RayPlacement | None":
     """`serve --ray` and its flags, checked; None without --ray."""
     from router.deploy import RayPlacement
     from router.ray_launch import parse_resources
-    resources = {"prefill": args.prefill_resources, "decode": args.decode_resources, "router": args.router_resources}
+    resources = {"prefill": args.prefill_resources, "decode": args.decode_resources, "router": args.ray_router_resources}
     if not args.ray:
         if any(v is not None for v in resources.values()):
             raise ConfigError("--prefill-resources / --decode-resources / --router-resources place actors with Ray: "
@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help='Ray resources one prefill worker needs, e.g. \'{"prefill_pool": 1}\' (custom ones too; '
                         "default: CPU = its threads, GPU = 1 with --device cuda)")
     g.add_argument("--decode-resources", default=None, metavar="JSON", help="the same for one decode worker")
-    g.add_argument("--router-resources", default=None, metavar="JSON",
+    g.add_argument("--router-resources", default=None, metavar="JSON", dest="ray_router_resources",  # not a RouterConfig field
                    help="Ray resources that place the router actor, on one node (default: the head node)")
     g.add_argument("--ray-namespace", default="pdserve", help="the Ray namespace the deployment's actors are named in")
     worker = options_of(WorkerConfig)

@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 from common.config import ConfigError
@@ -51,7 +52,9 @@ class RouterActor:
     def __init__(self, dep: DeploymentConfig) -> None:
         import ray
         assert dep.ray is not None
-        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray's own property reads a deprecated one of its context
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         try:
             secret = read_secret_file(dep.ray.secret_file)
         except ValueError as e:
@@ -72,8 +75,15 @@ class RouterActor:
 
     def _run(self) -> None:
         import uvloop
+
+        async def run() -> None:  # not a method: an actor with a coroutine method is an asyncio actor
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            if self._stopping:  # `stop` came before the loop was up
+                self._stop.set()
+            await serve(self.dep, stop=self._stop, on_ready=self._on_ready, adopt=self.restarted)
+
         try:
-            uvloop.run(self._serve())
+            uvloop.run(run())
         except BaseException as e:  # noqa: BLE001 -- told to the driver, or Ray restarts this actor
             self.error = f"{type(e).__name__}: {e}"
         finally:
@@ -84,12 +94,6 @@ class RouterActor:
               file=sys.stderr, flush=True)
         time.sleep(RESTART_PAUSE_S)
         os._exit(1)
-
-    async def _serve(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        if self._stopping:  # `stop` came before the loop was up
-            self._stop.set()
-        await serve(self.dep, stop=self._stop, on_ready=self._on_ready, adopt=self.restarted)
 
     def _on_ready(self, info: dict) -> None:
         self.info = dict(info, router={"node_id": self.node_id, "pid": os.getpid(), "restarted": self.restarted})

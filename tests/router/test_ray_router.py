@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import os
 import types
 
@@ -119,6 +120,11 @@ def test_the_router_actor_serves_reads_the_secret_on_its_node_and_stops(monkeypa
     assert info["router"] == {"node_id": "node-a", "pid": os.getpid(), "restarted": True}
     assert seen == {"secret": "ab" * 32, "adopt": True}  # a restarted router adopts the workers
     assert actor.stop(5) and seen["stopped"]
+
+
+def test_the_router_actor_is_a_threaded_actor():
+    # a coroutine method would make it an asyncio actor: a blocking `ready` would hold up `stop`
+    assert not [name for name, f in vars(RouterActor).items() if inspect.iscoroutinefunction(f)]
 
 
 def test_a_first_start_that_fails_is_told_to_the_driver(monkeypatch, dep):
