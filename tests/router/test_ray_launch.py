@@ -52,3 +52,12 @@ def test_a_wildcard_control_address_is_dialed_at_the_node_address():
 def test_serve_refuses_ray_flags_that_cannot_work(argv, why, capsys):
     assert main(["serve", "no-such-model", *argv]) == 2  # refused before the model or Ray is looked at
     assert why in capsys.readouterr().err
+
+
+def test_serve_takes_the_router_actors_flags_apart_from_the_router_config():
+    from router.cli import ROUTER_DEST, WORKER_DEST, build_parser, given
+    args = build_parser().parse_args(["serve", "--ray", "auto", "--control-port", "7000", "--rejoin-timeout", "60",
+                                      "--router-resources", '{"router_node": 1}'])
+    assert given(args, ROUTER_DEST) == {"control_port": 7000}  # --router-resources places the actor, no config field
+    assert given(args, WORKER_DEST) == {"rejoin_timeout_s": 60.0}  # how long a worker waits for the restarted router
+    assert args.ray_router_resources == '{"router_node": 1}'
