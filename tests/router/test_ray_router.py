@@ -156,3 +156,16 @@ def test_the_router_actor_needs_the_secret_file_on_its_node(monkeypatch, dep):
     missing = dataclasses.replace(dep, ray=dataclasses.replace(dep.ray, secret_file="/no/such/secret"))
     with pytest.raises(ConfigError, match="on the router's node"):
         _actor(monkeypatch, missing, False, None)
+
+
+def test_ray_stop_ends_a_deployment_whose_driver_died(ray, dep, monkeypatch, capsys):
+    from router.cli import main
+    placed = []
+    monkeypatch.setattr(ray_router, "connect", placed.append)
+    ray.actors[ROUTER_ACTOR] = FakeActor(ray, ROUTER_ACTOR, "ns", {}, (dep,))
+    ray.actors["decode-0"] = FakeActor(ray, "decode-0", "ns", {}, ({"worker": {"role": "decode"}},))
+    assert main(["ray-stop", "--ray", "10.0.0.1:6379", "--ray-namespace", "ns"]) == 0
+    assert (placed[0].address, placed[0].namespace) == ("10.0.0.1:6379", "ns") and ray.actors == {}
+    assert f"ended decode-0, {ROUTER_ACTOR}" in capsys.readouterr().out and ray.shutdowns == 1
+    assert main(["ray-stop", "--ray", "auto", "--ray-namespace", "ns"]) == 0
+    assert "no actors in Ray namespace 'ns'" in capsys.readouterr().out
