@@ -15,7 +15,7 @@ actor, or loses its node, the worker stops. It reaches the router as a joined wo
 (common/worker/router_link.py): when the router actor dies it gives up that router's
 requests, and it says hello again to the router Ray restarts at the same address, which
 adopts this actor by its name (router/ray_launch.py). When the worker exits, the actor
-stays and says so through `exit_code`; the router decides (router/ray_launch.py's RayPool): a
+stays and says so through `exit_code`; the router decides (router/ray_pool.py's RayPool): a
 worker drained by the router (code 0) has its actor ended for good; a failed one has its
 actor killed for Ray to restart both -- unless it keeps failing before it registers,
 then it is ended for good and reported failed. A worker that exits before it is ready

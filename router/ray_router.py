@@ -84,7 +84,7 @@ class RouterActor:
 
         try:
             uvloop.run(run())
-        except BaseException as e:  # noqa: BLE001 -- told to the driver, or Ray restarts this actor
+        except BaseException as e:  # told to the driver, or Ray restarts this actor
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self._ready.set()
