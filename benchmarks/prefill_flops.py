@@ -16,13 +16,16 @@ weight by T rows. For each dtype and each prompt length T:
   2 x hidden x vocab for the one row sampled, plus attention's 4 x layers x heads x
   head_dim x T (T + 1) / 2 (QK^T and PV over the causal pairs). Norms, RoPE, softmax and
   the activation are left out, as usual;
-- peak: the best of `--rounds` products of two `--gemm-size` square matrices, by
+- peak: the best of `--rounds` products (one per round, after that round's prefills) of two `--gemm-size` square matrices, by
   `torch.matmul` in that dtype (float32 for a weight-quantized dtype) and by pdserve's own
   GEMM (`kernels.cpu_native`: float32 activations on the weight packed in that dtype,
   or quantized in registers' tile). The faster of the two is the peak the prefill is held
   against; both are reported. torch's bf16 GEMM is a scalar loop on a CPU without
   AVX512_BF16 / AMX (under 5 GFLOP/s): its size is halved until one product fits in
   `--torch-budget-s` (timed at 512 first), and the size used is reported.
+
+Each round also records the share of the machine's CPU that other processes took
+(`benchmarks/phase_timing.py`: 0 on a quiet machine).
 
 A dtype may name a weight quantization after "+" (`float32+int4`), as in
 benchmarks/single_stream.py. Default model: the embedded SmolLM2-135M-Instruct.
@@ -43,6 +46,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.phase_timing import Phase  # noqa: E402
 from benchmarks.report import run_facts, write_report  # noqa: E402
 from common import LLM, SamplingParams  # noqa: E402
 from kernels import cpu_native  # noqa: E402
@@ -101,29 +105,45 @@ def torch_size(dtype: torch.dtype, size: int, budget_s: float) -> int:
     return size
 
 
-def torch_gemm_s(dtype: torch.dtype, n: int, rounds: int, g: torch.Generator) -> float:
-    """Best seconds of torch.matmul of two random [n, n] matrices in `dtype`."""
-    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
-    return timed_best(lambda: torch.matmul(a, b), rounds)
+class GemmPeak:
+    """The two square GEMMs of one dtype, operands made once: torch.matmul at torch_n in
+    that dtype (float32 for a weight-quantized one), pdserve's at `size` on the weight
+    packed (or quantized) as the engine holds it. `time_once` runs each once; the best of
+    the rounds is the peak."""
 
+    def __init__(self, dtype: str, size: int, torch_n: int) -> None:
+        act, _, quant = dtype.partition("+")
+        tdt = getattr(torch, act)
+        g = torch.Generator().manual_seed(0)
+        self.size, self.torch_n = size, torch_n
+        self.a, self.b = (torch.randn(torch_n, torch_n, generator=g).to(tdt) for _ in range(2))
+        x, w = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g) / size ** 0.5
+        if quant:
+            from kernels.quant import FROM_FLOAT, quantize
+            qw = quantize(w, FROM_FLOAT[quant])
+            self.native = lambda: cpu_native.gemm_q(x, qw, dequant=True)
+        else:
+            packed = cpu_native.pack_weight(w, tdt)
+            self.native = lambda: cpu_native.gemm(x, packed, size)
+        self.torch_s, self.native_s = [], []
+        self.time_once()  # untimed: first-use costs
+        self.torch_s.clear()
+        self.native_s.clear()
 
-def gemm_peaks(dtype: str, size: int, torch_n: int, rounds: int) -> dict:
-    """GFLOP/s of torch.matmul (at torch_n) and pdserve's GEMM (at size) in `dtype`."""
-    act, _, quant = dtype.partition("+")
-    tdt = getattr(torch, act)
-    g = torch.Generator().manual_seed(0)
-    torch_s = torch_gemm_s(tdt, torch_n, rounds, g)
-    x, w = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g) / size ** 0.5
-    if quant:
-        from kernels.quant import FROM_FLOAT, quantize
-        qw = quantize(w, FROM_FLOAT[quant])
-        native_s = timed_best(lambda: cpu_native.gemm_q(x, qw, dequant=True), rounds)
-    else:
-        packed = cpu_native.pack_weight(w, tdt)
-        native_s = timed_best(lambda: cpu_native.gemm(x, packed, size), rounds)
-    torch_gf, native_gf = 2 * torch_n ** 3 / torch_s / 1e9, 2 * size ** 3 / native_s / 1e9
-    return {"torch_size": torch_n, "torch_gflops": torch_gf, "pdserve_size": size, "pdserve_gflops": native_gf,
-            "peak_gflops": max(torch_gf, native_gf), "peak_by": "torch" if torch_gf >= native_gf else "pdserve"}
+    def time_once(self) -> None:
+        t0 = time.perf_counter()
+        torch.matmul(self.a, self.b)
+        t1 = time.perf_counter()
+        self.native()
+        self.torch_s.append(t1 - t0)
+        self.native_s.append(time.perf_counter() - t1)
+
+    def report(self) -> dict:
+        torch_gf = 2 * self.torch_n ** 3 / min(self.torch_s) / 1e9
+        native_gf = 2 * self.size ** 3 / min(self.native_s) / 1e9
+        return {"torch_size": self.torch_n, "torch_s": self.torch_s, "torch_gflops": torch_gf,
+                "pdserve_size": self.size, "pdserve_s": self.native_s, "pdserve_gflops": native_gf,
+                "peak_gflops": max(torch_gf, native_gf), "peak_by": "torch" if torch_gf >= native_gf else "pdserve"}
 
 
 def make_llm(model: str, dtype: str, threads: int, longest: int) -> LLM:
@@ -167,18 +187,25 @@ def main(argv: list[str] | None = None) -> int:
     flops = {dt: {t: prefill_flops(llm.engine.runner.model, t) for t in lengths} for dt, llm in llms.items()}
     for llm in llms.values():
         prefill_s(llm, min(lengths), seed=0)  # warm-up: kernels built, weights packed
+    gemms = {dt: GemmPeak(dt, args.gemm_size, torch_size(getattr(torch, dt.partition("+")[0]), args.gemm_size,
+                                                           args.torch_budget_s)) for dt in dtypes}
     runs = {dt: {t: [] for t in lengths} for dt in dtypes}
-    for r in range(args.rounds):
-        for dt, llm in llms.items():
-            for t in lengths:
-                runs[dt][t].append(prefill_s(llm, t, seed=r + 1))
-    sizes = {dt: torch_size(getattr(torch, dt.partition("+")[0]), args.gemm_size, args.torch_budget_s) for dt in dtypes}
-    peaks = {dt: gemm_peaks(dt, args.gemm_size, sizes[dt], args.rounds) for dt in dtypes}
+    other = []  # the machine's CPU share other processes took, per round
+    for r in range(args.rounds):  # prefills and GEMMs of every dtype take turns, so drift in the load hits all
+        with Phase() as phase:
+            for dt, llm in llms.items():
+                for t in lengths:
+                    runs[dt][t].append(prefill_s(llm, t, seed=r + 1))
+                gemms[dt].time_once()
+        other.append(phase.other_cpu_share)
+    peaks = {dt: g.report() for dt, g in gemms.items()}
     print(f"{'dtype':>14} {'tokens':>7} {'prefill ms':>10} {'GFLOP':>8} {'GFLOP/s':>8} {'torch GF/s':>11} "
           f"{'pdserve GF/s':>13} {'of peak':>7}")
     by_dtype = {dt: summary(dt, runs[dt], flops[dt], peaks[dt]) for dt in dtypes}
+    print("other processes' share of the machine's CPU, per round: "
+          + " ".join("?" if o is None else f"{o:.0%}" for o in other))
     report = {**run_facts(), "model": str(model), "threads": args.threads, "rounds": args.rounds,
-              "gemm_size": args.gemm_size, "by_dtype": by_dtype}
+              "gemm_size": args.gemm_size, "other_cpu_share": other, "by_dtype": by_dtype}
     write_report(report, args.out)
     return 0
 
