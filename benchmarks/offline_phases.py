@@ -6,12 +6,13 @@ decode steps, and the decode steps by batch rows, dtypes taking turns in one pro
 
 The workload is benchmarks/offline_throughput.py's (random token-id prompts of 32-512
 tokens, 16-256 output tokens each, greedy, ignore_eos; the engine settings of its pdserve
-child). One engine per dtype; each round runs `LLM.generate` on the whole workload with
-each engine in turn, and every `ModelRunner.execute` call is timed: a step with any
-prompt tokens counts as prefill (chunks of 2048 tokens, decodes riding along), the others
-as decode steps of their row count. Reported per dtype: wall seconds (median round), the
-prefill and decode seconds, and per decode row count its steps and best / median step
-time, with each decode row count's float32 / dtype ratio of the medians. Per-step bests
+child, prefix caching off so that every round prefills every prompt). One engine per
+dtype; each round runs `LLM.generate` on the whole workload with each engine in turn, and
+every `ModelRunner.execute` call is timed: a step with any prompt tokens counts as
+prefill (chunks of 2048 tokens, decodes riding along), the others as decode steps of
+their row count. Reported per dtype: wall seconds (median round), the prefill and decode
+seconds, and per decode row count its steps and best / median step time, with the first
+dtype's best over each other dtype's best per row count. Per-step bests
 are what a quiet machine gives; a loaded one shows as steps far above the best (an
 OpenMP barrier waiting on a thread the kernel took off its core).
 """
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = args.dtype.split(",")
     blocks = max(kv_blocks_for(work), MAX_MODEL_LEN // BLOCK_SIZE + 1)  # and room for one sequence of max_model_len
     llms = {dt: LLM(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=64, max_num_batched_tokens=2048,
-                    block_size=BLOCK_SIZE, num_kv_blocks=blocks, num_threads=args.threads, dtype=dt)
+                    block_size=BLOCK_SIZE, num_kv_blocks=blocks, num_threads=args.threads, dtype=dt,
+                    enable_prefix_caching=False)  # every round prefills the whole workload again
             for dt in dtypes}
     logs = {dt: StepLog(llm) for dt, llm in llms.items()}
     for llm in llms.values():  # warm-up: kernels built, weights packed
