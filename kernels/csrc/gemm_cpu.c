@@ -27,8 +27,9 @@
  * AVX512_BF16's vdpbf16ps: that instruction needs bf16 activations (one more rounding of
  * every input) and k-pair-interleaved panels (a second layout), and it sums pairs in its
  * own order, so the two ISA builds would stop agreeing; decode, the case bf16 is for, is
- * bound by the weight stream, which widening halves just the same. AVX2 decode rows: 1-2
- * take panels two at a time (tile_pair1_bf16), 7-24 all at once (gemm_rows_bf16_cpu.c).
+ * bound by the weight stream, which widening halves just the same. On AVX2 the one or two
+ * rows of a decode step take bf16 panels two at a time, prefetched ahead (see
+ * tile_pair1_bf16), or a row's multiply-add chains, not the memory, would set the pace.
  *
  * Summation order: each output is summed over k in slices, each slice a chain of fused
  * multiply-adds from zero, and the slices' sums added into y in order (the bias first)
@@ -351,39 +352,31 @@ void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_
 }
 #endif
 
-/* One or two panels' tiles (panels j0 and j1, k from k0) over m rows of x on a packed weight of
-   any kind (PD_W_*): float32 and bf16 panels are [k][16] elements, a quantized one k / 32 blocks. */
-static inline void tile_any(int kind, int two, int64_t m, int64_t kc, const float *x, int64_t rs, const void *p,
+/* One or two panels' tile (panels j0 and j1, k from k0) on a packed weight of any kind
+   (PD_W_*): float32 and bf16 panels are [k][16] elements, a quantized one k / 32 blocks. */
+static inline void tile_any(int kind, int two, int rows, int64_t kc, const float *x, int64_t rs, const void *p,
                             int64_t j0, int64_t j1, int64_t k0, int64_t k, float *y, int64_t ldy, int accumulate,
                             const float *bias, int ncols) {
     const int64_t o0 = (j0 * k + k0) * NR, o1 = (j1 * k + k0) * NR;
-    if (kind == PD_W_BF16 && m > MR && m <= PD_ROWS_MAX) {
-        pd_gemm_rows_bf16(m, kc, x, rs, (const uint16_t *)p + o0, two ? (const uint16_t *)p + o1 : 0, y, ldy,
-                          accumulate, bias, ncols);
-        return;
-    }
-    for (int64_t i = 0, rows; i < m; i += rows, x += rows * rs, y += rows * ldy) {
-        rows = m - i < MR ? m - i : MR;
-        if (kind == PD_W_BF16) {
-            const uint16_t *w = p;
-            if (two)
-                pd_gemm_tile2_bf16(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
-            else
-                pd_gemm_tile_bf16(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
-        } else if (kind == PD_W_F32) {
-            const float *w = p;
-            if (two)
-                pd_gemm_tile2(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
-            else
-                pd_gemm_tile(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
-        } else {
-            const int64_t panel = k / PD_QGROUP * pd_quant_block_bytes(kind);
-            const uint8_t *w = p;
-            pd_gemm_tile_q(kind, rows, kc, x, rs, w + j0 * panel, k0, y, ldy, accumulate, bias, two ? NR : ncols);
-            if (two)
-                pd_gemm_tile_q(kind, rows, kc, x, rs, w + j1 * panel, k0, y + NR, ldy, accumulate,
-                               bias ? bias + NR : 0, ncols);
-        }
+    if (kind == PD_W_BF16) {
+        const uint16_t *w = p;
+        if (two)
+            pd_gemm_tile2_bf16(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
+        else
+            pd_gemm_tile_bf16(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
+    } else if (kind == PD_W_F32) {
+        const float *w = p;
+        if (two)
+            pd_gemm_tile2(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
+        else
+            pd_gemm_tile(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
+    } else {
+        const int64_t panel = k / PD_QGROUP * pd_quant_block_bytes(kind);
+        const uint8_t *w = p;
+        pd_gemm_tile_q(kind, rows, kc, x, rs, w + j0 * panel, k0, y, ldy, accumulate, bias, two ? NR : ncols);
+        if (two)
+            pd_gemm_tile_q(kind, rows, kc, x, rs, w + j1 * panel, k0, y + NR, ldy, accumulate, bias ? bias + NR : 0,
+                           ncols);
     }
 }
 
@@ -417,7 +410,11 @@ static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const 
         const float *bj = bias ? bias + j * NR : 0;
         for (int64_t k0 = 0; k0 < k; k0 += kstep) {
             const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-            tile_any(kind, step == 2, m, kc, x + k0, ldx, p, j, j + 1, k0, k, y + j * NR, ldy, k0 > 0, bj, ncols);
+            for (int64_t i = 0; i < m; i += MR) {
+                const int rows = m - i < MR ? (int)(m - i) : MR;
+                tile_any(kind, step == 2, rows, kc, x + i * ldx + k0, ldx, p, j, j + 1, k0, k, y + i * ldy + j * NR,
+                         ldy, k0 > 0, bj, ncols);
+            }
         }
     }
 }
@@ -504,7 +501,9 @@ static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const vo
             for (int64_t j = pb; j < pe; j++) {
                 for (int64_t k0 = 0; k0 < k; k0 += kstep) {
                     const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-                    tile_any(kind, 1, mb, kc, xb + k0, ldx, p, j, panels + j, k0, k, gu, 2 * NR, k0 > 0, 0, NR);
+                    for (int64_t i = 0; i < mb; i += MR)
+                        tile_any(kind, 1, mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, p, j,
+                                 panels + j, k0, k, gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
                 }
                 for (int64_t i = 0; i < mb; i++)
                     pd_silu_mul_row(gu + i * 2 * NR, gu + i * 2 * NR + NR, act + (r0 + i) * lda + j * NR, NR);

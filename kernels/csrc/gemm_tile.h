@@ -32,15 +32,6 @@ void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks,
                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
 
 
-/* Rows of x up to which gemm_cpu.c multiplies bf16 panels by all the rows at once
- * (pd_gemm_rows_bf16, gemm_rows_bf16_cpu.c: a decode batch), past one row tile */
-#define PD_ROWS_MAX 24
-/* y[0:m, 0:16 + ncols] (+)= x[0:m, 0:kc] @ [p0 | p1] on bf16 panels, m <= PD_ROWS_MAX
- * (p1 NULL: y[0:m, 0:ncols] of p0 alone); x's columns unit stride; pd_gemm_tile2_bf16's
- * bits (gemm_rows_bf16_cpu.c) */
-void pd_gemm_rows_bf16(int64_t m, int64_t kc, const float *x, int64_t ldx, const uint16_t *p0, const uint16_t *p1,
-                       float *y, int64_t ldy, int accumulate, const float *bias, int ncols);
-
 /* pd_gemm_tile on one panel of a quantized weight (gemm_quant_cpu.c): `panel` is its first
  * block, k0 the k where x's columns start; x's columns are unit stride. */
 void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,
