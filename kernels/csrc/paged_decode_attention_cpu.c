@@ -124,69 +124,6 @@ static inline __attribute__((always_inline)) void axpy_rows(float *o, const kv_t
         for (int64_t x = 0; x < nv; x++) _mm256_storeu_ps(o + c + 8 * x, acc[x]);
     }
 }
-
-#ifndef __AVX512F__
-#define PD_AVX2_PAIRS 1
-/* AVX2: two query rows q0, q1 of one kv head (GQA) against the same n <= 4 keys: s0[i] =
- * scale * <q0, k_i>, s1[i] = scale * <q1, k_i>. Each key row is loaded, and widened from
- * bf16, once for both (dots8 loads it once per query row, so the loads and conversions
- * set its pace); 8 accumulators, where 8 keys by 2 rows would spill. Every score is
- * dots8's: the same chain of fused multiply-adds and the same hsum8 tree per key. */
-#define DOT_STEP(t)                                                                                                    \
-    {                                                                                                                  \
-        const __m256 kv = KV_LOAD8(r##t + j);                                                                          \
-        a##t = _mm256_fmadd_ps(kv, q0v, a##t);                                                                         \
-        b##t = _mm256_fmadd_ps(kv, q1v, b##t);                                                                         \
-    }
-static inline __attribute__((always_inline)) void dots4_pair(const float *q0, const float *q1, const kv_t *k,
-                                                             int64_t kst, int64_t n, float scale, float *s0,
-                                                             float *s1, const int64_t d) {
-    const kv_t *r0 = k, *r1 = k + (n > 1 ? 1 : 0) * kst, *r2 = k + (n > 2 ? 2 : n - 1) * kst,
-               *r3 = k + (n > 3 ? 3 : n - 1) * kst;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t j = 0; j < d; j += 8) {
-        const __m256 q0v = _mm256_loadu_ps(q0 + j), q1v = _mm256_loadu_ps(q1 + j);
-        DOT_STEP(0) DOT_STEP(1) DOT_STEP(2) DOT_STEP(3)
-    }
-    const __m256 sc = _mm256_set1_ps(scale);
-    float t0[8], t1[8];
-    _mm256_storeu_ps(t0, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a0, a1, a2, a3), sc)); /* lanes 0-3: keys 0-3 */
-    _mm256_storeu_ps(t1, _mm256_mul_ps(hsum8(b0, b1, b2, b3, b0, b1, b2, b3), sc));
-    for (int64_t i = 0; i < n; i++) {
-        s0[i] = t0[i];
-        s1[i] = t1[i];
-    }
-}
-
-/* o0 += sum_i w0[i] v_i, o1 += sum_i w1[i] v_i over the same n rows (AVX2), each row
- * loaded and widened once for both, 32 values at a time: every output is axpy_rows's
- * chain over the rows in order. */
-static inline __attribute__((always_inline)) void axpy_rows_pair(float *o0, float *o1, const kv_t *v, int64_t vst,
-                                                                 const float *w0, const float *w1, int64_t n,
-                                                                 const int64_t d) {
-    for (int64_t c = 0; c < d; c += 32) {
-        const int64_t nv = d - c < 32 ? (d - c) / 8 : 4;
-        __m256 x[4], y[4];
-        for (int64_t u = 0; u < nv; u++) {
-            x[u] = _mm256_loadu_ps(o0 + c + 8 * u);
-            y[u] = _mm256_loadu_ps(o1 + c + 8 * u);
-        }
-        for (int64_t i = 0; i < n; i++) {
-            const __m256 u0 = _mm256_set1_ps(w0[i]), u1 = _mm256_set1_ps(w1[i]);
-            const kv_t *vi = v + i * vst + c;
-            for (int64_t u = 0; u < nv; u++) {
-                const __m256 vv = KV_LOAD8(vi + 8 * u);
-                x[u] = _mm256_fmadd_ps(u0, vv, x[u]);
-                y[u] = _mm256_fmadd_ps(u1, vv, y[u]);
-            }
-        }
-        for (int64_t u = 0; u < nv; u++) {
-            _mm256_storeu_ps(o0 + c + 8 * u, x[u]);
-            _mm256_storeu_ps(o1 + c + 8 * u, y[u]);
-        }
-    }
-}
-#endif
 #endif
 
 /* Blocks ahead whose K (in pass 1) or V (pass 2) rows are asked for while the current
@@ -317,9 +254,6 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
 #else
     const int spread = 0;
 #endif
-#ifdef PD_AVX2_PAIRS
-    const int pairs = vec && group > 1; /* query rows two at a time on their shared keys */
-#endif
 
     /* bytes from an item's first row of a block to past its last */
     const int64_t k_span = (int64_t)sizeof(kv_t) * ((hpi - 1) * p->k_sh + (p->block_size - 1) * p->k_st + d);
@@ -343,15 +277,6 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
                 for (int64_t i = 0; i < n; i += 8)
                     dots8_pair(qr, qr + d, kh + i * p->k_st, p->k_st, n - i < 8 ? n - i : 8, p->scale, s + i, s + len + i, d,
                                kf + (r / group) * p->k_sh + i * p->k_st);
-                r++;
-                continue;
-            }
-#endif
-#ifdef PD_AVX2_PAIRS
-            if (pairs && r % group + 1 < group) { /* this query row and the next share their keys */
-                for (int64_t i = 0; i < n; i += 4)
-                    dots4_pair(qr, qr + d, kh + i * p->k_st, p->k_st, n - i < 4 ? n - i : 4, p->scale, s + i,
-                               s + len + i, d);
                 r++;
                 continue;
             }
@@ -397,13 +322,6 @@ static inline __attribute__((always_inline)) void attend_item_d(const problem_t 
 #ifdef PD_AVX512
             if (pairs && r % group + 1 < group) {
                 axpy_rows_pair(o, o + d, vh, p->v_st, w, w + len, n, d, vf ? vf + (r / group) * p->v_sh : NULL);
-                r++;
-                continue;
-            }
-#endif
-#ifdef PD_AVX2_PAIRS
-            if (pairs && r % group + 1 < group) {
-                axpy_rows_pair(o, o + d, vh, p->v_st, w, w + len, n, d);
                 r++;
                 continue;
             }
