@@ -16,13 +16,14 @@ weight by T rows. For each dtype and each prompt length T:
   2 x hidden x vocab for the one row sampled, plus attention's 4 x layers x heads x
   head_dim x T (T + 1) / 2 (QK^T and PV over the causal pairs). Norms, RoPE, softmax and
   the activation are left out, as usual;
-- peak: the best of `--rounds` products (one per round, after that round's prefills) of two `--gemm-size` square matrices, by
-  `torch.matmul` in that dtype (float32 for a weight-quantized dtype) and by pdserve's own
-  GEMM (`kernels.cpu_native`: float32 activations on the weight packed in that dtype,
-  or quantized in registers' tile). The faster of the two is the peak the prefill is held
-  against; both are reported. torch's bf16 GEMM is a scalar loop on a CPU without
-  AVX512_BF16 / AMX (under 5 GFLOP/s): its size is halved until one product fits in
-  `--torch-budget-s` (timed at 512 first), and the size used is reported.
+- peak: the best of `--rounds` products of two `--gemm-size` square matrices (one a
+  round, after that round's prefills), by `torch.matmul` in that dtype (float32 for a
+  weight-quantized dtype) and by pdserve's own GEMM (`kernels.cpu_native`: float32
+  activations on the weight packed in that dtype, or quantized and dequantized in
+  registers). The faster of the two is the peak the prefill is held against; both are
+  reported. torch's bf16 GEMM is a scalar loop on a CPU without AVX512_BF16 / AMX (under
+  5 GFLOP/s): its size is halved until one product fits in `--torch-budget-s` (timed at
+  512 first), and the size used is reported.
 
 Each round also records the share of the machine's CPU that other processes took
 (`benchmarks/phase_timing.py`: 0 on a quiet machine).
