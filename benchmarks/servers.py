@@ -130,12 +130,12 @@ class Server:
 
 
 def start_pdserve(cfg: str, model: str, logdir: Path, extra: list[str] = (), *, repo: Path = REPO,
-                  name: str = "") -> Server:
+                  name: str = "", dtype: str = "float32") -> Server:
     """`pdserve serve` in one of PDSERVE_CONFIGS, plus `extra` flags (devices, say), from the
     checkout `repo` (another commit's worktree: an A/B of two commits in one run)."""
     ready = logdir / f"pdserve-{cfg}-{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "router.cli", "serve", model, *PDSERVE_CONFIGS[cfg], "--http-port", "0",
-           "--zmq-port", "0", "--ready-file", str(ready), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--zmq-port", "0", "--ready-file", str(ready), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED), "--num-kv-blocks", "2048",
            *extra]
     name = name or f"pdserve-{cfg}"
@@ -158,10 +158,10 @@ def free_port() -> int:
 
 
 def start_vllm(vllm_python: str, model: str, logdir: Path, *, max_model_len: int = MAX_MODEL_LEN,
-               max_batched: int = MAX_BATCHED, name: str = "vllm") -> Server:
+               max_batched: int = MAX_BATCHED, name: str = "vllm", dtype: str = "float32") -> Server:
     """vLLM's OpenAI server on a free loopback port, both cores; returns once /v1/models answers."""
     port = free_port()
-    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-num-batched-tokens", str(max_batched), "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
     s = Server(name, cmd, vllm_env(vllm_python), logdir / "vllm.log")

@@ -9,7 +9,7 @@ Not part of CI. Without --vllm-python (or with one that cannot import vllm) the 
 skipped with a message saying so, and only pdserve is measured.
 
 Model: the small qwen3 made by `pdserve make-model DIR --arch qwen3 --size small` (seed 0;
-made under results/models/qwen3-small if missing), float32 on both (`--dtype bfloat16`: both engines in bf16 in the offline comparison).
+made under results/models/qwen3-small if missing), float32 on both (`--dtype bfloat16`: both engines in bf16, offline and served).
 
 Offline: the offline_throughput.py workload (`--offline-prompts` random token-id prompts,
 inputs 32-512, outputs 16-256, greedy, ignore_eos): pdserve's `LLM.generate` with 2 torch
@@ -196,12 +196,12 @@ def server_names(args: argparse.Namespace) -> list[str]:
 def start_server(name: str, args: argparse.Namespace, model: str, vocab: int, logdir: Path) -> Server:
     """Start one server, warm it up with two requests (not counted), let it settle."""
     if name == "vllm":
-        s = start_vllm(args.vllm_python, model, logdir)
+        s = start_vllm(args.vllm_python, model, logdir, dtype=args.dtype)
     elif name.endswith(BASELINE_SUFFIX):
         cfg = name.removeprefix("pdserve-").removesuffix(BASELINE_SUFFIX)
-        s = start_pdserve(cfg, model, logdir, repo=Path(args.baseline), name=name)
+        s = start_pdserve(cfg, model, logdir, repo=Path(args.baseline), name=name, dtype=args.dtype)
     else:
-        s = start_pdserve(name.removeprefix("pdserve-"), model, logdir)
+        s = start_pdserve(name.removeprefix("pdserve-"), model, logdir, dtype=args.dtype)
     try:
         warm = random_workload(2, args.input_len, args.output_len, 0.0, vocab, seed=99)
         recs, _ = asyncio.run(run_workload(warm, "http", s.url, [0.0, 0.0], None, 0.0, True, False, 0, False))
@@ -368,7 +368,7 @@ def main() -> int:
     p.add_argument("--offline-prompts", type=int, default=64)
     p.add_argument("--offline-repeats", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="both engines' dtype in the offline comparison")
+                   help="both engines' dtype, offline and served")
     p.add_argument("--crosscheck-rate", type=float, default=None,
                    help="after the sweep, one more point at this rate per server with our client and then "
                         "with `vllm bench serve` (needs --vllm-python), to check the two clients agree")

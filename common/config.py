@@ -391,6 +391,9 @@ class WorkerConfig:
     # the router's process (same host); this worker exits when it is gone. 0: not watched
     # (a joined worker: it re-sends its hello every router_timeout_s until a router registers it)
     router_pid: int = 0
+    # the process that owns this worker (its Ray actor, router/ray_actor.py): the worker exits when
+    # it is gone, and reaches its router as a joined worker does (pings, hello again after an outage)
+    parent_pid: int = 0
     router_timeout_s: float = option(3.0, "how often (s) a worker checks its router; it exits within this "
                                           "after a router it watches by pid; a joined worker closes a silent "
                                           "connection to its router after this, and gives up the router's "

@@ -13,13 +13,15 @@ from router.launch import free_port
 
 @dataclass(frozen=True)
 class RayPlacement:
-    """Where the workers run when Ray places them (`serve --ray`, router/ray_launch.py):
-    the cluster's address, the Ray resources one worker of each role needs, the path of
-    the secret file (present on every node; the secret itself never goes through Ray) and
-    the Ray namespace the worker actors are named in."""
+    """Where the router and the workers run when Ray places them (`serve --ray`,
+    router/ray_router.py, router/ray_launch.py): the cluster's address, the Ray resources
+    one worker of each role needs (and the router, under "router"), the path of the secret
+    file (present on every node; the secret itself never goes through Ray) and the Ray
+    namespace the deployment's actors are named in."""
 
     address: str  # "auto" (the cluster this machine belongs to) or the head's HOST:PORT
-    resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> {"prefill_pool": 1, "CPU": 2}
+    # role ("prefill", "decode", "router") -> {"prefill_pool": 1, "CPU": 2}
+    resources: dict[str, dict[str, float]] = field(default_factory=dict)
     secret_file: str = ""
     namespace: str = "pdserve"
 

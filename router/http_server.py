@@ -172,7 +172,7 @@ class OpenAIServer:
         pools = {e.worker_id: {"role": e.role, "state": e.state if e.alive else "dead", "inflight": e.inflight,
                                "routed": e.routed} for e in reg.workers.values()}  # docs/deploy.md
         failed = {w: {"role": role, "state": "failed", "reason": why} for w, (role, why) in self.router.failed.items()
-                  if w not in pools}  # its launcher gave up starting it (router/ray_launch.py)
+                  if w not in pools}  # its launcher gave up starting it (router/ray_pool.py)
         return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead,
                              "failed": sorted(failed), "pools": {**pools, **failed}},
                             status_code=200 if ok else 503)

@@ -10,13 +10,18 @@ starts `python -m prefill_node|decode_node --config /dev/stdin` (the command rou
 launch.py runs), writing the spec into the worker's stdin: the secret is never on disk,
 so an actor killed at any moment leaves none behind.
 
-The worker watches its actor as its parent (WorkerConfig.router_pid): when Ray kills the
-actor, or loses its node, the worker stops. When the worker exits, the actor stays and
-says so through `exit_code`; the driver decides (router/ray_launch.py's RayPool): a
+The worker watches its actor as its parent (WorkerConfig.parent_pid): when Ray kills the
+actor, or loses its node, the worker stops. It reaches the router as a joined worker does
+(common/worker/router_link.py): when the router actor dies it gives up that router's
+requests, and it says hello again to the router Ray restarts at the same address, which
+adopts this actor by its name (router/ray_launch.py). When the worker exits, the actor
+stays and says so through `exit_code`; the router decides (router/ray_pool.py's RayPool): a
 worker drained by the router (code 0) has its actor ended for good; a failed one has its
 actor killed for Ray to restart both -- unless it keeps failing before it registers,
 then it is ended for good and reported failed. A worker that exits before it is ready
-fails this actor's creation (Ray does not restart that): the driver reports it failed."""
+fails this actor's creation (Ray does not restart that): the router reports it failed.
+The actor is detached (owned by the cluster, not by the router actor that created it), so
+it outlives its router; the deployment's clean stop ends it."""
 from __future__ import annotations
 
 import contextlib
@@ -57,7 +62,7 @@ class WorkerActor:
             raise WorkerStartError(f"{e} (the secret file must be present at this path on every Ray node)") from None
         workdir = Path(tempfile.mkdtemp(prefix="pdserve-ray-"))  # 0700, for the worker's ready file
         self.worker = dict(spec["worker"], bind=f"tcp://{ray.util.get_node_ip_address()}:0",
-                           host_id=f"ray:{self.node_id}", report_to=control, router_pid=os.getpid(),
+                           host_id=f"ray:{self.node_id}", report_to=control, parent_pid=os.getpid(),
                            ready_file=str(workdir / "ready.json"))
         self._stopping = False
         try:
@@ -100,9 +105,11 @@ class WorkerActor:
         return self.proc.poll()
 
     def info(self) -> dict:
-        """The worker's ready info (address, pid, blocks) and where it runs."""
-        return dict(self.ready, node_id=self.node_id, host_id=self.worker["host_id"],
-                    kv_transfer=self.worker["kv_transfer"], actor_pid=os.getpid())
+        """The worker's ready info (address, pid, blocks), who it is, where it runs, and
+        whether it was told to stop (a router that adopts this actor finishes that stop)."""
+        return dict(self.ready, worker_id=self.worker_id, role=self.worker["role"], node_id=self.node_id,
+                    host_id=self.worker["host_id"], kv_transfer=self.worker["kv_transfer"], actor_pid=os.getpid(),
+                    stopping=self._stopping)
 
     def stop(self, timeout_s: float) -> int:
         """SIGTERM the worker (it drains, WorkerConfig.drain_s), SIGKILL after `timeout_s`;

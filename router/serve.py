@@ -1,8 +1,9 @@
 """`pdserve serve`: the router (ZeroMQ + HTTP front ends) in this process, workers as
-child processes (`--ray`: Ray actors on the cluster's nodes, router/ray_launch.py). Waits
-until every worker has registered, prints where to connect, and on Ctrl-C / SIGTERM stops
-every process it started. `pdserve router` is the same with no workers of its own: they
-join it (`pdserve worker --join`, docs/deploy.md)."""
+child processes. Waits until every worker has registered, prints where to connect, and on
+Ctrl-C / SIGTERM stops every process it started. `pdserve router` is the same with no
+workers of its own: they join it (`pdserve worker --join`, docs/deploy.md). Under
+`--ray` the same `serve` runs in the router actor (router/ray_router.py), its workers Ray
+actors on the cluster's nodes (router/ray_launch.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -68,19 +69,24 @@ def start_workers(launcher: Launcher, dep: DeploymentConfig, control: str) -> No
     launcher.wait_ready()
 
 
-async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
+async def serve(dep: DeploymentConfig, ready_file: str = "", *, stop: asyncio.Event | None = None,
+                on_ready: Callable[[dict], None] | None = None, adopt: bool = False) -> None:
+    """Run the deployment until `stop` is set (default: until SIGINT / SIGTERM), then stop
+    its workers. Once ready, `on_ready` is given what `ready_info` says (default: it is
+    printed). `adopt`: under Ray, take over the running worker actors instead of starting
+    them (a router actor that Ray restarted)."""
     config = dep.router
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     curve = resolve_curve(config.curve, [config.control_address()], shared_secret=bool(dep.secret))
     dep = with_curve(dep, curve)  # every worker's spec, local, Ray's and those the pools add
     router = Router(config, secret=dep.secret, curve=curve)
     router.start()
     front = ZmqFrontend(router, config.zmq_address())
     front.start()
-    launcher, start, stop_all = _launcher(dep, router)
+    launcher, start, stop_all = _launcher(dep, router, adopt)
     pool = _pool_launcher(dep, launcher, router)
     control = ControlPlane(router, pool, f"pdserve worker --role {{role}} --join {router.control_address} "
                                           f"--secret-file FILE {config.model_dir}")
@@ -98,7 +104,9 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         launch.result()  # raises LaunchError with the worker's log tail
         if dep.ray is not None:  # a worker failing before it registers: restarted by it, or reported failed
             supervisor.start()
-        await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices), len(dep.colocated_devices))
+        if not adopt:  # adopted workers register again on their own, each when it finds this router
+            await router.wait_for_workers(len(dep.prefill_devices), len(dep.decode_devices),
+                                          len(dep.colocated_devices))
         if supervisor is not None and dep.ray is None:
             supervisor.start()
         planner = start_planner(control)
@@ -111,24 +119,16 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
                 await asyncio.sleep(0.02)
             port = http.servers[0].sockets[0].getsockname()[1]
             http_url = f"{'https' if config.ssl_certfile else 'http'}://{config.host}:{port}/v1"
-        roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
-                 f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
-                 f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
-        print(f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
-              f"({config.dtype}, quantization {config.quantization})\n"
-              f"  OpenAI HTTP: {http_url}\n  ZeroMQ:      {front.address}"
-              f"{f' (CurveZMQ, server key {front.server_key})' if front.server_key else ''}\n"
-              f"  Workers join: {router.control_address} (CurveZMQ {'on' if curve else 'off'})\n"
-              f"  Pools:       pdserve pools --router {router.control_address} --secret-file {secret_file} "
-              f"--curve {'on' if curve else 'off'}\n"
-              f"  Ctrl-C stops everything.", flush=True)
+        info = {"http": http_url, "zmq": front.address, "control": router.control_address, "pid": os.getpid(),
+                "secret_file": secret_file, "curve": curve, "zmq_server_key": front.server_key,
+                "workers": {w.name: w.info for w in launcher.workers}}
+        if on_ready is None:
+            print(ready_text(dep, info), flush=True)
+        else:
+            on_ready(info)
         freeze_startup_heap()
         if ready_file:
-            info = {"http": http_url, "zmq": front.address, "control": router.control_address, "pid": os.getpid(),
-                    "secret_file": secret_file, "curve": curve, "zmq_server_key": front.server_key,
-                    "workers": {w.name: w.info for w in launcher.workers}}
-            Path(ready_file).with_suffix(".tmp").write_text(json.dumps(info))
-            Path(ready_file).with_suffix(".tmp").rename(ready_file)
+            write_ready_file(ready_file, info)
         await stop.wait()
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
@@ -144,6 +144,29 @@ async def serve(dep: DeploymentConfig, ready_file: str = "") -> None:
         front.close()
         await asyncio.to_thread(stop_all)
         await router.close()
+
+
+def ready_text(dep: DeploymentConfig, info: dict) -> str:
+    """What `serve` prints once ready: where to connect, given its `info`."""
+    config, curve = dep.router, "on" if info["curve"] else "off"
+    roles = (f"{len(dep.colocated_devices)} colocated workers" if dep.colocated_devices else
+             f"{len(dep.prefill_devices)} prefill + {len(dep.decode_devices)} decode workers "
+             f"(kv transfer {dep.kv_transfer})" if dep.workers else "no workers yet")
+    key = info["zmq_server_key"]
+    return (f"pdserve ready: {roles}, routing {config.routing}, model {config.model_dir} "
+            f"({config.dtype}, quantization {config.quantization})\n"
+            f"  OpenAI HTTP: {info['http']}\n  ZeroMQ:      {info['zmq']}"
+            f"{f' (CurveZMQ, server key {key})' if key else ''}\n"
+            f"  Workers join: {info['control']} (CurveZMQ {curve})\n"
+            f"  Pools:       pdserve pools --router {info['control']} --secret-file {info['secret_file']} "
+            f"--curve {curve}\n"
+            f"  Ctrl-C stops everything.")
+
+
+def write_ready_file(path: str, info: dict) -> None:
+    """`info` as JSON at `path`, whole or not at all (written aside, then renamed)."""
+    Path(path).with_suffix(".tmp").write_text(json.dumps(info))
+    Path(path).with_suffix(".tmp").rename(path)
 
 
 def start_planner(control: ControlPlane) -> Planner | None:
@@ -171,13 +194,13 @@ def _secret_file(launcher: Launcher, given: str) -> str:
     return str(path)
 
 
-def _launcher(dep: DeploymentConfig, router: Router) -> tuple[Launcher | RayLauncher, Callable[[], None],
-                                                             Callable[[], None]]:
+def _launcher(dep: DeploymentConfig, router: Router, adopt: bool) -> tuple[Launcher | RayLauncher,
+                                                                          Callable[[], None], Callable[[], None]]:
     """(launcher, start every worker, stop every worker): this machine's processes, or
-    Ray's actors when Ray places the workers (router/ray_launch.py)."""
+    Ray's actors when Ray places the workers (router/ray_launch.py; `adopt`: those running)."""
     if dep.ray is not None:
         from router.ray_launch import RayLauncher
-        ray_launcher = RayLauncher(dep, router.control_address)
+        ray_launcher = RayLauncher(dep, router.control_address, adopt=adopt)
         return ray_launcher, ray_launcher.start_all, ray_launcher.close
     launcher = Launcher(secret=router.secret, curve=router.key.curve is not None)  # into each worker's 0600 config file
     return launcher, functools.partial(start_workers, launcher, dep, router.control_address), launcher.stop
@@ -209,9 +232,9 @@ def http_server(router: Router) -> _QuietServer:
 
 def _pool_launcher(dep: DeploymentConfig, launcher: Launcher | RayLauncher, router: Router) -> Any:
     """Who starts and stops workers for the pool control API: Ray's actors
-    (router/ray_launch.py's RayPool), this machine's processes, or none (`pdserve router`)."""
+    (router/ray_pool.py's RayPool), this machine's processes, or none (`pdserve router`)."""
     if dep.ray is not None:
-        from router.ray_launch import RayPool
+        from router.ray_pool import RayPool
         return RayPool(launcher)
     return LocalLauncher(launcher, dep, router.control_address) if dep.workers else None
 

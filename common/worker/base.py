@@ -66,7 +66,8 @@ class WorkerBase:
         self._closed = threading.Event()
         self.draining_until: float | None = None  # SIGTERM: finish what is in flight until then
         # watched as our parent when it is one: a reused pid cannot fool os.getppid()
-        self._router_is_parent = worker_config.router_pid > 0 and os.getppid() == worker_config.router_pid
+        self._watched = worker_config.router_pid or worker_config.parent_pid  # exit when it is gone (0: none)
+        self._watched_is_parent = self._watched > 0 and os.getppid() == self._watched
         self._last_heartbeat = 0.0
         self._last_status: WorkerStatus | None = None
         self.layout = layout_of(engine_config)
@@ -162,10 +163,12 @@ class WorkerBase:
             self.log(f"draining (up to {self.wconfig.drain_s:.0f} s): {why}")
 
     def router_gone(self) -> bool:
-        pid = self.wconfig.router_pid
+        """Whether the process this worker exits with (its router's, or its owner's:
+        router_pid, parent_pid) is gone."""
+        pid = self._watched
         if pid <= 0:
             return False
-        return os.getppid() != pid if self._router_is_parent else not process_alive(pid)
+        return os.getppid() != pid if self._watched_is_parent else not process_alive(pid)
 
     def hello(self) -> WorkerHello:
         return WorkerHello(self.worker_id, self.role, self.server.address, self.config.device.device,
@@ -271,7 +274,7 @@ class WorkerBase:
                     last_hello = self.clock.monotonic()
                     sock.send_or_drop(hello)
                 if self.router_gone():
-                    self.log(f"router (pid {cfg.router_pid}) is gone: stopping")
+                    self.log(f"{'router' if cfg.router_pid else 'parent'} (pid {self._watched}) is gone: stopping")
                     self._stop = True
                     if sock is not None:
                         sock.close()  # close() terms the context, which waits for this socket

@@ -6,7 +6,8 @@ blocks, and routing by the router's own code (router/simulate/routing.py).
 A worker steps whenever its scheduler has work: the step's batch is the scheduler's,
 its time is the prefill curve's price of each prompt chunk in it, the step's fixed cost
 counted once (`step_seconds`), plus decode_step_s(decoding sequences, their mean
-context), stretched where the deployment's workers share a host's cores: with
+context) (less the decode fit's base where the step also has prompt chunks: one forward
+streams the weights once), stretched where the deployment's workers share a host's cores: with
 `host_cores` set, a step that starts while `busy` workers of `threads` threads each are
 stepping (itself included) takes max(1, busy * threads / host_cores) times as long (the
 rate is fixed when the step starts). A sequence whose tokens are all computed after a step samples a
@@ -220,7 +221,8 @@ class Simulation:
     def step_seconds(self, batch: ScheduledBatch) -> float:
         """The prompts' chunks, each priced alone by the prefill curve, sharing one step's
         fixed cost (the curve at 0 tokens): prefill_s(0) + sum(prefill_s(n) - prefill_s(0));
-        plus decode_step_s(decoding seqs, their mean context)."""
+        plus decode_step_s(decoding seqs, their mean context), less its base (the weights'
+        stream, which the prompt chunks already pay) where the step has chunks too."""
         chunks, decodes, context = [], 0, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -232,7 +234,11 @@ class Simulation:
         if chunks:
             fixed = self.model.prefill(0)
             step = fixed + sum(max(0.0, self.model.prefill_s(n) - fixed) for n in chunks)
-        return step + (self.model.decode_step_s(decodes, context / decodes) if decodes else 0.0)
+        if not decodes:
+            return step
+        decode = self.model.decode_step_s(decodes, context / decodes)
+        # beside prompt chunks the decode rows ride the same forward: the weights stream once
+        return step + (max(0.0, decode - self.model.decode.base_s) if chunks else decode)
 
     def _step_done(self, item: tuple[SimWorker, ScheduledBatch]) -> None:
         w, batch = item

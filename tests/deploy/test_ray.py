@@ -6,7 +6,10 @@ greedy output equals transformers'. Removing the node of a prefill worker under 
 loses no request, and Ray starts that worker again on a node that joins with the
 resource. `pdserve scale --prefill +1` adds an actor placed by the prefill resource, which
 serves; draining it (`--worker prefill-2 --drain`) loses no request and ends its actor
-for good (Ray does not restart it).
+for good (Ray does not restart it). Then the router actor is killed under a stream: Ray
+starts it again on its node at the same address, the workers give up the dead router's
+stream, free its blocks and rejoin, and a fresh client's greedy requests equal
+transformers'. Ctrl-C to the driver then ends every actor of the deployment.
 
 Ray starts only inside this test (imported in it, never at collection), and the test
 stops every Ray process and worker it started, whatever happens."""
@@ -208,6 +211,30 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         sent = [line for line in _get(base + "/metrics")[1].splitlines()
                 if line.startswith("pdserve_worker_kv_transfer_bytes{") and 'worker_id="prefill-0"' in line]
         assert sent and float(sent[0].rsplit(" ", 1)[1]) > 0, sent
+
+        # the router actor dies under a stream: Ray starts it again where it was, at the same address
+        router = ray.get_actor("pdserve-router")
+        stream = Stream(base, Path(model).name, prompts[0]).start()
+        ray.kill(router, no_restart=False)
+        stream.join(60)
+        assert stream.outcome != "complete", "the stream outlived its router"
+        _wait_until(lambda: _live(base) == {"prefill": 2, "decode": 1, "colocated": 0}, 120,
+                    f"the workers never rejoined the restarted router: {_live(base)}\n" +
+                    log.read_text(errors="replace")[-3000:])
+        again = ray.get(router.ready.remote(30), timeout=60)
+        assert again["router"]["restarted"] and again["router"]["pid"] != info["router"]["pid"], again["router"]
+        assert (again["http"], again["zmq"], again["control"]) == (info["http"], info["zmq"], info["control"])
+        assert sorted(again["workers"]) == ["decode-0", "prefill-0", "prefill-1"], again["workers"]
+        outs = [_post(base + "/v1/completions", {"model": Path(model).name, "prompt": ids, "max_tokens": MAX_TOKENS,
+                                                 "temperature": 0})["choices"][0]["token_ids"] for ids in prompts]
+        assert outs == want, (outs, want)
+        _wait_until(lambda: _blocks_free(base, list(again["workers"])), 60,
+                    f"blocks held after the router died: {_blocks(base)}")
+
+        _stop(serve)  # Ctrl-C: the deployment ends, its detached actors too
+        assert serve.returncode == 0, log.read_text(errors="replace")[-3000:]
+        left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "pdserve"]
+        assert left == [], left
     finally:
         _stop(serve)
         ray.shutdown()
@@ -218,6 +245,67 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
     while any(process_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in worker_pids if process_alive(pid)], "a worker outlived its actor"
+
+
+class Stream:
+    """One long greedy stream, started and running (its first token came) when `start`
+    returns; `outcome` is "complete", or what cut it."""
+
+    def __init__(self, base: str, model: str, prompt: list[int]) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        self.request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                              {"content-type": "application/json"})
+        self.outcome = ""
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with urllib.request.urlopen(self.request, timeout=60) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        self._first.set()
+                    if line.startswith(b"data: [DONE]"):
+                        self.outcome = "complete"
+            self.outcome = self.outcome or "cut short"
+        except Exception as e:  # the router died under it
+            self.outcome = f"{type(e).__name__}: {e}"
+        finally:
+            self._first.set()
+
+    def start(self) -> "Stream":
+        self._thread.start()
+        assert self._first.wait(60), "the stream never started"
+        return self
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert self.outcome, "the stream hangs"
+
+
+def _live(base: str) -> dict | None:
+    """The router's live workers by role, or None while nothing answers at `base`."""
+    try:
+        return json.loads(_get(base + "/health")[1])["workers"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _blocks(base: str) -> dict[str, tuple[float, float]]:
+    """Each worker's (free, total) KV blocks, as /metrics shows them."""
+    gauges: dict[str, dict[str, float]] = {}
+    for line in _get(base + "/metrics")[1].splitlines():
+        for kind in ("free", "total"):
+            if line.startswith(f"pdserve_worker_{kind}_blocks{{") and 'worker_id="' in line:
+                worker = line.split('worker_id="', 1)[1].split('"', 1)[0]
+                gauges.setdefault(worker, {})[kind] = float(line.rsplit(" ", 1)[1])
+    return {w: (g.get("free", -1.0), g.get("total", 0.0)) for w, g in gauges.items()}
+
+
+def _blocks_free(base: str, workers: list[str]) -> bool:
+    blocks = _blocks(base)
+    return all(w in blocks and blocks[w][0] == blocks[w][1] > 0 for w in workers)
 
 
 def _wait_until(done, timeout: float, what: str) -> None:

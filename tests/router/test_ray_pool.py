@@ -1,9 +1,11 @@
-"""RayPool, the pool control API's launcher under Ray (router/ray_launch.py), against a
-fake `ray` module: spawn names and engine options, a drained worker's actor ended for good
-and its exit reported, a worker that exits unasked left to Ray to restart, `stop` off the
-router's loop, and bounded starts: a worker that keeps failing before it registers, whose
-actor cannot be created, or that never registers, is ended for good and reported failed
-(tests/deploy/test_ray.py runs the real cluster)."""
+"""RayPool, the pool control API's launcher under Ray (router/ray_pool.py), against a fake
+`ray` module (tests/router/fake_ray.py): spawn names and engine options, a drained worker's
+actor ended for good and its exit reported, a worker that exits unasked left to Ray to
+restart, `stop` off the router's loop, and bounded starts: a worker that keeps failing
+before it registers, whose actor cannot be created, or that never registers, is ended for
+good and reported failed. A restarted router adopts the running worker actors by name and
+finishes the drains of the router it replaces (tests/deploy/test_ray.py runs the real
+cluster)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,122 +18,34 @@ import pytest
 from common.config import EngineOptions
 from router import ray_launch
 from router.config import RouterConfig
-from router.deploy import RayPlacement, plan_deployment
-from router.ray_launch import RayLauncher, RayPool
+from router.deploy import DeploymentConfig, RayPlacement, plan_deployment
+from router.ray_launch import ROUTER_ACTOR, RayLauncher, next_index
+from router.ray_pool import RayPool
 from router.registry import PoolError
+from tests.router.fake_ray import ActorInitError, FakeActor, FakeControl, FakeRay, RayError, Ref
 
-
-class RayError(Exception):
-    actor_init_failed = False
-
-
-class ActorInitError(RayError):
-    """What Ray raises for a call to an actor whose constructor raised: it is not restarted."""
-
-    actor_init_failed = True
-
-
-class Ref:
-    """A call's result: ready with a value or an error, or never answered (`pending`)."""
-
-    def __init__(self, value=None, error: Exception | None = None, pending: bool = False) -> None:
-        self.value, self.error, self.pending = value, error, pending
-
-
-class FakeActor:
-    def __init__(self, ray: "FakeRay", name: str, options: dict, args: tuple) -> None:
-        self.ray, self.name, self.options, self.spec = ray, name, options, args[0]
-        self.code: int | None = None  # the worker's exit code once it exited
-        self.answers = True
-        self.exit_code = types.SimpleNamespace(remote=self._exit_code)
-        self.stop = types.SimpleNamespace(remote=self._stop)
-        self.asked = 0
-
-    def _exit_code(self) -> Ref:
-        self.asked += 1
-        return Ref(self.code) if self.answers else Ref(pending=True)
-
-    def _stop(self, timeout: float) -> Ref:
-        self.code = 0 if self.code is None else self.code
-        return Ref(self.code)
-
-
-class FakeRay:
-    """The part of `ray` that RayLauncher and RayPool use."""
-
-    def __init__(self) -> None:
-        self.actors: dict[str, FakeActor] = {}
-        self.kills: list[tuple[str, bool]] = []
-        self.exceptions = types.SimpleNamespace(RayError=RayError, GetTimeoutError=RayError, RayActorError=RayError)
-        self.util = types.SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1")
-
-    def remote(self, cls):
-        ray = self
-
-        class ActorClass:
-            @staticmethod
-            def options(name: str, namespace: str, **options):
-                def remote(*args):
-                    if name in ray.actors:
-                        raise ValueError(f"actor name {name!r} is taken")
-                    ray.actors[name] = FakeActor(ray, name, options, args)
-                    return ray.actors[name]
-                return types.SimpleNamespace(remote=remote)
-        return ActorClass
-
-    def wait(self, refs, num_returns, timeout):
-        return [r for r in refs if not r.pending], [r for r in refs if r.pending]
-
-    def get(self, ref, timeout=None):
-        if ref.error is not None:
-            raise ref.error
-        return ref.value
-
-    def kill(self, actor: FakeActor, no_restart: bool) -> None:
-        self.kills.append((actor.name, no_restart))
-        if no_restart:
-            del self.actors[actor.name]
-        else:
-            actor.code = None  # restarted: a new worker
-
-    def get_actor(self, name: str, namespace: str) -> FakeActor:
-        if name not in self.actors:
-            raise ValueError(f"no actor {name}")
-        return self.actors[name]
-
-
-class FakeControl:
-    def __init__(self) -> None:
-        self.letting_go: set[str] = set()
-        self.exits: list[tuple[str, int | None]] = []
-        self.joined: set[str] = set()
-        self.failed: list[tuple[str, str, str]] = []
-
-    def registered(self, worker_id: str) -> bool:
-        return worker_id in self.joined
-
-    def worker_failed(self, worker_id: str, role: str, why: str) -> None:
-        self.failed.append((worker_id, role, why))
-
-    def leaving(self, worker_id: str) -> bool:
-        return worker_id in self.letting_go
-
-    def worker_exited(self, worker_id: str, code: int | None) -> bool:
-        self.exits.append((worker_id, code))
-        return True
+CONTROL = "tcp://127.0.0.1:5000"
 
 
 @pytest.fixture
-def pool(monkeypatch):
+def ray(monkeypatch) -> FakeRay:
     ray = FakeRay()
     monkeypatch.setattr(ray_launch, "import_ray", lambda: ray)
+    return ray
+
+
+@pytest.fixture
+def dep() -> DeploymentConfig:
     options = EngineOptions.of(dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=128)
     dep = plan_deployment(RouterConfig(model_dir="m", max_model_len=128), options, kv_transfer="tcp",
                           prefill_devices=("cpu",), decode_devices=("cpu",))
-    dep = dataclasses.replace(dep, ray=RayPlacement("auto", {"prefill": {"prefill_pool": 1.0}}, "/s"))
-    launcher = RayLauncher(dep, "tcp://127.0.0.1:5000")
-    for spec in dep.workers:
-        launcher._start(spec)
+    return dataclasses.replace(dep, ray=RayPlacement("auto", {"prefill": {"prefill_pool": 1.0}}, "/s"))
+
+
+@pytest.fixture
+def pool(ray, dep):
+    launcher = RayLauncher(dep, CONTROL)
+    launcher.start_all()
     control = FakeControl()
     return RayPool(launcher, stop_timeout_s=1.0).watching(control), ray, control
 
@@ -269,3 +183,56 @@ def test_a_worker_never_registered_within_the_start_timeout_is_failed(pool, monk
     ((wid, _, why),) = control.failed
     assert wid == "prefill-0" and f"not registered within {pool.start_timeout_s:.0f} s" in why
     assert "prefill_pool" in why and ray.kills == [("prefill-0", True)]
+
+
+def test_a_restarted_router_adopts_the_running_worker_actors_by_name(pool, dep):
+    pool, ray, _ = pool
+    pool.spawn("prefill")
+    pool.spawn("decode", "prefill-0-as-d")
+    ray.actors[ROUTER_ACTOR] = FakeActor(ray, ROUTER_ACTOR, "pdserve", {}, (dep,))  # the router's own: not a worker
+    ray.actors["prefill-7"] = FakeActor(ray, "prefill-7", "another-deployment", {}, ({"worker": {"role": "prefill"}},))
+    before = dict(ray.actors)
+    adopting = RayLauncher(dep, CONTROL, adopt=True)
+    adopting.start_all()
+    assert {h.name: h.role for h in adopting.workers} == {"decode-0": "decode", "prefill-0": "prefill",
+                                                          "prefill-0-as-d": "decode", "prefill-1": "prefill"}
+    assert all(h.adopted and h.info["worker_id"] == h.name for h in adopting.workers)
+    assert ray.actors == before and ray.kills == []  # nothing started, nothing ended
+    assert adopting.spawn("prefill").name == "prefill-2"  # its numbers go on after the names taken
+    assert adopting.spawn("decode").name == "decode-1"
+
+
+def test_an_actor_that_died_for_good_while_the_router_was_down_is_not_adopted(ray, dep):
+    RayLauncher(dep, CONTROL).start_all()
+    ray.actors["prefill-0"].info_error = ActorInitError("its worker exited before it was ready")
+    adopting = RayLauncher(dep, CONTROL, adopt=True)
+    adopting.start_all()
+    assert [h.name for h in adopting.workers] == ["decode-0"] and ray.kills == [("prefill-0", True)]
+
+
+def test_a_restarted_router_finishes_the_drains_of_the_one_it_replaces(pool, dep):
+    first, ray, _ = pool
+    first.spawn("prefill")
+    first.spawn("prefill")
+    ray.actors["prefill-1"].stopping = True  # its `stop` was under way when the router died
+    ray.actors["prefill-2"].code = 0  # told to drain by the router that died; it exited meanwhile
+    adopting = RayLauncher(dep, CONTROL, adopt=True)
+    adopting.start_all()
+    control = FakeControl()
+    control.joined |= {"prefill-0", "decode-0"}
+    pool = RayPool(adopting, stop_timeout_s=1.0).watching(control)
+    tick(pool)
+    for t in [t for t in threading.enumerate() if t.name == "stop-prefill-1"]:
+        t.join(5)
+    tick(pool)
+    assert sorted(ray.kills) == [("prefill-1", True), ("prefill-2", True)]
+    assert sorted(control.exits) == [("prefill-1", 0), ("prefill-2", 0)]
+    assert sorted(h.name for h in adopting.workers) == ["decode-0", "prefill-0"]
+    ray.actors["decode-0"].code = 0  # registered with this router, then exited unasked: restarted
+    tick(pool)
+    assert ray.kills[-1] == ("decode-0", False) and control.failed == []
+
+
+def test_next_index_goes_past_the_names_taken():
+    assert next_index("prefill", ["prefill-0", "prefill-3", "decode-9", "prefill-x", "prefill-0-as-d"], 1) == 4
+    assert next_index("decode", ["prefill-0"], 2) == 2

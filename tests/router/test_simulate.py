@@ -194,3 +194,16 @@ def test_a_step_of_several_prompts_prices_each_and_its_fixed_cost_once():
     c, a, b = sim.run([(0.0, list(range(300, 316)), 1), (0.001, list(range(100, 116)), 1),
                        (0.001, list(range(200, 216)), 1)])
     assert [r.record.token_times[0] for r in (c, a, b)] == pytest.approx([0.016, 0.048, 0.048])
+
+
+def test_decode_rows_beside_a_prompt_chunk_do_not_pay_the_weights_again():
+    # One colocated worker; prefill 100 ms a step, decode 10 ms + 2 ms a sequence. A (t=0,
+    # 4 out): prefill [0, .1], decode [.1, .112]. B arrives at .105 and shares the next step
+    # with A's decode row: .1 + (.012 - .01) = .102, so A's 3rd and B's 1st token at .214
+    # (not .224: the decode fit's 10 ms base is the weights' stream, paid once a step). Then
+    # both decode (.014): .228; B alone (.012): .240, .252.
+    m = LatencyModel(Curve(((1, 0.1), (100_000, 0.1))), DecodeFit(0.01, 0.002, 0.0), Curve(((1, 0.0), (2, 0.0))))
+    sim = Simulation(Deployment(0, 0, 1), m, RouterConfig(model_dir="simulated", block_size=BLOCK))
+    a, b = sim.run([(0.0, list(range(100, 116)), 4), (0.105, list(range(200, 216)), 4)])
+    assert a.record.token_times == pytest.approx([0.1, 0.112, 0.214, 0.228], abs=1e-9)
+    assert b.record.token_times == pytest.approx([0.214, 0.228, 0.240, 0.252], abs=1e-9)

@@ -1,0 +1,141 @@
+"""A/B of the native CPU kernels: another checkout's library (say /work/main) against this
+tree's, in one process, alternating pass by pass, on the same inputs; bits compared.
+
+    python benchmarks/native_ab.py --baseline /work/main [--what gemm,attention] [--rows 4,8,16]
+        [--dtype bfloat16,float32] [--threads 1] [--passes 15]
+
+Both libraries are built by their own `kernels/cpu_native.py` (each source set hashes to
+its own cached build). gemm: every linear of the small qwen3's 12 layers (qkv, o,
+gate_up, down: hidden 512, intermediate 1536), `--rows` rows of x, weights packed in the
+dtype. attention: paged decode attention over the 12 layers' caches (8 query / 4 KV heads
+of 64, blocks of 16 in a random order), 4 and 16 sequences of up to 100 and 400 tokens.
+Per case: the median pass of each and the median of the per-pass ratios baseline / this
+(> 1: this tree is faster), and whether the two outputs are equal bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kernels import cpu_native  # noqa: E402
+
+HIDDEN, INTER, LAYERS, HQ, HKV, D, BS = 512, 1536, 12, 8, 4, 64, 16
+SHAPES = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+
+
+def baseline_module(checkout: str) -> types.ModuleType:
+    """`checkout`'s kernels/cpu_native.py as a module of its own (its sources, its build)."""
+    path = Path(checkout) / "kernels" / "cpu_native.py"
+    mod = types.ModuleType("baseline_cpu_native")
+    mod.__file__ = str(path)
+    source = path.read_text().replace("from . import huge_pages", "from kernels import huge_pages")
+    exec(compile(source, str(path), "exec"), mod.__dict__)
+    return mod
+
+
+def alternate(fns: dict[str, object], passes: int) -> dict[str, list[float]]:
+    """Seconds of each fn per pass, the order flipped every pass."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(passes):
+        for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(case: str, times: dict[str, list[float]], same: bool) -> dict:
+    base, new = times["baseline"], times["this"]
+    ratio = statistics.median(b / n for b, n in zip(base, new))
+    print(f"{case:34} baseline {statistics.median(base) * 1e3:7.2f} ms  this {statistics.median(new) * 1e3:7.2f} ms  "
+          f"baseline/this {ratio:.3f}  bits equal: {same}", flush=True)
+    return {"case": case, "baseline_s": base, "this_s": new, "ratio": ratio, "bits_equal": same}
+
+
+def run_gemms(fn, packed: list[list[torch.Tensor]], xs: dict, ys: dict) -> None:
+    """y = x @ w^T for every packed matrix of every layer, through one library's `fn`."""
+    for layer in packed:
+        for (n, k), p in zip(SHAPES, layer):
+            x = xs[k]
+            fn(x.data_ptr(), k, x.shape[0], k, p.data_ptr(), None, ys[n].data_ptr(), n, n, torch.get_num_threads())
+
+
+def run_attention(fn, caches: list, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """Paged decode attention over every layer's caches, through one library's `fn`."""
+    for k, v in caches:
+        if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+              q.shape[0], HQ, HKV, D, BS, tables.shape[1], k.shape[0], *k.stride()[:3], *v.stride()[:3],
+              D ** -0.5, torch.get_num_threads()):
+            raise RuntimeError("the attention kernel refused the call")
+
+
+def gemm_cases(libs: dict, rows: list[int], dtype: torch.dtype, passes: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    packed = [[cpu_native.pack_weight(torch.randn(n, k, generator=g) / k ** 0.5, dtype) for n, k in SHAPES]
+              for _ in range(LAYERS)]
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g) for _, k in SHAPES}
+        ys = {name: {n: torch.empty(m, n) for n, _ in SHAPES} for name in libs}
+        fns = {name: functools.partial(run_gemms, lib.pd_gemm_bf16 if dtype == torch.bfloat16 else lib.pd_gemm,
+                                       packed, xs, ys[name]) for name, lib in libs.items()}
+        times = alternate(fns, passes)
+        same = all(torch.equal(ys["baseline"][n], ys["this"][n]) for n, _ in SHAPES)
+        out.append(report(f"gemm {str(dtype)[6:]} {m} rows", times, same))
+    return out
+
+
+def attention_cases(libs: dict, dtype: torch.dtype, passes: int) -> list[dict]:
+    out = []
+    for batch, ctx in ((4, 400), (16, 400), (16, 100)):
+        g = torch.Generator().manual_seed(batch + ctx)
+        per_seq = ctx // BS + 1
+        caches = [tuple(torch.randn(batch * per_seq, HKV, BS, D, generator=g).to(dtype).transpose(1, 2)
+                        for _ in range(2)) for _ in range(LAYERS)]
+        tables = torch.randperm(batch * per_seq, generator=g).to(torch.int32).reshape(batch, per_seq).contiguous()
+        lens = torch.randint(ctx // 2, ctx + 1, (batch,), generator=g).to(torch.int32)
+        q = torch.randn(batch, HQ, D, generator=g)
+        outs = {name: torch.empty_like(q) for name in libs}
+        fns = {name: functools.partial(run_attention, lib.pd_paged_decode_attention_bf16 if dtype == torch.bfloat16
+                                       else lib.pd_paged_decode_attention, caches, q, tables, lens, outs[name])
+               for name, lib in libs.items()}
+        times = alternate(fns, passes)
+        out.append(report(f"attention {str(dtype)[6:]} {batch} x <= {ctx}", times,
+                          torch.equal(outs["baseline"], outs["this"])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", required=True, help="another checkout of pdserve (its kernels/ are built and loaded)")
+    ap.add_argument("--what", default="gemm,attention")
+    ap.add_argument("--rows", default="4,8,16")
+    ap.add_argument("--dtype", default="bfloat16,float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=15)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    libs = {"baseline": baseline_module(args.baseline).library(), "this": cpu_native.library()}
+    if None in libs.values():
+        sys.exit("a native library did not build (see the warning above)")
+    for dtype in (getattr(torch, d) for d in args.dtype.split(",")):
+        if "gemm" in args.what:
+            gemm_cases(libs, [int(r) for r in args.rows.split(",")], dtype, args.passes)
+        if "attention" in args.what:
+            attention_cases(libs, dtype, args.passes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
