@@ -19,8 +19,8 @@ weight by T rows. For each dtype and each prompt length T:
 - peak: the best of `--rounds` products of two `--gemm-size` square matrices (one a
   round, after that round's prefills), by `torch.matmul` in that dtype (float32 for a
   weight-quantized dtype) and by pdserve's own GEMM (`kernels.cpu_native`: float32
-  activations on the weight packed in that dtype, or quantized and dequantized in
-  registers). The faster of the two is the peak the prefill is held against; both are
+  activations on the weight packed in that dtype, or `kernels.quant`: quantized and
+  dequantized in registers). The faster of the two is the peak the prefill is held against; both are
   reported. torch's bf16 GEMM is a scalar loop on a CPU without AVX512_BF16 / AMX (under
   5 GFLOP/s): its size is halved until one product fits in `--torch-budget-s` (timed at
   512 first), and the size used is reported.
@@ -120,9 +120,9 @@ class GemmPeak:
         self.a, self.b = (torch.randn(torch_n, torch_n, generator=g).to(tdt) for _ in range(2))
         x, w = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g) / size ** 0.5
         if quant:
-            from kernels.quant import FROM_FLOAT, quantize
+            from kernels.quant import FROM_FLOAT, gemm_q, quantize
             qw = quantize(w, FROM_FLOAT[quant])
-            self.native = lambda: cpu_native.gemm_q(x, qw, dequant=True)
+            self.native = lambda: gemm_q(x, qw, dequant=True)
         else:
             packed = cpu_native.pack_weight(w, tdt)
             self.native = lambda: cpu_native.gemm(x, packed, size)
