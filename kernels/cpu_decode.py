@@ -11,9 +11,10 @@ left in Python costs tens of microseconds, not a few: the weights streamed throu
 caches have evicted the interpreter's code and data.
 
 `DecodeStack.build` returns None where it does not apply (not CPU float32 activations,
-norms, float32, bf16 or weight-only int8 / int4 packed weights, a float32 or bf16 KV cache, the native
-library unavailable or turned off with ``PDSERVE_CPU_ATTENTION=torch``, a weight without
-unit stride along its input); the caller keeps the per-op path then.
+norms, float32, bf16 or weight-only int8 / int4 packed weights, a float32 or bf16 KV cache
+and embedding table, float32 rotary tables, the native library unavailable or turned off
+with ``PDSERVE_CPU_ATTENTION=torch``, a weight without unit stride along its input); the
+caller keeps the per-op path then.
 """
 from __future__ import annotations
 
