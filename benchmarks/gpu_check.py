@@ -292,7 +292,8 @@ def _post(url: str, body: dict) -> dict:
 
 def check_serving(args, models) -> dict:
     """`pdserve serve` with P and D on the device (and a colocated worker for comparison):
-    greedy tokens over HTTP against transformers, then a Poisson sweep with pdserve bench."""
+    greedy tokens over HTTP against transformers (at --serving-dtype bfloat16: against our
+    offline engine, a prompt at a time), then a Poisson sweep with pdserve bench."""
     from router.bench.arrivals import arrival_times
     from router.bench.metrics import summarize
     from router.bench.runner import run_workload
@@ -302,12 +303,12 @@ def check_serving(args, models) -> dict:
     configs = {"1p1d": ["--prefill-devices", dev, "--decode-devices", dev],
                "colocated": ["--colocated-devices", dev]}
     prompts = prompts_for(d)
-    want = hf_greedy(d, prompts, MAX_NEW, dev)
+    want = hf_greedy(d, prompts, MAX_NEW, dev) if args.serving_dtype == "float32" else _one_by_one(d, prompts, args)
     rates = [float(r) for r in args.rates.split(",")]
     res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for cfg, extra in configs.items():
-            s = start_pdserve(cfg, d, Path(tmp), extra=extra)
+            s = start_pdserve(cfg, d, Path(tmp), extra=extra, dtype=args.serving_dtype)
             try:
                 model_id = json.loads(urllib.request.urlopen(s.url + "/models").read())["data"][0]["id"]
                 got = [_post(s.url + "/completions", {"model": model_id, "prompt": p, "max_tokens": MAX_NEW,
@@ -330,6 +331,15 @@ def check_serving(args, models) -> dict:
                 s.stop()
     res["ok"] = all(v.get("greedy_match") for v in res.values())
     return res
+
+
+def _one_by_one(model_dir: str, prompts: list[list[int]], args) -> list[list[int]]:
+    """Greedy tokens of our offline engine at --serving-dtype, one prompt at a time (the
+    reference below float32: a served request sent alone runs in a batch of one too)."""
+    from common.sampling_params import SamplingParams
+    llm = _llm(model_dir, args.device, False, dtype=args.serving_dtype)
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    return [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p in prompts]
 
 
 def check_bf16(args, models) -> dict:
@@ -400,6 +410,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated checks (default all): " + ",".join(CHECKS))
     ap.add_argument("--rates", default="5,20,50", help="serving sweep, req/s")
     ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--serving-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the served check's dtype; below float32 its greedy reference is our offline "
+                         "engine at that dtype, one prompt at a time")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(CHECKS)
     out = Path(args.out)
