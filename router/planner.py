@@ -135,6 +135,8 @@ def decide(snap: Snapshot, state: PlannerState, cfg: PlannerConfig) -> tuple[Pla
     if state.last_plan_at is not None and snap.now - state.last_plan_at < cfg.cooldown_s:
         return Plan(NONE, "cooldown", figures=figs), replace(state, wish=NONE, streak=0)
     wish, why = _wish(snap, cfg)
+    if why == "idle":  # no request finished: no evidence either way, the count holds
+        return Plan(NONE, why, figures=figs), state
     streak = state.streak + 1 if wish == state.wish else 1
     if wish == NONE:
         return Plan(NONE, why, figures=figs), PlannerState(NONE, 0, state.last_plan_at)

@@ -72,6 +72,16 @@ def test_no_finished_request_is_idle():
     assert {(p.action, p.reason) for p in plans} == {(NONE, "idle")}
 
 
+def test_idle_windows_between_bad_ones_neither_count_nor_reset():
+    """Requests finish in bursts at a low rate: a window where none finished says nothing,
+    so TPOT-bound windows with idle ones between still add up to `sustain`."""
+    idle = dict(ttft=None, tpot=None, finished=0)
+    snaps = [snap(t * 5.0, **(idle if t % 2 else dict(tpot=0.2))) for t in range(5)]
+    plans, _ = run(snaps)
+    assert [p.action for p in plans] == [NONE, NONE, NONE, NONE, ADD] and plans[-1].role == "decode"
+    assert [p.reason for p in plans[:4]] == ["tpot_low_pending", "idle", "tpot_low_pending", "idle"]
+
+
 def test_oscillating_input_keeps_it_still():
     """TTFT-bound and TPOT-bound windows in turn: neither holds `sustain` windows."""
     ttft_bound, tpot_bound = dict(ttft=0.2, pq=5), dict(tpot=0.2)
