@@ -1,0 +1,55 @@
+"""benchmarks/planner_targets.py's verdicts, without servers: each system's goodput rate
+per regime, the planner's against the best fixed split and vLLM, and a sweep that says
+nothing (every system misses at the lowest rate) reported as undecided, not as met."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+TTFT_BOUND, TPOT_BOUND = "ttft1000_tpot100", "ttft2000_tpot15"
+
+
+@pytest.fixture(scope="module")
+def pt():
+    """The script as a module (benchmarks/ on sys.path while it loads, then put back)."""
+    import kv_transfer  # noqa: F401  (the package, before benchmarks/kv_transfer.py can shadow it)
+    saved = list(sys.path)
+    from benchmarks import planner_targets
+    try:
+        yield planner_targets
+    finally:
+        sys.path[:] = saved
+
+
+def points(*attain: dict[str, float], rates=(1.0, 2.0, 3.0)) -> list[dict]:
+    return [{"request_rate": r, "by_regime": {k: {"slo_attainment": v} for k, v in a.items()}}
+            for r, a in zip(rates, attain)]
+
+
+def test_planner_against_best_fixed_and_vllm(pt):
+    both = (TTFT_BOUND, TPOT_BOUND)
+    run = {
+        "colocated": points(*({r: a for r in both} for a in (1.0, 1.0, 0.5))),      # 2 + 0.1/0.5 = 2.2
+        "1p1d": points(*({r: a for r in both} for a in (0.95, 0.7, 0.0))),          # 1 + 0.05/0.25 = 1.2
+        f"planner-{TTFT_BOUND}": points({TTFT_BOUND: 1.0}, {TTFT_BOUND: 1.0}, {TTFT_BOUND: 0.7}),  # 2 + 0.1/0.3
+        f"planner-{TPOT_BOUND}": points({TPOT_BOUND: 0.5}, {TPOT_BOUND: 0.5}, {TPOT_BOUND: 0.5}),  # none
+        "vllm": points(*({r: a for r in both} for a in (0.9, 0.5, 0.0))),           # 1.0
+    }
+    out = pt.report(run, list(both))
+    ttft = out[TTFT_BOUND]
+    assert ttft["goodput_rate"]["colocated"] == pytest.approx(2.2)
+    assert ttft["best_fixed"] == pytest.approx(2.2)
+    assert ttft["planner_over_best_fixed"] == pytest.approx((7 / 3) / 2.2)
+    assert ttft["planner_over_vllm"] == pytest.approx(7 / 3)
+    assert ttft["met"] == {"0.9x best fixed": True, ">= vllm": True}
+    tpot = out[TPOT_BOUND]
+    assert tpot["goodput_rate"][f"planner-{TPOT_BOUND}"] is None
+    assert tpot["met"] == {"0.9x best fixed": False, ">= vllm": False}
+
+
+def test_a_sweep_where_everything_misses_at_its_lowest_rate_is_undecided(pt):
+    miss = points({TPOT_BOUND: 0.2}, {TPOT_BOUND: 0.0})
+    out = pt.report({"colocated": miss, "1p1d": miss, f"planner-{TPOT_BOUND}": miss}, [TPOT_BOUND])
+    assert out[TPOT_BOUND]["met"] == {"0.9x best fixed": None, ">= vllm": None}
+    assert out[TPOT_BOUND]["planner_over_best_fixed"] is None
