@@ -134,6 +134,10 @@ class StackDims:
     scale: float
 
 
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def _panels(n: int) -> int:
     return -(-n // cpu_native.PANEL)
 
@@ -188,11 +192,10 @@ class DecodeStack:
         self.layers, self.dims, self.model = layers, dims, model
         self.has_head = model.head_p is not None  # `logits` applies
         self._fn = cpu_native.library().pd_decode_layers
-        ptr = (lambda t: 0 if t is None else t.data_ptr())
         self._model = _ModelStruct(model.embed.data_ptr(), model.embed.shape[0],
                                    int(model.embed.dtype == torch.bfloat16), model.cos.data_ptr(),
                                    model.sin.data_ptr(), model.cos.shape[0], model.final_norm.data_ptr(),
-                                   ptr(model.head_p), ptr(model.head_b), model.head_n, model.head_kind)
+                                   _ptr(model.head_p), _ptr(model.head_b), model.head_n, model.head_kind)
         self._structs = (_LayerStruct * len(layers))()
         for s, layer in zip(self._structs, layers):
             for name in _POINTERS:

@@ -151,9 +151,10 @@ class DecoderForCausalLM(nn.Module):
         self._stack: DecodeStack | None = None
         self._stack_of: tuple[object, tuple[list, ...]] | None = None  # (caches, _stack_fingerprint())
         self._stack_linears: list[tuple[Linear, ...]] | None = None  # each layer's four, for decode_stack
-        # [a module's _parameters or _buffers, ...], [name, ...]: what the stack reads
+        # [a module's _parameters or _buffers, ...], [name, ...]: what the stack reads (_stack_watch)
         self._stack_params: list[list] = []
         self._stack_flat: list[Linear] = []  # every linear the stack multiplies by, the lm_head last
+        self._stack_planned: list[Linear] = []  # the float ones: their plans are packed copies
         self._stack_versioned = 0  # how many of them, the first, are the linears'
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -209,19 +210,10 @@ class DecoderForCausalLM(nn.Module):
         if self._stack_linears is None:  # module lookups cost ~1 us each: once, not per step
             self._stack_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                     layer.mlp.down_proj) for layer in self.model.layers]
-            linears = [lin for four in self._stack_linears for lin in four] + [self.lm_head]
-            self._stack_flat = linears
-            read = [m for layer in self.model.layers
-                    for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
-                              layer.self_attn.k_norm) if m is not None] + [self.model.embed_tokens, self.model.norm]
-            # the linears' parameters first: their versions matter too (a plan is a copy)
-            self._stack_params = [(m._parameters, name) for m in linears + read for name, p in m._parameters.items()
-                                  if p is not None]
-            self._stack_versioned = sum(p is not None for m in linears for p in m._parameters.values())
-            self._stack_params += [(self.model.rope._buffers, name) for name in ("cos", "sin_signed")]
-            self._stack_params = [list(col) for col in zip(*self._stack_params)]  # [dicts], [names]
+            self._stack_flat = [lin for four in self._stack_linears for lin in four] + [self.lm_head]
         if self._stack_of is not None and self._stack_of == (self.kv_caches, self._stack_fingerprint()):
             return self._stack
+        self._stack_watch()
         plans = [[lin.plan() for lin in four] for four in self._stack_linears]
         head = self.lm_head.plan()
         layers = []
@@ -246,16 +238,35 @@ class DecoderForCausalLM(nn.Module):
         self._stack_of = (self.kv_caches, self._stack_fingerprint())
         return self._stack
 
+    def _stack_watch(self) -> None:
+        """What `_stack_fingerprint` reads, for the linears as they are now: every float
+        linear's parameters (storage and version: its plan is a packed copy) and plan; a
+        quantized linear's bias alone (its plan holds `quant`'s blocks, whatever its
+        placeholder weight); the norms', embedding's and rotary tables' storage. A
+        linear's quant is read every step, so a change of which are quantized is seen."""
+        floats = [lin for lin in self._stack_flat if lin.quant is None]
+        read = [m for layer in self.model.layers
+                for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                          layer.self_attn.k_norm) if m is not None] + [self.model.embed_tokens, self.model.norm]
+        versioned = [(m._parameters, name) for m in floats for name, p in m._parameters.items() if p is not None]
+        quantized = [m for m in self._stack_flat if m.quant is not None]
+        rest = [(m._parameters, name) for m in quantized for name, p in m._parameters.items()
+                if p is not None and name != "weight"]
+        rest += [(m._parameters, name) for m in read for name, p in m._parameters.items() if p is not None]
+        rest += [(self.model.rope._buffers, name) for name in ("cos", "sin_signed")]
+        self._stack_params = [list(col) for col in zip(*versioned, *rest)]  # [dicts], [names]
+        self._stack_versioned = len(versioned)
+        self._stack_planned = floats
+
     def _stack_fingerprint(self) -> tuple[list, ...]:
-        """What the stack was set up from, cheap enough to check every decode step (flat
-        lists, each filled by a C-level `map`: no module attribute lookups, no bytecode per
-        item): the storage of each tensor it reads (norms, tables) or holds a plan of
-        (linears, lm_head), the linears' parameters' versions (an in-place write makes
-        their packed copy stale), and each linear's plan and quant, by identity."""
+        """What the stack was set up from (`_stack_watch` says which tensors), cheap enough
+        to check every decode step: flat lists, each filled by a C-level `map`, no module
+        attribute lookups or bytecode per item. Storage of each watched tensor, versions of
+        the float linears' parameters, the float linears' plans and every linear's quant,
+        by identity."""
         params = list(map(dict.__getitem__, *self._stack_params))
-        linears = self._stack_flat
         return (list(map(_DATA_PTR, params)), list(map(_VERSION, params[:self._stack_versioned])),
-                list(map(_PLAN, linears)), list(map(_QUANT, linears)))
+                list(map(_PLAN, self._stack_planned)), list(map(_QUANT, self._stack_flat)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]

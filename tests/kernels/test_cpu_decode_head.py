@@ -12,6 +12,7 @@ import torch
 
 from common import LLM, SamplingParams
 from common.models.decoder import DecoderForCausalLM
+from kernels import quant
 
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3's lm_head is tied to its embedding table
 
@@ -118,3 +119,19 @@ def test_engine_output_with_and_without_the_fused_head(model_dirs, quantization,
     assert calls, "no decode step took the stack's logits"
     monkeypatch.setattr(DecoderForCausalLM, "decode_logits", lambda *a: None)
     assert run() == fused
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.down_proj", "lm_head"])
+def test_a_replaced_quant_is_followed(model_dirs, name):
+    """A quantized linear's `quant` replaced after the stack was set up: the next step
+    reads the new blocks (the same logits as a stack set up afresh)."""
+    engine = engine_for(model_dirs["qwen2"], "int8")
+    model = engine.runner.model
+    (before, _), _ = fused_and_unfused(engine, 2)
+    lin = model.get_submodule(name)
+    lin.quant = quant.quantize(torch.randn(lin.out_features, lin.in_features), lin.quant.kind)
+    (followed, _), _ = fused_and_unfused(engine, 2)
+    model._stack_of = None  # set up afresh
+    (fresh, _), _ = fused_and_unfused(engine, 2)
+    assert not torch.allclose(before, followed, rtol=1e-2, atol=1e-2)
+    assert torch.equal(followed, fresh)
