@@ -17,8 +17,8 @@ from kernels import quant
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3's lm_head is tied to its embedding table
 
 
-def engine_for(model_dir: str, quantization: str):
-    return LLM(model_dir, dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=128,
+def engine_for(model_dir: str, quantization: str, dtype: str = "float32"):
+    return LLM(model_dir, dtype=dtype, num_threads=1, num_kv_blocks=64, max_model_len=128,
                quantization=quantization).engine
 
 
@@ -58,6 +58,17 @@ def test_stack_logits_equal_compute_logits(model_dirs, arch, quantization, batch
     assert stack.has_head and stack.model.head_kind == (0 if quantization == "none" else 2)  # int4: int8 lm_head
     (logits, top), unfused = fused_and_unfused(engine, batch)
     assert logits.shape == unfused.shape == (batch, engine.config.model.vocab_size)
+    assert torch.equal(logits, unfused)
+    assert top == unfused.numpy().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_stack_logits_equal_compute_logits(model_dirs, arch):
+    """bf16 weights (the lm_head's bf16 panels, widened in registers), float32 activations."""
+    engine = engine_for(model_dirs[arch], "none", "bfloat16")
+    stack = engine.runner.model.decode_stack()
+    assert stack.has_head and stack.model.head_p.dtype == torch.bfloat16
+    (logits, top), unfused = fused_and_unfused(engine, 3)
     assert torch.equal(logits, unfused)
     assert top == unfused.numpy().argmax(-1).tolist()
 
