@@ -4,8 +4,9 @@ On the CPU there is no graph to capture, and at a few sequences a decoder layer'
 dispatch (a dozen torch ops and ctypes calls, each a few microseconds) costs more than
 its arithmetic, at every layer of every step. `DecodeStack` holds
 every layer's weight and cache pointers, set up once, and runs a pure decode batch from
-its token ids to the final norm in one call: the embedding lookup, all layers and the
-final norm, through the native kernels the per-op path calls one by one (the same
+its token ids to the final norm in one call (on to the logits and each row's argmax with
+`DecodeStack.logits`): the embedding lookup, all layers, the final norm (and the lm_head),
+through the native kernels the per-op path calls one by one (the same
 results up to float rounding in the q/k norm and rotary step). In a real step each op
 left in Python costs tens of microseconds, not a few: the weights streamed through the
 caches have evicted the interpreter's code and data.
@@ -19,7 +20,7 @@ caller keeps the per-op path then.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,12 +76,18 @@ class ModelTensors:
     """What the layers take from the model around them: the embedding table [vocab,
     hidden] (float32 or bf16), the rotary tables cos and sin_signed [max_positions,
     head_dim] float32 (sin's first half negated: `common.models.layers.RotaryEmbedding`)
-    and the final norm's weight [hidden] float32."""
+    and the final norm's weight [hidden] float32; and the lm_head, where the stack is to
+    compute logits too: its [head_n, hidden] weight packed as a layer's matrices, of kind
+    `head_kind`, and its bias [head_n] float32 or None."""
 
     embed: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     final_norm: torch.Tensor
+    head_p: torch.Tensor | None = None
+    head_b: torch.Tensor | None = None
+    head_n: int = 0
+    head_kind: int = 0
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.embed, self.cos, self.sin, self.final_norm]
@@ -91,7 +98,8 @@ class _ModelStruct(ctypes.Structure):
 
     _fields_ = [("embed", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("embed_bf16", ctypes.c_int64),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("max_positions", ctypes.c_int64),
-                ("final_norm", ctypes.c_void_p)]
+                ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("head_b", ctypes.c_void_p),
+                ("head_n", ctypes.c_int64), ("head_kind", ctypes.c_int64)]
 
 
 def _model_fits(model: ModelTensors, d: "StackDims") -> bool:
@@ -101,6 +109,17 @@ def _model_fits(model: ModelTensors, d: "StackDims") -> bool:
             and model.embed.dtype in (torch.float32, torch.bfloat16)
             and all(t.dtype == torch.float32 and tuple(t.shape) == (rows, d.head_dim) for t in (model.cos, model.sin))
             and model.final_norm.dtype == torch.float32 and tuple(model.final_norm.shape) == (d.hidden,))
+
+
+def _head_fits(model: ModelTensors, d: "StackDims") -> bool:
+    """Whether the lm_head is one the stack can multiply by (as `_eligible` a layer's matrices)."""
+    p, b, kind = model.head_p, model.head_b, model.head_kind
+    if p is None or kind not in _KIND_DTYPES or model.head_n <= 0 or (kind > 1 and d.hidden % quant.GROUP):
+        return False
+    return (p.device.type == "cpu" and p.dtype == _KIND_DTYPES[kind] and p.is_contiguous()
+            and tuple(p.shape) == _packed_shape(kind, model.head_n, d.hidden)
+            and (b is None or (b.device.type == "cpu" and b.dtype == torch.float32 and b.is_contiguous()
+                               and tuple(b.shape) == (model.head_n,))))
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,10 @@ class StackDims:
     norm_eps: float
     qk_eps: float
     scale: float
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _panels(n: int) -> int:
@@ -164,11 +187,15 @@ class DecodeStack:
     """Every layer's pointers, set up once: a call runs them all for a decode batch."""
 
     def __init__(self, layers: list[LayerTensors], dims: StackDims, model: ModelTensors) -> None:
+        if not _head_fits(model, dims):
+            model = replace(model, head_p=None, head_b=None, head_n=0, head_kind=0)
         self.layers, self.dims, self.model = layers, dims, model
+        self.has_head = model.head_p is not None  # `logits` applies
         self._fn = cpu_native.library().pd_decode_layers
         self._model = _ModelStruct(model.embed.data_ptr(), model.embed.shape[0],
                                    int(model.embed.dtype == torch.bfloat16), model.cos.data_ptr(),
-                                   model.sin.data_ptr(), model.cos.shape[0], model.final_norm.data_ptr())
+                                   model.sin.data_ptr(), model.cos.shape[0], model.final_norm.data_ptr(),
+                                   _ptr(model.head_p), _ptr(model.head_b), model.head_n, model.head_kind)
         self._structs = (_LayerStruct * len(layers))()
         for s, layer in zip(self._structs, layers):
             for name in _POINTERS:
@@ -183,7 +210,8 @@ class DecodeStack:
 
     @classmethod
     def build(cls, layers: list[LayerTensors], dims: StackDims, model: ModelTensors) -> DecodeStack | None:
-        """The stack, or None where the native path does not apply to these tensors."""
+        """The stack, or None where the native path does not apply to these tensors (a
+        stack without logits, `has_head` False, where only the lm_head does not)."""
         if (not layers or not cpu_native.enabled() or cpu_native.library() is None
                 or dims.head_dim % 2 or not all(_eligible(layer, dims) for layer in layers)
                 or len({tuple(layer.k_cache.shape[:2]) for layer in layers}) != 1 or not _model_fits(model, dims)):
@@ -202,6 +230,19 @@ class DecodeStack:
         """ids, positions, slots [m] int64; tables [m, max_blocks] int32; lens [m] int32
         -> the final norm's output [m, hidden] float32. A token id or position outside
         its table raises NativeKernelError (nothing stored then)."""
+        return self._run(ids, positions, slots, tables, lens, False)[0]
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+               lens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """`__call__` on to the lm_head in the same call (where `has_head`): (logits [m,
+        head_n] float32, each row's argmax as torch.argmax gives it)."""
+        if not self.has_head:
+            raise ValueError("DecodeStack.logits: this stack was set up without an lm_head")
+        _, logits, top = self._run(ids, positions, slots, tables, lens, True)
+        return logits, top.tolist()
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+             lens: torch.Tensor, head: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         d = self.dims
         m = ids.shape[0]
         args = [ids, positions, slots, tables, lens]
@@ -213,11 +254,14 @@ class DecodeStack:
                 and tables.shape[0] == m):
             raise ValueError("DecodeStack: ids, positions, slots, tables and lens must have one row per token")
         out = torch.empty((m, d.hidden), dtype=torch.float32)
+        logits = torch.empty((m, self.model.head_n), dtype=torch.float32) if head else None
+        top = torch.empty(m, dtype=torch.int64) if head else None
         status = self._fn(ctypes.addressof(self._structs), len(self.layers), m, d.hidden, d.num_heads, d.num_kv_heads,
                           d.head_dim, d.intermediate, self.block_size, self.num_blocks, d.norm_eps, d.qk_eps, d.scale,
                           ctypes.addressof(self._model), ids.data_ptr(), positions.data_ptr(), out.data_ptr(),
                           slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
-                          torch.get_num_threads())
+                          torch.get_num_threads(), logits.data_ptr() if head else None,
+                          top.data_ptr() if head else None)
         if status:
             raise cpu_native.NativeKernelError(f"native decode layers: {_ERRORS.get(status, f'error {status}')}")
-        return out
+        return out, logits, top

@@ -154,6 +154,11 @@ class ModelRunner:
         else:
             # every row sampled (a decode batch): all of them, in order, without a copy
             keep = None if len(sample_idx) == len(input_ids) else sample_idx
+            if keep is None and layer_hook is None:
+                # a pure decode batch: token ids to logits and their argmax in one native call
+                fused = self.model.decode_logits(input_ids, positions, meta)
+                if fused is not None:
+                    return self.sample_logits(fused[0], sample_seqs, fused[1])
             hidden = self.model(input_ids, positions, meta, layer_hook, keep=keep)  # [S, hidden]
         if not sample_seqs:
             return {}
@@ -161,11 +166,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sampled]:
-        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}. A seq with
-        forks (n > 1, its prompt just computed) lends its logits row to each of them: every
-        choice samples its first token from the same logits with its own generator."""
-        logits = self.model.compute_logits(hidden)  # [S, V]
+        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
+        return self.sample_logits(self.model.compute_logits(hidden), seqs)  # [S, V]
+
+    def sample_logits(self, logits: torch.Tensor, seqs: list[Sequence], top: list[int] | None = None
+                      ) -> dict[int, Sampled]:
+        """logits [S, V] of each seq's last token (`top`: each row's argmax, if known) ->
+        {seq_id: next token}. A seq with forks (n > 1, its prompt just computed) lends its
+        logits row to each of them: every choice samples its first token from the same
+        logits with its own generator."""
         if any(s.forks for s in seqs):
+            top = None
             logits = logits[[i for i, s in enumerate(seqs) for _ in range(1 + len(s.forks))]]  # [S + forks, V]
             seqs = [r for s in seqs for r in (s, *s.forks)]
         params = [s.sampling_params for s in seqs]
@@ -173,7 +184,7 @@ class ModelRunner:
         # one check: a step without structured-output rows fills no mask
         bitmask = self.grammars.bitmask(seqs) if any(p.structured for p in params) else None
         tokens = self.sampler(logits, params, [self._generator(s) for s in seqs],
-                              [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], bitmask)
+                              [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], bitmask, top)
         lps = token_logprobs(raw, params, tokens) if raw is not None else {}
         return {s.seq_id: Sampled(t, lps.get(i)) for i, (s, t) in enumerate(zip(seqs, tokens))}
 

@@ -28,19 +28,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
-                 bitmask: tuple[torch.Tensor, list[int]] | None = None) -> list[int]:
+                 bitmask: tuple[torch.Tensor, list[int]] | None = None, top: list[int] | None = None) -> list[int]:
         """logits [B, V] float32 -> one token id per row. `token_ids[i]` is row i's whole
         sequence so far (prompt then output; `num_prompt_tokens[i]` of it prompt): needed
         only when some row uses min_tokens or a penalty. `bitmask` (mask [B, V/32], rows):
-        the structured-output rows' allowed tokens, applied first."""
+        the structured-output rows' allowed tokens, applied first. `top`: each row's
+        argmax of `logits` as given, where known (the native decode stack's): greedy rows
+        take it when neither the mask nor a logits feature changes the logits."""
         if bitmask is not None:
             logits = logits.clone()
             apply_bitmask(logits, *bitmask)
+            top = None
         if any(_touches_logits(p) for p in params):  # one check: a plain step costs nothing more
             assert token_ids is not None and num_prompt_tokens is not None, "penalties need the token history"
             logits = process_logits(logits.clone(), params, token_ids, num_prompt_tokens, self.eos_token_ids)
+            top = None
         if all(p.greedy for p in params):
-            return greedy(logits)
+            return greedy(logits) if top is None else top
         out = logits.argmax(dim=-1)  # [B]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)

@@ -2,6 +2,7 @@
 (GQA, optional attention bias), reading HuggingFace weight names."""
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -15,6 +16,10 @@ from common.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from common.models.rope import rope_frequencies
 from common.rope_config import RopeConfig
 from kernels.cpu_decode import DecodeStack, LayerTensors, ModelTensors, StackDims
+
+# what `_stack_fingerprint` reads of each item, as C-level callables for `map`
+_DATA_PTR = torch.Tensor.data_ptr
+_VERSION, _PLAN, _QUANT = (operator.attrgetter(name) for name in ("_version", "_plan", "quant"))
 
 # HF weight name fragment -> (our fused parameter fragment, shard index)
 PACKED_MODULES = {
@@ -146,7 +151,10 @@ class DecoderForCausalLM(nn.Module):
         self._stack: DecodeStack | None = None
         self._stack_of: tuple[object, tuple[list, ...]] | None = None  # (caches, _stack_fingerprint())
         self._stack_linears: list[tuple[Linear, ...]] | None = None  # each layer's four, for decode_stack
-        self._stack_params: list[tuple[dict, str]] = []  # (a module's _parameters or _buffers, name): what the stack reads
+        # [a module's _parameters or _buffers, ...], [name, ...]: what the stack reads (_stack_watch)
+        self._stack_params: list[list] = []
+        self._stack_flat: list[Linear] = []  # every linear the stack multiplies by, the lm_head last
+        self._stack_planned: list[Linear] = []  # the float ones: their plans are packed copies
         self._stack_versioned = 0  # how many of them, the first, are the linears'
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -175,6 +183,19 @@ class DecoderForCausalLM(nn.Module):
             return x
         return self.model.norm(x, residual)[0]
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                      ) -> tuple[torch.Tensor, list[int]] | None:
+        """A pure decode batch from its token ids to (logits [N, V] float32, each row's
+        argmax) in the native stack's one call, lm_head included; None where that does
+        not apply (the caller runs `forward` and `compute_logits` then; the same logits)."""
+        if meta.num_decode != input_ids.shape[0] or not DecodeStack.takes(input_ids):
+            return None
+        stack = self.decode_stack()
+        if stack is None or not stack.has_head:
+            return None
+        return stack.logits(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                            meta.decode_context_lens)
+
     @property
     def activation_dtype(self) -> torch.dtype:
         """What the layers compute in: the norms' dtype (float32 under bf16 weights on the
@@ -189,18 +210,12 @@ class DecoderForCausalLM(nn.Module):
         if self._stack_linears is None:  # module lookups cost ~1 us each: once, not per step
             self._stack_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                     layer.mlp.down_proj) for layer in self.model.layers]
-            linears = [lin for four in self._stack_linears for lin in four]
-            read = [m for layer in self.model.layers
-                    for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
-                              layer.self_attn.k_norm) if m is not None] + [self.model.embed_tokens, self.model.norm]
-            # the linears' parameters first: their versions matter too (a plan is a copy)
-            self._stack_params = [(m._parameters, name) for m in linears + read for name, p in m._parameters.items()
-                                  if p is not None]
-            self._stack_versioned = sum(p is not None for m in linears for p in m._parameters.values())
-            self._stack_params += [(self.model.rope._buffers, name) for name in ("cos", "sin_signed")]
+            self._stack_flat = [lin for four in self._stack_linears for lin in four] + [self.lm_head]
         if self._stack_of is not None and self._stack_of == (self.kv_caches, self._stack_fingerprint()):
             return self._stack
+        self._stack_watch()
         plans = [[lin.plan() for lin in four] for four in self._stack_linears]
+        head = self.lm_head.plan()
         layers = []
         for layer, (k_cache, v_cache), four in zip(self.model.layers, self.kv_caches, plans):
             attn = layer.self_attn
@@ -217,21 +232,41 @@ class DecoderForCausalLM(nn.Module):
                          head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
                          qk_eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5)  # as DecoderLayer's
         rope = self.model.rope
-        around = ModelTensors(self.model.embed_tokens.weight, rope.cos, rope.sin_signed, self.model.norm.weight)
+        around = ModelTensors(self.model.embed_tokens.weight, rope.cos, rope.sin_signed, self.model.norm.weight,
+                              head.packed, head.bias, self.lm_head.out_features, head.kind)
         self._stack = DecodeStack.build(layers, dims, around) if len(layers) == len(self.model.layers) else None
         self._stack_of = (self.kv_caches, self._stack_fingerprint())
         return self._stack
 
+    def _stack_watch(self) -> None:
+        """What `_stack_fingerprint` reads, for the linears as they are now: every float
+        linear's parameters (storage and version: its plan is a packed copy) and plan; a
+        quantized linear's bias alone (its plan holds `quant`'s blocks, whatever its
+        placeholder weight); the norms', embedding's and rotary tables' storage. A
+        linear's quant is read every step, so a change of which are quantized is seen."""
+        floats = [lin for lin in self._stack_flat if lin.quant is None]
+        read = [m for layer in self.model.layers
+                for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                          layer.self_attn.k_norm) if m is not None] + [self.model.embed_tokens, self.model.norm]
+        versioned = [(m._parameters, name) for m in floats for name, p in m._parameters.items() if p is not None]
+        quantized = [m for m in self._stack_flat if m.quant is not None]
+        rest = [(m._parameters, name) for m in quantized for name, p in m._parameters.items()
+                if p is not None and name != "weight"]
+        rest += [(m._parameters, name) for m in read for name, p in m._parameters.items() if p is not None]
+        rest += [(self.model.rope._buffers, name) for name in ("cos", "sin_signed")]
+        self._stack_params = [list(col) for col in zip(*versioned, *rest)]  # [dicts], [names]
+        self._stack_versioned = len(versioned)
+        self._stack_planned = floats
+
     def _stack_fingerprint(self) -> tuple[list, ...]:
-        """What the stack was set up from, cheap enough to check every decode step (~50 us
-        for 30 layers: no module attribute lookups, flat lists): the storage of each
-        tensor it reads (norms, tables) or holds a plan of (linears), the linears'
-        parameters' versions (an in-place write makes their packed copy stale), and each
-        linear's plan and quant, by identity."""
-        params = [d[name] for d, name in self._stack_params]
-        linears = [lin for four in self._stack_linears for lin in four]
-        return ([p.data_ptr() for p in params], [p._version for p in params[:self._stack_versioned]],
-                [lin._plan for lin in linears], [lin.quant for lin in linears])
+        """What the stack was set up from (`_stack_watch` says which tensors), cheap enough
+        to check every decode step: flat lists, each filled by a C-level `map`, no module
+        attribute lookups or bytecode per item. Storage of each watched tensor, versions of
+        the float linears' parameters, the float linears' plans and every linear's quant,
+        by identity."""
+        params = list(map(dict.__getitem__, *self._stack_params))
+        return (list(map(_DATA_PTR, params)), list(map(_VERSION, params[:self._stack_versioned])),
+                list(map(_PLAN, self._stack_planned)), list(map(_QUANT, self._stack_flat)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]

@@ -16,6 +16,7 @@
  *     x, residual = add_rms_norm(h, residual, post_norm)      (pd_add_rms_norm)
  *     h = down(silu(gate) * up)                 (pd_gemm_silu; pd_gemm, pd_silu_mul)
  *     out = add_rms_norm(h, residual, final_norm)             (after the last layer)
+ *     logits = out @ head^T (+ head_b); top = argmax per row  (pd_gemm; when asked)
  * Between layers, Python dispatch (a dozen torch ops and ctypes calls, each a few
  * microseconds, plus module calls) costs more than the layer's own work at one
  * sequence; and each op left in Python costs far more than that in a real step, where
@@ -24,6 +25,9 @@
  *
  *   ids       [m] int64: the tokens; positions [m] int64: their positions (rotary rows)
  *   out       [m, hidden] out: the final norm's output
+ *   logits    [m, head_n] out, or NULL: the lm_head's product (M->head must be set then)
+ *   top       [m] int64 out, or NULL: each logits row's first index of its largest value
+ *             (the first NaN where a row has one: numpy's and torch's argmax)
  *   slots     [m] int64: cache slot (block * block_size + offset) of each token; < 0 skips the store
  *   tables    [m, max_blocks] int32, lens [m] int32: as pd_paged_decode_attention
  * Returns 0, 1 (bad arguments: a token id or position outside its table, a slot or block
@@ -33,6 +37,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "gemm_tile.h"
@@ -84,6 +89,9 @@ typedef struct {
     const float *cos, *sin;       /* [max_positions, d]: rotary rows, sin's first half negated */
     int64_t max_positions;
     const float *final_norm;      /* [hidden] */
+    const void *head;             /* the lm_head [head_n, hidden] packed as a layer's matrices, or NULL */
+    const float *head_b;          /* its bias [head_n] or NULL */
+    int64_t head_n, head_kind;    /* PD_W_* */
 } pd_model_t;
 
 /* pd_paged_decode_attention on a layer's cache of either dtype */
@@ -119,11 +127,43 @@ static void embed_rows(const pd_model_t *M, const int64_t *ids, int64_t m, int64
     }
 }
 
+/* Whether v is a NaN, by its bits: -ffast-math (the build's) lets isnan() fold to 0 */
+static inline int nan_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+/* top[r] = the first index of row r's largest value (of its first NaN, if any). Two
+ * passes, the first a vectorizable max and NaN test over the row (~10x a scalar argmax
+ * loop at a 49k vocabulary), the second a scan to its first occurrence. */
+static void argmax_rows(const float *logits, int64_t m, int64_t n, int64_t *top) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = logits + r * n;
+        uint32_t nan = 0;
+        float mx = row[0];
+        for (int64_t j = 0; j < n; j++) {
+            uint32_t u;
+            memcpy(&u, row + j, sizeof u);
+            nan |= (u & 0x7fffffffu) > 0x7f800000u;
+            mx = row[j] > mx ? row[j] : mx;
+        }
+        int64_t best = 0;
+        if (nan)
+            while (!nan_bits(row[best])) best++;
+        else
+            while (row[best] != mx) best++;
+        top[r] = best;
+    }
+}
+
 int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, int64_t hidden, int64_t hq,
                      int64_t hkv, int64_t d, int64_t inter, int64_t block_size, int64_t num_blocks, float norm_eps,
                      float qk_eps, float scale, const pd_model_t *M, const int64_t *ids, const int64_t *positions,
                      float *out, const int64_t *slots, const int32_t *tables, const int32_t *lens, int64_t max_blocks,
-                     int num_threads) {
+                     int num_threads, float *logits, int64_t *top) {
+    if ((logits || top) && (!M->head || M->head_n <= 0 || !logits))
+        return 1;
     if (m <= 0 || num_layers < 0 || hidden <= 0 || hkv <= 0 || hq % hkv != 0 || d <= 0 || d % 2 || d > 4096 || inter <= 0
         || block_size <= 0 || num_threads < 1)
         return 1;
@@ -195,6 +235,10 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
     if (!status) /* no layers: the embeddings are the stream */
         status = pd_add_rms_norm(h, num_layers ? residual : NULL, M->final_norm, norm_eps, out, residual, m, hidden,
                                  hidden, hidden, num_threads);
+    if (!status && logits)
+        status = gemm_w(M->head_kind, out, hidden, m, hidden, M->head, M->head_b, logits, M->head_n, M->head_n,
+                        num_threads);
+    if (!status && top) argmax_rows(logits, m, M->head_n, top);
     free(buf);
     return status;
 }

@@ -20,14 +20,14 @@ def llm(model_dirs):
 def _poison_sampler(runner, monkeypatch, calls: list[int]) -> None:
     """Sampling raises whenever the culprit is among the sampled sequences, as a bad
     per-request input inside the sampler would."""
-    real = runner.sample
+    real = runner.sample_logits  # every step's sampling, a decode step's fused logits too
 
-    def sample(hidden, seqs):
+    def sample(logits, seqs, top=None):
         calls.append(len(seqs))
         if any(POISON in s.token_ids for s in seqs):
             raise FloatingPointError("poisoned sequence")
-        return real(hidden, seqs)
-    monkeypatch.setattr(runner, "sample", sample)
+        return real(logits, seqs, top)
+    monkeypatch.setattr(runner, "sample_logits", sample)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -59,13 +59,13 @@ def test_culprit_mid_decode(llm, monkeypatch):
     engine = llm.engine
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     victim = seqs[1]
-    real = engine.runner.sample
+    real = engine.runner.sample_logits
 
-    def sample(hidden, batch_seqs):
+    def sample(logits, batch_seqs, top=None):
         if victim in batch_seqs and victim.num_output_tokens >= 3:
             raise IndexError("bad row")
-        return real(hidden, batch_seqs)
-    monkeypatch.setattr(engine.runner, "sample", sample)
+        return real(logits, batch_seqs, top)
+    monkeypatch.setattr(engine.runner, "sample_logits", sample)
     failures: list[StepOutput] = []
     while engine.has_work():
         failures += [o for o in engine.step() if o.error]
