@@ -34,8 +34,8 @@ from . import huge_pages
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
-SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("gemm_quant_cpu.c"), SOURCE.with_name("qdot_cpu.c"),
-           SOURCE.with_name("elementwise_cpu.c"),
+SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("gemm_tile_cpu.c"), SOURCE.with_name("gemm_quant_cpu.c"),
+           SOURCE.with_name("qdot_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
            SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"),
            # the two attention kernels again, reading a bf16 cache (they include the files above)
            SOURCE.with_name("paged_decode_attention_bf16_cpu.c"),

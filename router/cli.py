@@ -15,9 +15,7 @@ from common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, En
                            options_of)
 from common.loading.default_model import resolve_model
 from router.config import RouterConfig
-
-if typing.TYPE_CHECKING:
-    from router.deploy import RayPlacement
+from router.ray_cli import add_ray_flags, add_ray_stop_parser, ray_placement, serve_with_ray
 
 
 # The engine flags, and serve's worker liveness flags, are generated from the configs'
@@ -144,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Fill the DeploymentConfig once from the flags, then run it."""
     from router.deploy import plan_deployment
     from router.serve import run
-    placement = _ray_placement(args)  # None: every worker on this machine
+    placement = ray_placement(args)  # None: every worker on this machine
     model, options = _resolved_options(args, here=placement is None)
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
@@ -156,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
     if placement is not None:
-        return _serve_on_ray(args, placement, model, options)
+        return serve_with_ray(args, placement, model, options)
     # admission: every decode-side worker's batch, 4 times over (queued on the workers included)
     max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * (args.colocated or args.decode)
     router = _router_config(args, model, options, max_inflight, restart_workers=args.restart)
@@ -172,66 +170,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.secret_file:  # multi-host: every host's workers are given the same secret this way
         dep = dataclasses.replace(dep, secret=_secret(args.secret_file))
     run(dep, args.ready_file)
-    return 0
-
-
-def _ray_placement(args: argparse.Namespace) -> "RayPlacement | None":
-    """`serve --ray` and its flags, checked; None without --ray."""
-    from router.deploy import RayPlacement
-    from router.ray_launch import parse_resources
-    resources = {"prefill": args.prefill_resources, "decode": args.decode_resources, "router": args.ray_router_resources}
-    if not args.ray:
-        if any(v is not None for v in resources.values()):
-            raise ConfigError("--prefill-resources / --decode-resources / --router-resources place actors with Ray: "
-                              "give --ray auto|ADDRESS")
-        return None
-    if args.colocated:
-        raise ConfigError("--ray places prefill and decode workers (--prefill N --decode M), not colocated ones")
-    if args.prefill_devices or args.decode_devices:
-        raise ConfigError("--prefill-devices / --decode-devices do not apply under --ray: Ray gives each GPU "
-                          "worker one GPU of its node (--device cuda)")
-    if args.restart:
-        raise ConfigError("--restart is for workers on this machine: under --ray, Ray restarts them")
-    if args.kv_transfer in ("gloo", "nccl"):
-        raise ConfigError(f"--kv-transfer {args.kv_transfer} needs a group fixed at start, which a worker Ray "
-                          f"restarts cannot rejoin: under --ray use tcp (auto)")
-    if not args.secret_file:
-        raise ConfigError("--ray needs --secret-file: a file (mode 0600) at that path on every Ray node "
-                          "(the secret never travels through Ray)")
-    return RayPlacement(args.ray, {role: parse_resources(text or "{}", f"--{role}-resources")
-                                   for role, text in resources.items()},
-                        str(Path(args.secret_file).resolve()), args.ray_namespace)
-
-
-def _serve_on_ray(args: argparse.Namespace, placement: "RayPlacement", model: str, options: EngineOptions) -> int:
-    """`serve --ray`: the router a Ray actor on the router's node (router/ray_router.py),
-    bound to that node's address unless --host says otherwise; each worker a Ray actor on
-    a node with its role's resources, its KV transfer tcp unless another is asked for (its
-    peers may be on any node)."""
-    from common.worker.host import pair_transport
-    from router.deploy import plan_deployment
-    from router.ray_router import serve_on_ray
-    device = options.device.device
-    if device.startswith("cuda:"):
-        raise ConfigError(f"--device {device}: under --ray, Ray picks each worker's GPU; give --device cuda")
-    _secret(args.secret_file)  # checked here: the router actor reads the same file on its node
-    model = str(Path(model).resolve())  # the same path on every node
-    max_inflight = args.max_inflight or 4 * options.scheduler.max_num_seqs * args.decode
-    router = _router_config(args, model, options, max_inflight)
-    dep = plan_deployment(router, options, kv_transfer=pair_transport(args.kv_transfer, device, None),
-                          threads_per_worker=options.device.num_threads or 1, worker_timeouts=given(args, WORKER_DEST),
-                          prefill_devices=(device,) * args.prefill, decode_devices=(device,) * args.decode)
-    serve_on_ray(dataclasses.replace(dep, ray=placement), args.ready_file,
-                 bind_node_address=ROUTER_DEST + "host" not in vars(args))
-    return 0
-
-
-def cmd_ray_stop(args: argparse.Namespace) -> int:
-    """End the `serve --ray` deployment in a Ray namespace (its driver died; its actors serve on)."""
-    from router.deploy import RayPlacement
-    from router.ray_router import ray_stop
-    ended = ray_stop(RayPlacement(args.ray, namespace=args.ray_namespace))
-    print(f"pdserve: ended {', '.join(ended)}" if ended else f"pdserve: no actors in Ray namespace {args.ray_namespace!r}")
     return 0
 
 
@@ -398,25 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_CHOICES)
     g = _add_router_args(p, ROUTER_ALONE_FIELDS, "a fresh one per run")
     g.add_argument("--restart", action="store_true", help="start a worker again when its process exits")
-    g = p.add_argument_group("Ray: place and restart the workers on a Ray cluster (docs/deploy.md)")
-    g.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                   help="run each worker as a Ray actor on the cluster (auto: the one this machine belongs to)")
-    g.add_argument("--prefill-resources", default=None, metavar="JSON",
-                   help='Ray resources one prefill worker needs, e.g. \'{"prefill_pool": 1}\' (custom ones too; '
-                        "default: CPU = its threads, GPU = 1 with --device cuda)")
-    g.add_argument("--decode-resources", default=None, metavar="JSON", help="the same for one decode worker")
-    g.add_argument("--router-resources", default=None, metavar="JSON", dest="ray_router_resources",  # not a RouterConfig field
-                   help="Ray resources that place the router actor, on one node (default: the head node)")
-    g.add_argument("--ray-namespace", default="pdserve", help="the Ray namespace the deployment's actors are named in")
+    g = add_ray_flags(p)
     worker = options_of(WorkerConfig)
     add_config_flags(g, [worker[name] for name in JOIN_WORKER_FIELDS], WORKER_DEST)  # rejoin: under --ray
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("ray-stop", help="end a `serve --ray` deployment whose driver is gone (docs/deploy.md)")
-    p.add_argument("--ray", required=True, metavar="auto|ADDRESS", help="the Ray cluster")
-    p.add_argument("--ray-namespace", default="pdserve", help="the deployment's Ray namespace")
-    p.set_defaults(func=cmd_ray_stop)
+    add_ray_stop_parser(sub)
 
     p = sub.add_parser("router", help="start the router alone; workers join it from any host (docs/deploy.md)")
     p.add_argument("model", nargs="?", default=None, help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")

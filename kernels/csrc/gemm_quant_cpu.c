@@ -7,7 +7,7 @@
  *                   group, a few float steps per group and column (qdot_cpu.c, whose
  *                   header gives its arithmetic).
  *   pd_gemm_tile_q  pd_gemm_q's way past that (prefill chunks; pd_gemm_q_dequant at any m):
- *                   the GEMM's register tile (kernels/csrc/gemm_cpu.c) with the weights
+ *                   the GEMM's register tile (kernels/csrc/gemm_tile_cpu.c) with the weights
  *                   dequantized to float32 in registers, the product pd_gemm's on the
  *                   dequantized weight bit for bit (here).
  * On a 2-core AMD EPYC Zen 1 (AVX2) pd_gemm_qdot took 0.4-0.8x the tile's time at 1 to 256

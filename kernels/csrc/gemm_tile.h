@@ -1,5 +1,5 @@
-/* The register tile of kernels/csrc/gemm_cpu.c, for the other kernels of the library that
- * run small products on it (prefill attention). */
+/* The register tiles of kernels/csrc/gemm_tile_cpu.c, for the packed GEMM (gemm_cpu.c) and
+ * the other kernels of the library that run small products on them (prefill attention). */
 #ifndef PD_GEMM_TILE_H
 #define PD_GEMM_TILE_H
 #include <stdint.h>
@@ -18,6 +18,14 @@
 #else
 #define PD_MR 6 /* rows per tile: by one panel, 12 accumulators of 8 lanes */
 #endif
+/* Which kinds' two-panel tiles (pd_gemm_tile2*) are one tile in this build, not two
+ * one-panel tiles: every kind's on AVX-512, bf16's on AVX2 (for the one or two rows of a
+ * decode step). gemm_cpu.c's run_panels takes panels of those kinds two at a time. */
+#if defined(__AVX512F__)
+#define PD_PANEL_PAIRS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PD_BF16_PAIRS 1
+#endif
 
 /* y[0:rows, 0:ncols] (+)= x[0:rows, 0:kc] @ p[0:kc, 0:ncols], rows <= PD_MR, ncols <= PD_NR.
  * x's element (i, kk) at x[i * rs + kk * ks]; p is one packed panel, [kc][PD_NR];
@@ -31,6 +39,12 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
 void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
 
+/* pd_gemm_tile and pd_gemm_tile2 on bf16 panels, widened to float32 in registers (exact):
+ * the float32 tiles' bits on the widened weight. */
+void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p, float *y,
+                       int64_t ldy, int accumulate, const float *bias, int ncols);
+void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
+                        const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
 
 /* pd_gemm_tile on one panel of a quantized weight (gemm_quant_cpu.c): `panel` is its first
  * block, k0 the k where x's columns start; x's columns are unit stride. */

@@ -115,13 +115,14 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def test_avx512_bf16_build_compiles(tmp_path):
-    """The AVX-512 tiles (and the AVX512_BF16 target) compile on any x86 machine with gcc,
-    even where they cannot run."""
+@pytest.mark.parametrize("name", ["gemm_cpu.c", "gemm_tile_cpu.c"])
+def test_avx512_bf16_build_compiles(tmp_path, name):
+    """The AVX-512 tiles and the GEMM over them (and the AVX512_BF16 target) compile on any
+    x86 machine with gcc, even where they cannot run."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    src = Path(cpu_native.__file__).with_name("csrc") / "gemm_cpu.c"
+    src = Path(cpu_native.__file__).with_name("csrc") / name
     res = subprocess.run([cc, "-O3", "-march=x86-64-v3", "-mavx512f", "-mavx512bf16", "-ffast-math", "-fopenmp",
                           "-fPIC", "-Werror", "-c", "-o", str(tmp_path / "g.o"), str(src)],
                          capture_output=True, text=True, timeout=300)

@@ -189,7 +189,8 @@ def test_non_avx2_build_gives_the_same_values(tmp_path):
     csrc = Path(cpu_native.__file__).with_name("csrc")
     lib = tmp_path / "plain.so"
     res = subprocess.run([cc, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared", "-o", str(lib),
-                          *(str(csrc / f) for f in ("gemm_cpu.c", "gemm_quant_cpu.c", "qdot_cpu.c", "elementwise_cpu.c")),
+                          *(str(csrc / f) for f in ("gemm_cpu.c", "gemm_tile_cpu.c", "gemm_quant_cpu.c", "qdot_cpu.c",
+                                                    "elementwise_cpu.c")),
                           "-lm"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
