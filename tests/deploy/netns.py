@@ -9,6 +9,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,13 +200,28 @@ def start_cluster(hosts: Hosts, model: str, addr: dict[str, str], workers: dict[
     `common`, `worker_flags`, then `own_flags`: flags of that worker alone), each logging to
     logs/<host>.log; returns host name -> process."""
     procs = {"router": start_router(hosts, model, addr["router"], logs / "router.log", common, router_flags)}
-    join = f"tcp://{addr['router']}:{CONTROL}"
     for name, role in workers.items():
-        procs[name] = hosts.run(name, [*CLI, "worker", model, "--role", role, "--join", join, "--host", addr[name],
-                                       "--port", str(WORKER), "--worker-id", name, *WORKER_DEFAULTS, *common,
-                                       *worker_flags, *(own_flags or {}).get(name, ())],
-                                logs / f"{name}.log")
+        procs[name] = start_worker(hosts, model, addr, name, role, logs, [*common, *worker_flags,
+                                                                          *(own_flags or {}).get(name, ())])
     return procs
+
+
+def start_worker(hosts: Hosts, model: str, addr: dict[str, str], name: str, role: str, logs: Path,
+                 flags: list[str]) -> subprocess.Popen:
+    """`pdserve worker --join` in host `name` (its worker id), joining the router in host
+    "router", WORKER_DEFAULTS then `flags`, logging to logs/<name>.log."""
+    join = f"tcp://{addr['router']}:{CONTROL}"
+    return hosts.run(name, [*CLI, "worker", model, "--role", role, "--join", join, "--host", addr[name], "--port",
+                            str(WORKER), "--worker-id", name, *WORKER_DEFAULTS, *flags], logs / f"{name}.log")
+
+
+def wait_router_ready(log: Path, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    """Until the router's log has its ready banner ("Workers join:"); fails if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while "Workers join:" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the router was not ready (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
 
 
 def read_logs(logs: Path, names) -> dict[str, str]:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from common.text.tokenizer import Tokenizer
 from common.worker.router_link import EXIT_ROUTER_LOST
-from tests.deploy.netns import (CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, start_router, tails,
-                                write_secret)
+from tests.deploy.netns import (CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, start_router, start_worker,
+                                tails, wait_router_ready, write_secret)
 from tests.helpers import one_torch_thread
 
 WORKERS = {"p": "prefill", "d": "decode"}
@@ -104,8 +104,10 @@ def test_workers_outlive_the_router_host_and_rejoin_a_new_router(model_dirs, hf_
     hosts = Hosts()
     try:
         addr = hosts.open(["router", *WORKERS, QUITTER])
-        procs = start_cluster(hosts, model, addr, {**WORKERS, QUITTER: "prefill"}, tmp_path, common, ROUTER_FLAGS,
-                              WORKER_FLAGS, {QUITTER: ("--rejoin-timeout", str(QUITTER_REJOIN_S))})
+        procs = start_cluster(hosts, model, addr, WORKERS, tmp_path, common, ROUTER_FLAGS, WORKER_FLAGS)
+        wait_router_ready(tmp_path / "router.log", procs["router"])  # x's 2 s would not outlast a slow start
+        procs[QUITTER] = start_worker(hosts, model, addr, QUITTER, "prefill", tmp_path,
+                                      [*common, *WORKER_FLAGS, "--rejoin-timeout", str(QUITTER_REJOIN_S)])
         context = lambda: tails(read_logs(tmp_path, procs))  # noqa: E731
         with one_torch_thread():  # while the cluster starts
             want = [hf_greedy(model, ids, MAX_TOKENS) for ids in prompts]
