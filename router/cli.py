@@ -27,7 +27,8 @@ ENGINE_DEST = "engine_"
 WORKER_DEST = "worker_"
 ROUTER_DEST = "router_"
 FLAGS = {"seed": "--engine-seed", "enable_auto_tool_choice": "--enable-auto-tool-choice",  # where config_flag()'s
-         "planner_interval_s": "--planner-interval-s", "planner_cooldown_s": "--planner-cooldown-s"}  # rule does not fit
+         "planner_interval_s": "--planner-interval-s", "planner_cooldown_s": "--planner-cooldown-s",
+         "planner_memory_s": "--planner-memory-s"}  # rule does not fit
 SERVE_WORKER_FIELDS = ("heartbeat_s", "peer_timeout_s", "router_timeout_s", "lease_s", "drain_s", "verify_transfers")
 JOIN_WORKER_FIELDS = (*SERVE_WORKER_FIELDS, "rejoin_timeout_s")  # a joined worker outlives its router
 SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag group
@@ -39,7 +40,7 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
                "disagg_tpot_guard_ms"),
     "planner": ("planner", "slo_ttft_ms", "slo_tpot_ms", "planner_interval_s", "planner_max_workers", "planner_target",
-                "planner_sustain", "planner_cooldown_s", "planner_host_cores"),
+                "planner_sustain", "planner_cooldown_s", "planner_host_cores", "planner_memory_s"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 

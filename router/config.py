@@ -58,6 +58,8 @@ class RouterConfig:
     planner_host_cores: int = option(0, "planner: one host's cores the workers share; with it the planner also "
                                         "trades one colocated worker on all of them for 1P+1D on half each "
                                         "(0: it does not plan core sharing)")
+    planner_memory_s: float = option(300.0, "planner, one host: how long (s) the observed attainment of a layout "
+                                            "tried (colocated or split) is trusted to choose between them")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
@@ -131,8 +133,10 @@ class RouterConfig:
             raise ConfigError("planner slo needs slo_ttft_ms and slo_tpot_ms > 0 (--slo-ttft-ms, --slo-tpot-ms)")
         if not self.planner_interval_s > 0 or self.planner_cooldown_s < 0 or self.planner_sustain < 1:
             raise ConfigError("planner_interval_s must be > 0, planner_cooldown_s >= 0, planner_sustain >= 1")
-        if self.planner_max_workers < 0 or self.planner_host_cores < 0 or not 0 < self.planner_target <= 1:
-            raise ConfigError("planner_max_workers and planner_host_cores must be >= 0, planner_target in (0, 1]")
+        if min(self.planner_max_workers, self.planner_host_cores, self.planner_memory_s) < 0 \
+                or not 0 < self.planner_target <= 1:
+            raise ConfigError("planner_max_workers, planner_host_cores and planner_memory_s must be >= 0, "
+                              "planner_target in (0, 1]")
 
     @property
     def prompt_chars_limit(self) -> int:

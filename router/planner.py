@@ -16,6 +16,14 @@ Each window the rule names what the figures ask for (its wish):
              cores; one colocated worker with all of them
   none       both within target (or no finished request to judge by)
 
+On one host the rule also remembers how each layout (colocated, split) did: a score per
+window (the lower of the TTFT and TPOT attainments), averaged over the windows the layout
+held, outside cooldowns, for `memory_s`. A layout remembered better than the current one
+by more than `margin` is a wish of its own (`split_better_before`, `colocated_better_before`),
+and a split or merge toward a layout remembered no better than the current one is not
+made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
+measured, not guessed, once it has been tried.
+
 A wish becomes a plan only after it held `sustain` consecutive windows, not within
 `cooldown_s` of the last plan, not while an earlier change is under way, and only if its
 predicted effect would not make the opposite rule fire (the dead band): capacity moves
@@ -45,14 +53,15 @@ class PlannerConfig:
     cooldown_s: float = 30.0  # no plan this soon after the last
     max_workers: int = 0      # workers the planner may grow the deployment to (0: role changes only)
     host_cores: int = 0       # one host: the cores its workers share (0: core sharing is not planned)
+    memory_s: float = 300.0   # one host: how long a layout's observed score is trusted
 
     def __post_init__(self) -> None:
         if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
             raise ValueError("planner SLOs must be > 0")
         if not 0 < self.target <= 1 or self.margin < 0 or not 0 < self.kv_high <= 1:
             raise ValueError("planner target must be in (0, 1], margin >= 0, kv_high in (0, 1]")
-        if self.sustain < 1 or self.cooldown_s < 0 or self.max_workers < 0 or self.host_cores < 0:
-            raise ValueError("planner sustain must be >= 1; cooldown, max_workers and host_cores >= 0")
+        if self.sustain < 1 or min(self.cooldown_s, self.max_workers, self.host_cores, self.memory_s) < 0:
+            raise ValueError("planner sustain must be >= 1; cooldown, max_workers, host_cores and memory_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,8 @@ class PlannerState:
     wish: str = NONE
     streak: int = 0
     last_plan_at: float | None = None
+    # one host: (layout, mean score, windows counted, last seen) per layout tried
+    memory: tuple[tuple[str, float, int, float], ...] = ()
 
 
 def decide(snap: Snapshot, state: PlannerState, cfg: PlannerConfig) -> tuple[Plan, PlannerState]:
@@ -134,22 +145,23 @@ def decide(snap: Snapshot, state: PlannerState, cfg: PlannerConfig) -> tuple[Pla
         return Plan(NONE, "changing", figures=figs), replace(state, wish=NONE, streak=0)
     if state.last_plan_at is not None and snap.now - state.last_plan_at < cfg.cooldown_s:
         return Plan(NONE, "cooldown", figures=figs), replace(state, wish=NONE, streak=0)
-    wish, why = _wish(snap, cfg)
+    state = replace(state, memory=_remember(state.memory, snap, cfg))
+    wish, why = _wish(snap, cfg, state.memory)
     if why == "idle":  # no request finished: no evidence either way, the count holds
         return Plan(NONE, why, figures=figs), state
     streak = state.streak + 1 if wish == state.wish else 1
     if wish == NONE:
-        return Plan(NONE, why, figures=figs), PlannerState(NONE, 0, state.last_plan_at)
+        return Plan(NONE, why, figures=figs), PlannerState(NONE, 0, state.last_plan_at, state.memory)
     held = replace(state, wish=wish, streak=streak)
     if streak < cfg.sustain:
         return Plan(NONE, f"{why}_pending", figures=figs), held
     plan = _plan(wish, why, snap, cfg)
     if plan.action == NONE:
         return replace(plan, figures=figs), held
-    return replace(plan, figures=figs), PlannerState(NONE, 0, snap.now)
+    return replace(plan, figures=figs), PlannerState(NONE, 0, snap.now, state.memory)
 
 
-def _wish(snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str]:
+def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, str]:
     """What this window's figures ask for, and the reason's name."""
     ttft_low = _below(snap.ttft_attainment, cfg.target)
     tpot_low = _below(snap.tpot_attainment, cfg.target)
@@ -157,20 +169,75 @@ def _wish(snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str]:
     p = snap.pools
     if snap.finished == 0 and not kv_high:
         return NONE, "idle"
-    if cfg.host_cores >= 2 and p.colocated and not (p.prefill or p.decode):
-        return (SPLIT, "tpot_interference") if tpot_low else (NONE, "within_slo")
+    here = _layout(p) if cfg.host_cores >= 2 else None
+    if here is not None and (ttft_low or tpot_low):
+        better = _better_elsewhere(memory, here, snap.now, cfg)
+        if better is not None:
+            return better
+    if here == "colocated":
+        if not tpot_low:
+            return NONE, "within_slo"
+        return (NONE, "split_worse_before") if _tried_no_better(memory, "split", snap.now, cfg) \
+            else (SPLIT, "tpot_interference")
     if not (p.prefill and p.decode):
         return NONE, "within_slo" if not (ttft_low or tpot_low) else "no_pd_pools"
     if tpot_low or kv_high:
         return "decode", "decode_kv" if kv_high and not tpot_low else "tpot_low"
     if ttft_low and snap.decode_queue > snap.prefill_queue:
         return "decode", "decode_queue"
-    if ttft_low and cfg.host_cores >= 2 and snap.prefill_queue == 0 and snap.decode_queue == 0 \
+    if ttft_low and here == "split" and snap.prefill_queue == 0 and snap.decode_queue == 0 \
             and not _below(snap.tpot_attainment, cfg.target + cfg.margin):
-        return MERGE, "ttft_unqueued"
+        return (NONE, "merge_worse_before") if _tried_no_better(memory, "colocated", snap.now, cfg) \
+            else (MERGE, "ttft_unqueued")
     if ttft_low:
         return "prefill", "ttft_low"
     return NONE, "within_slo"
+
+
+def _layout(p: Pools) -> str | None:
+    """One host's layout: colocated workers only, or prefill and decode workers only."""
+    if p.colocated and not (p.prefill or p.decode):
+        return "colocated"
+    if p.prefill and p.decode and not p.colocated:
+        return "split"
+    return None
+
+
+def _score(snap: Snapshot) -> float | None:
+    """A window's score: the lower of its TTFT and TPOT attainments (None: neither known)."""
+    known = [a for a in (snap.ttft_attainment, snap.tpot_attainment) if a is not None]
+    return min(known) if known else None
+
+
+def _remember(memory: tuple, snap: Snapshot, cfg: PlannerConfig) -> tuple:
+    """`memory` with this window's score counted into its layout's mean (one host only)."""
+    layout, score = _layout(snap.pools) if cfg.host_cores >= 2 else None, _score(snap)
+    if layout is None or score is None or snap.pools.changing:
+        return memory
+    old = next((m for m in memory if m[0] == layout and snap.now - m[3] <= cfg.memory_s), None)
+    mean, n = (old[1], old[2]) if old else (0.0, 0)
+    entry = (layout, (mean * n + score) / (n + 1), n + 1, snap.now)
+    return (*(m for m in memory if m[0] != layout), entry)
+
+
+def _recalled(memory: tuple, layout: str, now: float, cfg: PlannerConfig) -> float | None:
+    return next((m[1] for m in memory if m[0] == layout and now - m[3] <= cfg.memory_s), None)
+
+
+def _tried_no_better(memory: tuple, other: str, now: float, cfg: PlannerConfig) -> bool:
+    """Whether `other` was tried within memory_s and scored no better than the current layout."""
+    here = "split" if other == "colocated" else "colocated"
+    theirs, ours = _recalled(memory, other, now, cfg), _recalled(memory, here, now, cfg)
+    return theirs is not None and ours is not None and theirs <= ours
+
+
+def _better_elsewhere(memory: tuple, here: str, now: float, cfg: PlannerConfig) -> tuple[str, str] | None:
+    """The move to the other layout where it scored more than `margin` above this one."""
+    other = "split" if here == "colocated" else "colocated"
+    theirs, ours = _recalled(memory, other, now, cfg), _recalled(memory, here, now, cfg)
+    if theirs is None or ours is None or theirs <= ours + cfg.margin:
+        return None
+    return (SPLIT, "split_better_before") if other == "split" else (MERGE, "colocated_better_before")
 
 
 def _plan(wish: str, why: str, snap: Snapshot, cfg: PlannerConfig) -> Plan:

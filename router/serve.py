@@ -176,7 +176,7 @@ def start_planner(control: ControlPlane) -> Planner | None:
         return None
     cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
                         cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
-                        host_cores=c.planner_host_cores)
+                        host_cores=c.planner_host_cores, memory_s=c.planner_memory_s)
     planner = Planner(control, cfg, c.planner_interval_s)
     planner.start()
     return planner

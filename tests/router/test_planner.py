@@ -135,6 +135,36 @@ def test_one_host_split_with_slow_unqueued_prompts_merges_onto_all_cores():
     assert tight[-1].action == NONE and tight[-1].reason == "ttft_low_no_core_free"
 
 
+def test_one_host_goes_back_to_the_layout_that_did_better_and_stays_there_until_memory_expires():
+    """Colocated misses TPOT, so it splits; split does worse (1-thread decode steps over the
+    SLO), so it merges back; colocated then keeps missing TPOT but does not split again
+    while split's score is remembered, and tries it again once that memory is stale."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=10.0, host_cores=2, memory_s=100.0)
+    colo, split = Pools(0, 0, 1), Pools(1, 1)
+    layout = {0: colo, 5: colo, 10: colo, 15: split, 20: split}  # then colocated again
+    snaps = [snap(t, tpot=0.2 if layout.get(t, colo) is split else 0.57, pools=layout.get(t, colo))
+             for t in range(0, 140, 5)]
+    plans, state = run(snaps, cfg)
+    acted = [(s.now, p.action, p.reason) for s, p in zip(snaps, plans) if p.action != NONE]
+    assert acted == [(5, SPLIT, "tpot_interference"), (20, MERGE, "colocated_better_before"),
+                     (130, SPLIT, "tpot_interference")], acted
+    assert {p.reason for s, p in zip(snaps, plans) if 30 <= s.now <= 120} == {"split_worse_before"}
+    assert dict((m[0], round(m[1], 2)) for m in state.memory) == {"colocated": 0.57, "split": 0.2}
+
+
+def test_one_host_split_that_did_better_is_taken_again_when_colocated_misses():
+    """A split remembered well above colocated is a wish of its own, whichever SLO misses."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=1, cooldown_s=0.0, host_cores=2)
+    memory = (("split", 0.95, 3, 0.0), ("colocated", 0.5, 3, 0.0))
+    plan, _ = decide(snap(5.0, ttft=0.5, tpot=1.0, pools=Pools(0, 0, 1)), PlannerState(memory=memory), cfg)
+    assert (plan.action, plan.reason) == (SPLIT, "split_better_before")
+
+
+def test_without_host_cores_nothing_is_remembered():
+    _, state = run([snap(t * 5.0, tpot=0.5, pools=Pools(0, 0, 1)) for t in range(4)])
+    assert state.memory == ()
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError):
         PlannerConfig(0.0, 0.05)
