@@ -18,7 +18,7 @@ Each window the rule names what the figures ask for (its wish):
 
 On one host the rule also remembers how each layout (colocated, split) did: a score per
 window (the lower of the TTFT and TPOT attainments), averaged over the windows the layout
-held, outside cooldowns, for `memory_s`. A layout remembered better than the current one
+held (each weighted by its finished requests), outside cooldowns, for `memory_s`. A layout remembered better than the current one
 by more than `margin` is a wish of its own (`split_better_before`, `colocated_better_before`),
 and a split or merge toward a layout remembered no better than the current one is not
 made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
@@ -134,7 +134,7 @@ class PlannerState:
     wish: str = NONE
     streak: int = 0
     last_plan_at: float | None = None
-    # one host: (layout, mean score, windows counted, last seen) per layout tried
+    # one host: (layout, mean score, requests counted, last seen) per layout tried
     memory: tuple[tuple[str, float, int, float], ...] = ()
 
 
@@ -216,7 +216,8 @@ def _remember(memory: tuple, snap: Snapshot, cfg: PlannerConfig) -> tuple:
         return memory
     old = next((m for m in memory if m[0] == layout and snap.now - m[3] <= cfg.memory_s), None)
     mean, n = (old[1], old[2]) if old else (0.0, 0)
-    entry = (layout, (mean * n + score) / (n + 1), n + 1, snap.now)
+    k = max(1, snap.finished)  # a window counts as many times as it finished requests
+    entry = (layout, (mean * n + score * k) / (n + k), n + k, snap.now)
     return (*(m for m in memory if m[0] != layout), entry)
 
 
