@@ -1,6 +1,7 @@
 """Weight-only int8 / int4 weights in the packed layout the native kernels read
 (kernels/csrc/gemm_quant_cpu.c, whose header draws the layout): integer dot products with
-int8 activations for decode-sized products, dequantized in registers for larger ones.
+int8 activations for decode-sized products, the float32 tile on dequantized slices for
+larger ones.
 
 Three kinds, each GGUF's own block math with a float16 scale per 32 values along k:
     q8_0  int8 q                  w = d * q          (`--quantization int8`; GGUF Q8_0)
@@ -202,8 +203,9 @@ def gemm_q(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, de
     """x [m, k] @ w^T (+ bias [n]) -> [m, n] float32, w a weight-only quantized weight
     (kernels/csrc/qdot_cpu.c and gemm_quant_cpu.c). Up to QDOT_ROWS rows (a decode
     batch; any with dequant=False) by int8 dot products with x quantized per 32 values
-    (`quantize_rows`); more (any with dequant=True) with the weight dequantized in
-    registers, the same bits as `gemm` on `quant.dequantize(w)` packed in float32."""
+    (`quantize_rows`); more (any with dequant=True) by the float32 tile on the weight
+    dequantized slice by slice, the same bits as `gemm` on `quant.dequantize(w)` packed
+    in float32."""
     lib, x = cpu_native.library_and_rows(x)
     m, k = x.shape
     if k != w.k:

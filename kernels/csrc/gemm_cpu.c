@@ -49,33 +49,36 @@
 #define MC 96      /* rows of x per block */
 #define PARALLEL_MIN_MACS 65536 /* below this one thread is faster than waking two */
 
-/* One or two panels' tile (panels j0 and j1, k from k0) on a packed weight of any kind
-   (PD_W_*): float32 and bf16 panels are [k][16] elements, a quantized one k / 32 blocks. */
-static inline void tile_any(int kind, int two, int rows, int64_t kc, const float *x, int64_t rs, const void *p,
-                            int64_t j0, int64_t j1, int64_t k0, int64_t k, float *y, int64_t ldy, int accumulate,
-                            const float *bias, int ncols) {
-    const int64_t o0 = (j0 * k + k0) * NR, o1 = (j1 * k + k0) * NR;
+/* One or two panels' tile on slices w0 (and w1) of k from the slice's start: float32 or
+   bf16 panels ([kc][16] elements) as `kind` says. */
+static inline void tile_any(int kind, int two, int rows, int64_t kc, const float *x, int64_t rs, const void *w0,
+                            const void *w1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols) {
     if (kind == PD_W_BF16) {
-        const uint16_t *w = p;
         if (two)
-            pd_gemm_tile2_bf16(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
+            pd_gemm_tile2_bf16(rows, kc, x, rs, 1, w0, w1, y, ldy, accumulate, bias, ncols);
         else
-            pd_gemm_tile_bf16(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
-    } else if (kind == PD_W_F32) {
-        const float *w = p;
-        if (two)
-            pd_gemm_tile2(rows, kc, x, rs, 1, w + o0, w + o1, y, ldy, accumulate, bias, ncols);
-        else
-            pd_gemm_tile(rows, kc, x, rs, 1, w + o0, y, ldy, accumulate, bias, ncols);
+            pd_gemm_tile_bf16(rows, kc, x, rs, 1, w0, y, ldy, accumulate, bias, ncols);
+    } else if (two) {
+        pd_gemm_tile2(rows, kc, x, rs, 1, w0, w1, y, ldy, accumulate, bias, ncols);
     } else {
-        const int64_t panel = k / PD_QGROUP * pd_quant_block_bytes(kind);
-        const uint8_t *w = p;
-        pd_gemm_tile_q(kind, rows, kc, x, rs, w + j0 * panel, k0, y, ldy, accumulate, bias, two ? NR : ncols);
-        if (two)
-            pd_gemm_tile_q(kind, rows, kc, x, rs, w + j1 * panel, k0, y + NR, ldy, accumulate, bias ? bias + NR : 0,
-                           ncols);
+        pd_gemm_tile(rows, kc, x, rs, 1, w0, y, ldy, accumulate, bias, ncols);
     }
 }
+
+/* What the tile reads for weights k0 .. k0 + kc - 1 of panel j: the panel's own slice for
+   float32 and bf16 panels; for a quantized one, that slice dequantized into `scratch`
+   ([kc][16] floats, kc <= KC), whose float32 tile gives pd_gemm's bits on the dequantized
+   weight. */
+static inline const void *panel_slice(int kind, const void *p, int64_t k, int64_t j, int64_t k0, int64_t kc,
+                                      float *scratch) {
+    if (kind == PD_W_F32) return (const float *)p + (j * k + k0) * NR;
+    if (kind == PD_W_BF16) return (const uint16_t *)p + (j * k + k0) * NR;
+    pd_dequant_slice(kind, (const uint8_t *)p + j * (k / PD_QGROUP * pd_quant_block_bytes(kind)), k0, kc, scratch);
+    return scratch;
+}
+
+/* The kind of panel the tile runs on: float32 for a quantized weight's dequantized slices */
+static inline int tile_kind(int kind) { return kind == PD_W_BF16 ? PD_W_BF16 : PD_W_F32; }
 
 /* Whether run_panels takes panels of this kind two at a time (a pair tile) */
 #if defined(PD_PANEL_PAIRS)
@@ -100,17 +103,20 @@ static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 :
 static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
                        float *y, int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
     const int64_t kstep = k_step(k);
-    const int pairs = panel_pairs(kind);
+    const int pairs = panel_pairs(kind), tkind = tile_kind(kind);
+    float scratch[2][KC * NR]; /* a quantized weight's dequantized slices */
     for (int64_t j = pb, step; j < pe; j += step) {
         step = pairs && j + 1 < pe ? 2 : 1;
         const int ncols = (j + step) * NR <= n ? NR : (int)(n - (j + step - 1) * NR); /* of the last panel */
         const float *bj = bias ? bias + j * NR : 0;
         for (int64_t k0 = 0; k0 < k; k0 += kstep) {
             const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
+            const void *w0 = panel_slice(kind, p, k, j, k0, kc, scratch[0]);
+            const void *w1 = step == 2 ? panel_slice(kind, p, k, j + 1, k0, kc, scratch[1]) : 0;
             for (int64_t i = 0; i < m; i += MR) {
                 const int rows = m - i < MR ? (int)(m - i) : MR;
-                tile_any(kind, step == 2, rows, kc, x + i * ldx + k0, ldx, p, j, j + 1, k0, k, y + i * ldy + j * NR,
-                         ldy, k0 > 0, bj, ncols);
+                tile_any(tkind, step == 2, rows, kc, x + i * ldx + k0, ldx, w0, w1, y + i * ldy + j * NR, ldy, k0 > 0,
+                         bj, ncols);
             }
         }
     }
@@ -164,7 +170,7 @@ int pd_gemm_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, 
     return gemm(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
 }
 
-/* pd_gemm_q on the tile that dequantizes in registers (pd_gemm's bits on the dequantized weight) */
+/* pd_gemm_q by the float32 tile on dequantized slices at any m (pd_gemm's bits on the dequantized weight) */
 int pd_gemm_q_dequant(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
                       float *y, int64_t ldy, int64_t n, int num_threads) {
     return gemm(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
@@ -191,6 +197,8 @@ static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const vo
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
     for (int t = 0; t < num_threads; t++) {
         float gu[MC * 2 * NR]; /* [MC rows][16 gate | 16 up] */
+        float scratch[2][KC * NR]; /* a quantized weight's dequantized slices */
+        const int tkind = tile_kind(kind);
         const int64_t pb = panels * t / num_threads, pe = panels * (t + 1) / num_threads;
         for (int64_t r0 = 0; r0 < m; r0 += MC) {
             const int64_t mb = m - r0 < MC ? m - r0 : MC;
@@ -198,9 +206,11 @@ static int gemm_silu(const float *x, int64_t ldx, int64_t m, int64_t k, const vo
             for (int64_t j = pb; j < pe; j++) {
                 for (int64_t k0 = 0; k0 < k; k0 += kstep) {
                     const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
+                    const void *w0 = panel_slice(kind, p, k, j, k0, kc, scratch[0]);
+                    const void *w1 = panel_slice(kind, p, k, panels + j, k0, kc, scratch[1]);
                     for (int64_t i = 0; i < mb; i += MR)
-                        tile_any(kind, 1, mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, p, j,
-                                 panels + j, k0, k, gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
+                        tile_any(tkind, 1, mb - i < MR ? (int)(mb - i) : MR, kc, xb + i * ldx + k0, ldx, w0, w1,
+                                 gu + i * 2 * NR, 2 * NR, k0 > 0, 0, NR);
                 }
                 for (int64_t i = 0; i < mb; i++)
                     pd_silu_mul_row(gu + i * 2 * NR, gu + i * 2 * NR + NR, act + (r0 + i) * lda + j * NR, NR);
@@ -229,7 +239,7 @@ int pd_gemm_silu_q(const float *x, int64_t ldx, int64_t m, int64_t k, const void
     return gemm_silu(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
 }
 
-/* pd_gemm_silu_q on the tile that dequantizes in registers */
+/* pd_gemm_silu_q by the float32 tile on dequantized slices at any m */
 int pd_gemm_silu_q_dequant(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
                            int64_t lda, int64_t inter, int num_threads) {
     return gemm_silu(x, ldx, m, k, p, kind, act, lda, inter, num_threads);

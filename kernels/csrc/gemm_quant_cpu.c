@@ -6,13 +6,14 @@
  *                   (llama.cpp's q8_0 / q8_1 activations), integer dot products per
  *                   group, a few float steps per group and column (qdot_cpu.c, whose
  *                   header gives its arithmetic).
- *   pd_gemm_tile_q  pd_gemm_q's way past that (prefill chunks; pd_gemm_q_dequant at any m):
- *                   the GEMM's register tile (kernels/csrc/gemm_tile_cpu.c) with the weights
- *                   dequantized to float32 in registers, the product pd_gemm's on the
- *                   dequantized weight bit for bit (here).
+ *   pd_dequant_slice  pd_gemm_q's way past that (prefill chunks; pd_gemm_q_dequant at any
+ *                   m): gemm_cpu.c dequantizes one panel's slice of k (at most 192 x 16
+ *                   weights, 12 KB, in L1) to float32 here, once per block of up to 96 rows
+ *                   of x, and runs the float32 register tile on it: the product is pd_gemm's
+ *                   on the dequantized weight bit for bit, at the float32 tile's speed.
  * On a 2-core AMD EPYC Zen 1 (AVX2) pd_gemm_qdot took 0.4-0.8x the tile's time at 1 to 256
- * rows (benchmarks/cpu_linear_quant.py); prefill keeps the tile so that prompt logits (and
- * the first token) are exactly float32's on the dequantized weights.
+ * rows (benchmarks/cpu_linear_quant.py); prefill keeps the float32 tile so that prompt
+ * logits (and the first token) are exactly float32's on the dequantized weights.
  *
  * Packed layout (kernels.quant.pack): panel j holds output columns 16 j .. 16 j + 15 (zero
  * past n, as the float panels), as k / 32 blocks of one group each, block g:
@@ -29,11 +30,10 @@
  * broadcast. These are GGUF's Q8_0, Q4_0 and Q4_1 (kernels.quant repacks their blocks)
  * and what `--quantization int8|int4` writes from float weights (int4: Q4_1's form).
  *
- * The tile's weights are computed in float32 exactly as gguf-py dequantizes (one rounding
- * for the product, one more for + m), then enter the same chain of fused multiply-adds as
- * pd_gemm's. Empty asm statements pin each dequantized vector, so that -ffast-math cannot
- * fuse d * q + m into one fused multiply-add or reassociate the scale into the
- * activation's product. The tile takes k slices in whole quads (k0 and kc multiples of 4).
+ * The weights are computed in float32 exactly as gguf-py dequantizes (one rounding for the
+ * product, one more for + m). Empty asm statements pin each dequantized vector, so that
+ * -ffast-math cannot fuse d * q + m into one fused multiply-add. Slices are whole quads
+ * (k0 and kc multiples of 4).
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,18 +54,6 @@ int64_t pd_quant_block_bytes(int kind) { return pd_quant_block_size(kind); }
 
 #ifdef PD_QAVX2
 #define PIN(v) __asm__("" : "+x"(v))
-static AI void store_row(float *yi, __m256 v0, __m256 v1, int accumulate, const float *bias, int ncols) {
-    float t[NR];
-    if (ncols == NR && !accumulate && !bias) {
-        _mm256_storeu_ps(yi, v0);
-        _mm256_storeu_ps(yi + 8, v1);
-        return;
-    }
-    _mm256_storeu_ps(t, v0);
-    _mm256_storeu_ps(t + 8, v1);
-    for (int j = 0; j < ncols; j++) yi[j] = accumulate ? yi[j] + t[j] : t[j] + (bias ? bias[j] : 0.0f);
-}
-
 /* Row J of a quad's half (one column's 4 rows in each 32-bit lane) as int32 codes; for
  * the int4 kinds v is the half's nibbles already shifted to the low nibble of each byte */
 #define ROW_CODES(KIND, v, J)                                                                                          \
@@ -94,72 +82,43 @@ static AI void weights(int kind, __m256i c0, __m256i c1, __m256 d0, __m256 d1, _
     *b1 = w1;
 }
 
-#define DECL(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
-#define STEP(i)                                                                                                        \
-    {                                                                                                                  \
-        const __m256 a = _mm256_broadcast_ss(xk + (i)*rs);                                                             \
-        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                                                     \
-        c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                                                     \
-    }
-#define STORE(i) store_row(y + (i)*ldy, c##i##0, c##i##1, accumulate, bias, ncols);
-#define ROWS1(F) F(0)
-#define ROWS2(F) ROWS1(F) F(1)
-#define ROWS3(F) ROWS2(F) F(2)
-#define ROWS4(F) ROWS3(F) F(3)
-#define ROWS5(F) ROWS4(F) F(4)
-#define ROWS6(F) ROWS5(F) F(5)
-#define ROWS7(F) ROWS6(F) F(6)
-#define ROWS8(F) ROWS7(F) F(7)
-/* one row J of the quad: its weights, then every row of x's multiply-adds */
-#define QROW(R, KIND, J)                                                                                               \
+/* One quad's row J (constant) of both halves: 16 weights at out */
+#define QROW(KIND, J)                                                                                                  \
     {                                                                                                                  \
         __m256 b0, b1;                                                                                                 \
-        const float *xk = x + kk + (J);                                                                                \
         weights(KIND, ROW_CODES(KIND, v0, J), ROW_CODES(KIND, v1, J), d0, d1, m0, m1, &b0, &b1);                      \
-        ROWS##R(STEP)                                                                                                  \
+        _mm256_storeu_ps(out + (kk + (J)) * NR, b0);                                                                   \
+        _mm256_storeu_ps(out + (kk + (J)) * NR + 8, b1);                                                               \
     }
 
-/* y[0:R, 0:ncols] (+)= x[0:R, 0:kc] @ w[k0:k0 + kc, panel], the panel's blocks at `panel`;
- * x points at column k0 of its first row. KIND is a constant in each copy. */
-#define QTILE(R, KIND)                                                                                                 \
-    static void qtile##R##_##KIND(int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,       \
-                                  float *y, int64_t ldy, int accumulate, const float *bias, int ncols) {              \
-        const int64_t bb = pd_quant_block_bytes(KIND), hdr = pd_quant_header_bytes(KIND), qb = pd_quant_quad_bytes(KIND);              \
-        ROWS##R(DECL) for (int64_t kk = 0; kk < kc;) {                                                                 \
-            const int64_t kg = k0 + kk, end = kk + QG - kg % QG < kc ? kk + QG - kg % QG : kc;                         \
-            const uint8_t *blk = panel + kg / QG * bb, *q = blk + hdr + kg % QG / 4 * qb;                              \
-            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));                                  \
-            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));                           \
-            __m256 m0 = d0, m1 = d1;                                                                                   \
-            if ((KIND) == PD_W_Q4M) {                                                                                  \
-                m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));                                    \
-                m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));                                    \
-            }                                                                                                          \
-            for (; kk < end; kk += 4, q += qb) {                                                                       \
-                __m256i v0 = _mm256_loadu_si256((const __m256i *)q), v1;                                               \
-                if ((KIND) == PD_W_Q8)                                                                                 \
-                    v1 = _mm256_loadu_si256((const __m256i *)(q + 32));                                                \
-                else                                                                                                   \
-                    v1 = _mm256_srli_epi32(v0, 4);                                                                     \
-                QROW(R, KIND, 0) QROW(R, KIND, 1) QROW(R, KIND, 2) QROW(R, KIND, 3)                                    \
-            }                                                                                                          \
-        }                                                                                                              \
-        ROWS##R(STORE)                                                                                                 \
+/* pd_dequant_slice for one kind (a constant in each call below) */
+static AI void dequant_slice(const int kind, const uint8_t *panel, int64_t k0, int64_t kc, float *out) {
+    const int64_t bb = pd_quant_block_bytes(kind), hdr = pd_quant_header_bytes(kind), qb = pd_quant_quad_bytes(kind);
+    for (int64_t kk = 0; kk < kc;) {
+        const int64_t kg = k0 + kk, end = kk + QG - kg % QG < kc ? kk + QG - kg % QG : kc;
+        const uint8_t *blk = panel + kg / QG * bb, *q = blk + hdr + kg % QG / 4 * qb;
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        __m256 m0 = d0, m1 = d1;
+        if (kind == PD_W_Q4M) {
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        }
+        for (; kk < end; kk += 4, q += qb) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)q);
+            const __m256i v1 = kind == PD_W_Q8 ? _mm256_loadu_si256((const __m256i *)(q + 32)) : _mm256_srli_epi32(v0, 4);
+            QROW(kind, 0) QROW(kind, 1) QROW(kind, 2) QROW(kind, 3)
+        }
     }
-#define QTILES(KIND) QTILE(1, KIND) QTILE(2, KIND) QTILE(3, KIND) QTILE(4, KIND) QTILE(5, KIND) QTILE(6, KIND) \
-    QTILE(7, KIND) QTILE(8, KIND)
-QTILES(2)
-QTILES(3)
-QTILES(4)
-typedef void (*qtile_fn)(int64_t, const float *, int64_t, const uint8_t *, int64_t, float *, int64_t, int,
-                         const float *, int);
-#define TABLE(KIND) {0, qtile1_##KIND, qtile2_##KIND, qtile3_##KIND, qtile4_##KIND, qtile5_##KIND, qtile6_##KIND, \
-                     qtile7_##KIND, qtile8_##KIND}
-static const qtile_fn qtiles[3][9] = {TABLE(2), TABLE(3), TABLE(4)};
+}
 
-void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,
-                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols) {
-    qtiles[kind - PD_W_Q8][rows < 1 ? 1 : rows > 8 ? 8 : rows](kc, x, rs, panel, k0, y, ldy, accumulate, bias, ncols);
+void pd_dequant_slice(int kind, const uint8_t *panel, int64_t k0, int64_t kc, float *out) {
+    switch (kind) {
+        case PD_W_Q8: dequant_slice(PD_W_Q8, panel, k0, kc, out); break;
+        case PD_W_Q4: dequant_slice(PD_W_Q4, panel, k0, kc, out); break;
+        case PD_W_Q4M: dequant_slice(PD_W_Q4M, panel, k0, kc, out); break;
+        default: break;
+    }
 }
 #else
 /* Without AVX2 + F16C (a build on another CPU): the same values in plain C. */
@@ -172,17 +131,11 @@ static float weight(int kind, const uint8_t *blk, int64_t r, int c) {
     return kind == PD_W_Q4 ? d * (float)(q - 8) : d * (float)q + pd_f16(blk + 2 * NR + 2 * c);
 }
 
-void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,
-                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols) {
+void pd_dequant_slice(int kind, const uint8_t *panel, int64_t k0, int64_t kc, float *out) {
     const int64_t bb = pd_quant_block_bytes(kind);
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < ncols; j++) {
-            float acc = 0.0f;
-            for (int64_t kk = 0; kk < kc; kk++) {
-                const int64_t kg = k0 + kk;
-                acc += x[i * rs + kk] * weight(kind, panel + kg / QG * bb, kg % QG, j);
-            }
-            y[i * ldy + j] = accumulate ? y[i * ldy + j] + acc : acc + (bias ? bias[j] : 0.0f);
-        }
+    for (int64_t kk = 0; kk < kc; kk++) {
+        const int64_t kg = k0 + kk;
+        for (int c = 0; c < NR; c++) out[kk * NR + c] = weight(kind, panel + kg / QG * bb, kg % QG, c);
+    }
 }
 #endif

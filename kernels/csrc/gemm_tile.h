@@ -46,16 +46,16 @@ void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t
 void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
                         const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
 
-/* pd_gemm_tile on one panel of a quantized weight (gemm_quant_cpu.c): `panel` is its first
- * block, k0 the k where x's columns start; x's columns are unit stride. */
-void pd_gemm_tile_q(int kind, int rows, int64_t kc, const float *x, int64_t rs, const uint8_t *panel, int64_t k0,
-                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols);
+/* Weights k0 .. k0 + kc - 1 of one panel of a quantized weight (gemm_quant_cpu.c), `panel`
+ * its first block, as float32 [kc][PD_NR] at out: the panel the float32 tiles read. */
+void pd_dequant_slice(int kind, const uint8_t *panel, int64_t k0, int64_t kc, float *out);
 /* Bytes of one block (one group of one panel) of a quantized kind; 0 for another kind. */
 int64_t pd_quant_block_bytes(int kind);
 
 /* Rows of x up to which pd_gemm_q multiplies a quantized weight by int8 dot products
- * (pd_gemm_qdot: decode batches), more on the dequantizing tile (prefill chunks: the float32
- * product on the dequantized weight, bit for bit); -DPD_QDOT_ROWS=... moves it */
+ * (pd_gemm_qdot: decode batches), more by the float32 tile on dequantized slices (prefill
+ * chunks: the float32 product on the dequantized weight, bit for bit); -DPD_QDOT_ROWS=...
+ * moves it */
 #ifndef PD_QDOT_ROWS
 #define PD_QDOT_ROWS 8
 #endif

@@ -34,6 +34,7 @@
 #define NR PD_NR
 #define QG PD_QGROUP
 #define ROW_TILE 4              /* rows of x per pass over a panel */
+#define QMC 128                 /* rows of x whose codes (at most 128 k bytes) stay in L2 while the panels pass */
 #define PARALLEL_MIN_MACS 65536 /* as pd_gemm's: below this one thread */
 #ifndef PD_QPREFETCH
 #define PD_QPREFETCH 1024 /* bytes ahead of the group being read */
@@ -286,14 +287,17 @@ int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         float out[ROW_TILE][NR];
-        for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++) {
-            const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
-            for (int64_t i = 0; i < m; i += ROW_TILE) {
-                const int rows = m - i < ROW_TILE ? (int)(m - i) : ROW_TILE;
-                qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, out);
-                for (int ii = 0; ii < rows; ii++)
-                    for (int c = 0; c < ncols; c++)
-                        y[(i + ii) * ldy + j * NR + c] = out[ii][c] + (bias ? bias[j * NR + c] : 0.0f);
+        for (int64_t r0 = 0; r0 < m; r0 += QMC) {
+            const int64_t re = m - r0 < QMC ? m : r0 + QMC;
+            for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++) {
+                const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
+                for (int64_t i = r0; i < re; i += ROW_TILE) {
+                    const int rows = re - i < ROW_TILE ? (int)(re - i) : ROW_TILE;
+                    qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, out);
+                    for (int ii = 0; ii < rows; ii++)
+                        for (int c = 0; c < ncols; c++)
+                            y[(i + ii) * ldy + j * NR + c] = out[ii][c] + (bias ? bias[j * NR + c] : 0.0f);
+                }
             }
         }
     }
@@ -317,13 +321,16 @@ int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const v
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         float g[ROW_TILE][NR], u[ROW_TILE][NR];
-        for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++)
-            for (int64_t i = 0; i < m; i += ROW_TILE) {
-                const int rows = m - i < ROW_TILE ? (int)(m - i) : ROW_TILE;
-                qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, g);
-                qdot_rows(kind, rows, k, (const uint8_t *)p + (panels + j) * pbytes, &r, i, u);
-                for (int ii = 0; ii < rows; ii++) pd_silu_mul_row(g[ii], u[ii], act + (i + ii) * lda + j * NR, NR);
-            }
+        for (int64_t r0 = 0; r0 < m; r0 += QMC) {
+            const int64_t re = m - r0 < QMC ? m : r0 + QMC;
+            for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++)
+                for (int64_t i = r0; i < re; i += ROW_TILE) {
+                    const int rows = re - i < ROW_TILE ? (int)(re - i) : ROW_TILE;
+                    qdot_rows(kind, rows, k, (const uint8_t *)p + j * pbytes, &r, i, g);
+                    qdot_rows(kind, rows, k, (const uint8_t *)p + (panels + j) * pbytes, &r, i, u);
+                    for (int ii = 0; ii < rows; ii++) pd_silu_mul_row(g[ii], u[ii], act + (i + ii) * lda + j * NR, NR);
+                }
+        }
     }
     free(r.q);
     return 0;

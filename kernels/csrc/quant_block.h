@@ -1,5 +1,5 @@
 /* The block layout of a quantized panel (drawn in gemm_quant_cpu.c's header), shared by the
- * dequantizing tile (gemm_quant_cpu.c) and the int8 dot products (qdot_cpu.c). */
+ * dequantized slices (gemm_quant_cpu.c) and the int8 dot products (qdot_cpu.c). */
 #ifndef PD_QUANT_BLOCK_H
 #define PD_QUANT_BLOCK_H
 #include <stdint.h>

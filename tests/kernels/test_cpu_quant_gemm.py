@@ -1,8 +1,9 @@
 """Weight-only int8 / int4 GEMM (kernels/csrc/gemm_quant_cpu.c, kernels/quant.py): the
 packing, GGUF's blocks repacked as they are, and the product: by int8 dot products for a
 decode batch (their integer math in float64, up to float32 rounding; near float32 on the
-dequantized weight, within the activations' rounding), on the dequantizing tile for more
-rows, bit for bit the float32 GEMM's on the dequantized weight."""
+dequantized weight, within the activations' rounding; a row's the same in any batch), by
+the float32 tile on dequantized slices for more rows, bit for bit the float32 GEMM's on
+the dequantized weight."""
 from __future__ import annotations
 
 import ctypes
@@ -94,8 +95,9 @@ def test_activation_quantization_is_round_to_nearest_per_32():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
-# rows: decode batches and a prefill chunk (row tiles of 4 and their tails); n with panel tails
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 100])
+# rows: decode batches and prefill chunks (row tiles of 4 and their tails, past the 128-row
+# block); n with panel tails
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 100, 131])
 @pytest.mark.parametrize("n,k", [(9, 32), (50, 352), (70, 576), (33, 1536)])
 def test_product_is_the_integer_dot_products(threads, kind, m, n, k):
     """The integer math to float32 rounding, and within the activations' int8 rounding
@@ -112,6 +114,18 @@ def test_product_is_the_integer_dot_products(threads, kind, m, n, k):
     step = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, dim=1) / 127 / 2  # each value's rounding bound
     bound = step.double() @ quant.dequantize(w).abs().double().T
     assert bool(((got.double() - dense).abs() <= bound + 1e-5).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_dot_products_do_not_depend_on_its_batch(kind):
+    """By int8 dot products each row of a 200-row product (two 128-row blocks, on two
+    threads) equals that row's product alone, and the same for SwiGLU's fused pair."""
+    w, x = random_weight(kind, 2 * 48, 96, 7), torch.randn(200, 96)
+    whole = with_threads(2, lambda: quant.gemm_q(x, w, dequant=False))
+    act = with_threads(2, lambda: quant.gemm_silu_q(x, w, dequant=False))
+    for i in (0, 3, 127, 128, 199):
+        assert torch.equal(whole[i:i + 1], quant.gemm_q(x[i:i + 1], w, dequant=False)), i
+        assert torch.equal(act[i:i + 1], quant.gemm_silu_q(x[i:i + 1], w, dequant=False)), i
 
 
 def test_integer_reference_catches_a_wrong_kernel():
@@ -143,7 +157,7 @@ def test_dequant_tile_is_the_float32_gemm_of_the_dequantized_weight_bit_for_bit(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize("m", [1, 9, 131])
 def test_quant_gemm_silu_and_plan(kind, m):
     w = random_weight(kind, 2 * 48, 128, m)
     x = torch.randn(m, 128)
