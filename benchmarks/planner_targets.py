@@ -4,7 +4,7 @@ with `--planner slo` against every fixed split of the same cores and against vLL
     python benchmarks/planner_targets.py --vllm-python /work/vllm-venv/bin/python
         [--model DIR] [--dtype float32] [--vllm-dtype float32] [--rates 0.5,1,2,3]
         [--num-prompts 40] [--input-len 256] [--output-len 64] [--planner-warmup-s 45]
-        [--out-dir results/planner_targets]
+        [--systems colocated,1p1d,planner,vllm] [--add-to EARLIER.json] [--out-dir results/planner_targets]
 
 Method, one run, one system after the other:
 - systems: pdserve colocated x1 on 2 threads and 1P+1D on 1 thread each (every split of
@@ -28,6 +28,8 @@ Method, one run, one system after the other:
   interpolated between sweep points (`router.bench.metrics.goodput_rate`; the sweep's top
   rate when none misses).
 - targets: per regime, planner >= 0.9x the best fixed split's goodput rate and >= vLLM's.
+- `--add-to` extends an earlier run (more rates, or a system again): the points of both,
+  a later one replacing an earlier one at the same rate, and the verdicts over both.
 
 Writes --out-dir/planner_targets.json (server logs under --out-dir/logs); prints each regime's
 goodput rates.
@@ -195,6 +197,16 @@ def at_least(rate: float | None, ref: float | None, factor: float) -> bool | Non
     return (rate or 0.0) >= factor * (ref or 0.0)
 
 
+def merged(earlier: dict[str, list[dict]], later: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Two runs' points per system, by rate: a later point replaces an earlier one at its rate."""
+    out = {}
+    for name in {**earlier, **later}:
+        by_rate = {p["request_rate"]: p for p in earlier.get(name, [])}
+        by_rate.update({p["request_rate"]: p for p in later.get(name, [])})
+        out[name] = [by_rate[r] for r in sorted(by_rate)]
+    return out
+
+
 def report(points: dict[str, list[dict]], regimes: list[str]) -> dict:
     """Per regime: each system's goodput rate, and the planner's against the best fixed split and vLLM."""
     out = {}
@@ -233,6 +245,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--planner-interval-s", type=float, default=3.0)
     p.add_argument("--planner-sustain", type=int, default=2)
     p.add_argument("--planner-cooldown-s", type=float, default=15.0)
+    p.add_argument("--systems", default="colocated,1p1d,planner,vllm",
+                   help="which to run (vllm needs --vllm-python)")
+    p.add_argument("--add-to", default=None, help="an earlier run's planner_targets.json: its points are kept, "
+                                                  "this run's added (replacing any at the same rate), and the "
+                                                  "verdicts taken over both")
     p.add_argument("--out-dir", default=str(REPO / "results/planner_targets"))
     return p.parse_args()
 
@@ -245,12 +262,20 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     logdir = out_dir / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    runs = {name: sweep(name, args, rates, vocab, logdir, regimes) for name in systems(args, regimes)}
+    chosen = set(args.systems.split(","))
+    names = [n for n in systems(args, regimes) if n.partition("-")[0] in chosen]
+    runs = {name: sweep(name, args, rates, vocab, logdir, regimes) for name in names}
     points = {name: run["points"] for name, run in runs.items()}
+    commands = {n: r["command"] for n, r in runs.items()}
+    earlier = json.loads(Path(args.add_to).read_text()) if args.add_to else None
+    if earlier:
+        points, commands = merged(earlier["points"], points), {**earlier["commands"], **commands}
+        regimes = [*dict.fromkeys([*earlier["config"]["regimes"].split(","), *regimes])]
     summary = report(points, regimes)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(args), "vllm_version": vllm_version(args.vllm_python),
            "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg()}, "summary": summary,
-           "commands": {n: r["command"] for n, r in runs.items()}, "points": points}
+           "commands": commands, "points": points,
+           "earlier": None if not earlier else {"date": earlier["date"], "config": earlier["config"]}}
     (out_dir / "planner_targets.json").write_text(json.dumps(out, indent=2))
     for regime, res in summary.items():
         log(f"{regime}: goodput rate (req/s at >= 90%) " + ", ".join(

@@ -27,6 +27,8 @@ library's API, or transformers may mistake this package for it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -40,6 +42,7 @@ __all__ = [
     "store_kv",
     "paged_decode_attention",
     "LinearPlan",
+    "decode_rows",
     "add_rms_norm",
     "qk_norm_rope_",
     "silu_mul",
@@ -196,6 +199,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# Whether every row the linears multiply now is a decode token (`decode_rows`)
+_DECODE_ROWS = contextvars.ContextVar("pdserve_decode_rows", default=False)
+
+
+@contextlib.contextmanager
+def decode_rows(on: bool = True):
+    """Within: every row a `LinearPlan` multiplies is a decode token (a pure decode step),
+    so a quantized weight multiplies by int8 dot products at any row count, as the native
+    decode stack does (kernels/csrc/decode_layers_cpu.c). Outside, rows past
+    `quant.QDOT_ROWS` (prompt chunks) take the float32 tile on the dequantized weight, so
+    that prompt logits are float32's on the dequantized weights exactly."""
+    token = _DECODE_ROWS.set(on)
+    try:
+        yield
+    finally:
+        _DECODE_ROWS.reset(token)
+
+
 class LinearPlan:
     """One weight (and bias) made ready for `F.linear`'s job once, so that a call costs one
     native call and no re-checking. On CPU float32 the weight is packed into panels of 16
@@ -235,7 +256,7 @@ class LinearPlan:
             self._dequantize = lambda: dequantize(quant).to(weight.device)
             if cpu and usable:
                 self.native, self.packed, self.kind = True, quant.data, quant.code
-                self._fn = native.library().pd_gemm_q
+                self._fn, self._qdot = native.library().pd_gemm_q, native.library().pd_gemm_qdot
         elif cpu and weight.dtype in native.PACKED_DTYPES and usable:
             self.native = True
             self.packed = native.pack_weight(weight)  # in the weight's own dtype
@@ -251,8 +272,12 @@ class LinearPlan:
             m, n = x.shape[0], self._n
             y = torch.empty((m, n), dtype=torch.float32)
             args = (x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr())
-            if m and (self._fn(*args, self.kind, self._bp, y.data_ptr(), n, n, torch.get_num_threads()) if self.kind > 1
-                      else self._fn(*args, self._bp, y.data_ptr(), n, n, torch.get_num_threads())):
+            if self.kind > 1:  # quantized: int8 dot products for decode rows (any count) and short chunks
+                fn = self._qdot if _DECODE_ROWS.get() else self._fn
+                status = m and fn(*args, self.kind, self._bp, y.data_ptr(), n, n, torch.get_num_threads())
+            else:
+                status = m and self._fn(*args, self._bp, y.data_ptr(), n, n, torch.get_num_threads())
+            if status:
                 raise _cpu_native().NativeKernelError("native gemm: bad arguments")
             return y
         if self._onednn is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -274,7 +299,7 @@ class LinearPlan:
                 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"):
             if self.kind > 1:
                 from .quant import gemm_silu_q
-                return gemm_silu_q(x, self.quant)
+                return gemm_silu_q(x, self.quant, dequant=False if _DECODE_ROWS.get() else None)
             return _cpu_native().gemm_silu(x, self.packed, inter)
         return silu_mul(self(x))
 

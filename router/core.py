@@ -448,7 +448,7 @@ class Router:
                 tpot = (now - req.first_token_at) / (longest - 1)
                 self.metrics.tpot(tpot)
             if req.first_token_at is not None:
-                self.finished_log.append((now, req.first_token_at - req.sent_at, tpot))
+                self.finished_log.append((now, req.first_token_at - req.sent_at, tpot, req.sent_at))
             self.metrics.tokens(req.num_prompt_tokens, req.num_output_tokens)
 
     def _release_prefill(self, req: InFlight) -> None:

@@ -13,12 +13,15 @@ Each window the rule names what the figures ask for (its wish):
              cores each
   merge      (one host) a P/D split whose TTFT is below target while neither pool has a
              queue and TPOT has room: the prompt itself is slow on its share of the
-             cores; one colocated worker with all of them
+             cores; or whose TPOT is below target while nothing waits for decode: the
+             decode step itself is slow on its share; one colocated worker with all of them
   none       both within target (or no finished request to judge by)
 
 On one host the rule also remembers how each layout (colocated, split) did: a score per
-window (the lower of the TTFT and TPOT attainments), averaged over the windows the layout
-held (each weighted by its finished requests), outside cooldowns, for `memory_s`. A layout remembered better than the current one
+window (the lower of the TTFT and TPOT attainments of the requests sent after the layout
+was in place, so none that lived through the change), averaged over the windows the
+layout held (each weighted by those requests), outside cooldowns, for `memory_s`. A
+layout remembered better than the current one
 by more than `margin` is a wish of its own (`split_better_before`, `colocated_better_before`),
 and a split or merge toward a layout remembered no better than the current one is not
 made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
@@ -92,6 +95,10 @@ class Snapshot:
     decode_queue: int
     decode_kv_use: float  # share of the decode (or colocated) pool's KV blocks in use
     pools: Pools
+    # the window's requests sent after the current layout was in place: how many and
+    # their score (`score`); None: the same as the window's own (no change to leave out)
+    layout_finished: int | None = None
+    layout_score: float | None = None
 
     def figures(self) -> dict[str, float]:
         """The numbers a decision is logged and exported with."""
@@ -181,6 +188,10 @@ def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, 
             else (SPLIT, "tpot_interference")
     if not (p.prefill and p.decode):
         return NONE, "within_slo" if not (ttft_low or tpot_low) else "no_pd_pools"
+    if tpot_low and here == "split" and snap.decode_queue == 0 and not kv_high:
+        # nothing waits for decode: its step on its share of the cores is itself too slow
+        return (NONE, "merge_worse_before") if _tried_no_better(memory, "colocated", snap.now, cfg) \
+            else (MERGE, "tpot_slow_step")
     if tpot_low or kv_high:
         return "decode", "decode_kv" if kv_high and not tpot_low else "tpot_low"
     if ttft_low and snap.decode_queue > snap.prefill_queue:
@@ -203,21 +214,24 @@ def _layout(p: Pools) -> str | None:
     return None
 
 
-def _score(snap: Snapshot) -> float | None:
+def score(snap: Snapshot) -> float | None:
     """A window's score: the lower of its TTFT and TPOT attainments (None: neither known)."""
     known = [a for a in (snap.ttft_attainment, snap.tpot_attainment) if a is not None]
     return min(known) if known else None
 
 
 def _remember(memory: tuple, snap: Snapshot, cfg: PlannerConfig) -> tuple:
-    """`memory` with this window's score counted into its layout's mean (one host only)."""
-    layout, score = _layout(snap.pools) if cfg.host_cores >= 2 else None, _score(snap)
-    if layout is None or score is None or snap.pools.changing:
+    """`memory` with this window's score counted into its layout's mean (one host only):
+    the score of its requests sent after the layout was in place."""
+    own = snap.layout_finished is None
+    layout = _layout(snap.pools) if cfg.host_cores >= 2 else None
+    value, finished = (score(snap), snap.finished) if own else (snap.layout_score, snap.layout_finished)
+    if layout is None or value is None or snap.pools.changing:
         return memory
     old = next((m for m in memory if m[0] == layout and snap.now - m[3] <= cfg.memory_s), None)
     mean, n = (old[1], old[2]) if old else (0.0, 0)
-    k = max(1, snap.finished)  # a window counts as many times as it finished requests
-    entry = (layout, (mean * n + score * k) / (n + k), n + k, snap.now)
+    k = max(1, finished)  # a window counts as many times as it finished requests
+    entry = (layout, (mean * n + value * k) / (n + k), n + k, snap.now)
     return (*(m for m in memory if m[0] != layout), entry)
 
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from common.clock import Clock
 from router.control import ControlPlane
 from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Plan, PlannerConfig, PlannerState, Pools, Snapshot, \
-    decide
+    decide, score
 from router.registry import SERVING, PoolError
 from router.background import Background
 
@@ -76,6 +76,7 @@ class Planner(Background):
         self.metrics = PlannerMetrics.create(self.router.metrics.registry)
         self.last: tuple[Snapshot, Plan] | None = None
         self._last_reason = ""
+        self._settled_at: float | None = 0.0  # when the pools last stopped changing (None: changing now)
 
     @property
     def clock(self) -> Clock:
@@ -107,17 +108,30 @@ class Planner(Background):
 
     # ---- sampling ------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
+        """The window's figures; its requests sent since the pools last stopped changing
+        (`_settled_at`) are scored apart, for the rule's memory of this layout."""
         now = self.clock.monotonic()
+        pools = self.pools()
+        if pools.changing:
+            self._settled_at = None
+        elif self._settled_at is None:
+            self._settled_at = now
         window = [r for r in self.router.finished_log if r[0] > now - self.interval_s]
-        ttft = [t for _, t, _ in window]
-        tpot = [t for _, _, t in window if t is not None]
+        ttft, tpot = self._attainments(window)
+        settled = [r for r in window if self._settled_at is not None and r[3] >= self._settled_at]
+        layout = Snapshot(now, len(settled), *self._attainments(settled), 0, 0, 0.0, pools)
         reg = self.router.registry
         prefill, kv_side = reg.live(("prefill",)), reg.live(("decode", "colocated"))
         total = sum(e.status.total_blocks for e in kv_side if e.status)
         free = sum(e.status.free_blocks for e in kv_side if e.status)
-        return Snapshot(now, len(window), _share(ttft, self.cfg.ttft_slo_s), _share(tpot, self.cfg.tpot_slo_s),
+        return Snapshot(now, len(window), ttft, tpot,
                         sum(e.inflight for e in prefill), sum(e.status.waiting for e in kv_side if e.status),
-                        1 - free / total if total else 0.0, self.pools())
+                        1 - free / total if total else 0.0, pools, len(settled), score(layout))
+
+    def _attainments(self, finished: list) -> tuple[float | None, float | None]:
+        """TTFT and TPOT attainment of finished requests (finished_log entries)."""
+        return (_share([r[1] for r in finished], self.cfg.ttft_slo_s),
+                _share([r[2] for r in finished if r[2] is not None], self.cfg.tpot_slo_s))
 
     def pools(self) -> Pools:
         counts = {"prefill": 0, "decode": 0, "colocated": 0}

@@ -25,6 +25,7 @@ from common.loading.weights import load_weights
 from common.models.quantize import quantize_linears, set_quantized
 from common.quantization import gguf_source
 from common.logprobs import TokenLogprobs
+import kernels
 
 
 def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
@@ -145,6 +146,13 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_tokens[i] for i in order]
         input_ids, positions, meta, sample_idx, sample_seqs = self.prepare(seqs, counts)
+        # a pure decode step's linears: quantized weights by int8 dot products at any batch size
+        with kernels.decode_rows(meta.num_decode == len(input_ids)):
+            return self._execute(input_ids, positions, meta, sample_idx, sample_seqs, seqs, counts, layer_hook)
+
+    def _execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, sample_idx: torch.Tensor,
+                 sample_seqs: list[Sequence], seqs: list[Sequence], counts: list[int],
+                 layer_hook: Callable[[int], None] | None) -> dict[int, Sampled]:
         spans = prompt_spans(seqs, counts)  # [] unless a sequence asks for its prompt's logprobs
         if spans:
             rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]).to(self.device)

@@ -65,8 +65,8 @@ void pd_f32_to_bf16_row(const float *src, uint16_t *dst, int64_t n);
 
 /* One layer's weights and cache (kernels.cpu_decode._LayerStruct mirrors this). Weight
  * matrices [out, in] are packed for pd_gemm (kernels/csrc/gemm_cpu.c), each of its own
- * kind (PD_W_*: float32, bf16 widened in registers, or weight-only int8 / int4 by
- * pd_gemm_q's int8 dot products); the rest float32. */
+ * kind (PD_W_*: float32, bf16 widened in registers, or weight-only int8 / int4 by int8
+ * dot products at any batch size, pd_gemm_qdot); the rest float32. */
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     const void *qkv_p;                    /* [(hq + 2 hkv) d, hidden] packed */
@@ -107,9 +107,11 @@ static int attention_w(const pd_layer_t *L, const float *q, const int32_t *table
                                      scale, num_threads);
 }
 
-/* pd_gemm on panels of a kind (PD_W_*) */
+/* pd_gemm on panels of a kind (PD_W_*): a quantized weight by int8 dot products at any m
+   (every row here is a decode token; kernels.decode_rows is the Python side's same choice) */
 static int gemm_w(int64_t kind, const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, const float *bias,
                   float *y, int64_t ldy, int64_t n, int num_threads) {
+    if (pd_quant_block_bytes((int)kind) > 0) return pd_gemm_qdot(x, ldx, m, k, p, (int)kind, bias, y, ldy, n, num_threads);
     return pd_gemm_q(x, ldx, m, k, p, (int)kind, bias, y, ldy, n, num_threads);
 }
 
@@ -222,8 +224,8 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
             status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                      num_threads);
         if (!status && inter % PD_NR == 0) /* whole panels: gate and up in one pass */
-            status = pd_gemm_silu_q(x, hidden, m, hidden, L->gate_up_p, (int)L->gate_up_kind, act, inter, inter,
-                                    num_threads);
+            status = (pd_quant_block_bytes((int)L->gate_up_kind) > 0 ? pd_gemm_silu_qdot : pd_gemm_silu_q)(
+                x, hidden, m, hidden, L->gate_up_p, (int)L->gate_up_kind, act, inter, inter, num_threads);
         else if (!status) {
             status = gemm_w(L->gate_up_kind, x, hidden, m, hidden, L->gate_up_p, NULL, gu, 2 * inter, 2 * inter,
                             num_threads);

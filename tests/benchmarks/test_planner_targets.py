@@ -53,3 +53,14 @@ def test_a_sweep_where_everything_misses_at_its_lowest_rate_is_undecided(pt):
     out = pt.report({"colocated": miss, "1p1d": miss, f"planner-{TPOT_BOUND}": miss}, [TPOT_BOUND])
     assert out[TPOT_BOUND]["met"] == {"0.9x best fixed": None, ">= vllm": None}
     assert out[TPOT_BOUND]["planner_over_best_fixed"] is None
+
+
+def test_a_later_run_adds_its_rates_and_replaces_the_same_rate(pt):
+    earlier = {"colocated": points({TTFT_BOUND: 1.0}, {TTFT_BOUND: 0.5}), "vllm": points({TTFT_BOUND: 0.9})}
+    later = {"colocated": points({TTFT_BOUND: 0.95}, {TTFT_BOUND: 0.2}, rates=(2.0, 4.0)),
+             "planner-" + TTFT_BOUND: points({TTFT_BOUND: 1.0}, rates=(4.0,))}
+    both = pt.merged(earlier, later)
+    assert [(p["request_rate"], p["by_regime"][TTFT_BOUND]["slo_attainment"]) for p in both["colocated"]] == \
+        [(1.0, 1.0), (2.0, 0.95), (4.0, 0.2)]
+    assert both["vllm"] == earlier["vllm"] and both["planner-" + TTFT_BOUND] == later["planner-" + TTFT_BOUND]
+    assert pt.report(both, [TTFT_BOUND])[TTFT_BOUND]["goodput_rate"]["colocated"] == pytest.approx(2.0 + 2 * 0.05 / 0.75)

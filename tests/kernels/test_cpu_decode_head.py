@@ -12,6 +12,7 @@ import torch
 
 from common import LLM, SamplingParams
 from common.models.decoder import DecoderForCausalLM
+import kernels
 from kernels import quant
 
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3's lm_head is tied to its embedding table
@@ -39,7 +40,7 @@ def fused_and_unfused(engine, batch: int):
     seqs, (ids, positions, meta, _, _) = decode_inputs(engine, batch)
     model = engine.runner.model
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), kernels.decode_rows():  # as the runner runs a pure decode step
             fused = model.decode_logits(ids, positions, meta)
             unfused = model.compute_logits(model(ids, positions, meta))
     finally:
@@ -51,7 +52,7 @@ def fused_and_unfused(engine, batch: int):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-@pytest.mark.parametrize("batch", [1, 3, 9])  # 9: past the int8 dot products' rows (dequantized tiles)
+@pytest.mark.parametrize("batch", [1, 3, 9])  # 9: past the rows a prompt chunk takes int8 dot products for
 def test_stack_logits_equal_compute_logits(model_dirs, arch, quantization, batch):
     engine = engine_for(model_dirs[arch], quantization)
     stack = engine.runner.model.decode_stack()

@@ -2,6 +2,8 @@
 grows, where capacity comes from, and the hysteresis (sustain, cooldown, dead band)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, PlannerConfig, PlannerState, Pools, Snapshot, decide
@@ -133,6 +135,18 @@ def test_one_host_split_with_slow_unqueued_prompts_merges_onto_all_cores():
     # TPOT without room: merging would bring the interference back that a split removes
     tight, _ = run([snap(t * 5.0, ttft=0.3, tpot=0.92, pools=Pools(1, 1)) for t in range(2)], cfg)
     assert tight[-1].action == NONE and tight[-1].reason == "ttft_low_no_core_free"
+
+
+def test_one_host_split_whose_unqueued_decode_steps_miss_tpot_merges_unless_colocated_did_no_better():
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, host_cores=2)
+    split = Pools(1, 1)
+    plans, _ = run([snap(t * 5.0, tpot=0.3, pools=split) for t in range(2)], cfg)
+    assert (plans[-1].action, plans[-1].num_threads, plans[-1].reason) == (MERGE, 2, "tpot_slow_step")
+    queued, _ = run([snap(t * 5.0, tpot=0.3, dq=3, pools=split) for t in range(2)], cfg)  # decode is short of room
+    assert (queued[-1].action, queued[-1].reason) == (NONE, "tpot_low_no_core_free")
+    memory = (("split", 0.3, 3, 0.0), ("colocated", 0.3, 3, 0.0))  # tried, no better
+    plan, _ = decide(snap(5.0, tpot=0.3, pools=split), PlannerState(memory=memory), replace(cfg, sustain=1))
+    assert (plan.action, plan.reason) == (NONE, "merge_worse_before")
 
 
 def test_one_host_goes_back_to_the_layout_that_did_better_and_stays_there_until_memory_expires():

@@ -78,7 +78,8 @@ def load(control: FakeControl, rng: random.Random, demand: float, per_window: in
     for i in range(per_window):
         ttft = rng.uniform(0.1, 0.4) if prefill >= demand else rng.uniform(0.3, 2.0)
         tpot = rng.uniform(0.06, 0.2) if colocated_only else rng.uniform(0.01, 0.04)
-        control.router.finished_log.append((now + (i + 1) * INTERVAL / per_window, ttft, tpot))
+        done = now + (i + 1) * INTERVAL / per_window
+        control.router.finished_log.append((done, ttft, tpot, done - ttft - 63 * tpot))  # sent 64 tokens back
     for e in control.router.registry.workers.values():
         if e.role == "prefill":
             e.inflight = 0 if prefill >= demand else 4
@@ -157,3 +158,30 @@ def test_a_refused_change_is_logged_and_counted_and_planning_goes_on(capsys):
     assert err[0].endswith(": refused: this router starts no workers") and len(err) == 6, err
     text = control.router.metrics.render().decode()
     assert re.search(r'^pdserve_planner_decisions_total\{action="add",reason="refused"\} 3\.0$', text, re.M), text
+
+
+def test_a_layout_is_remembered_by_the_requests_sent_after_it_was_in_place():
+    """Requests that lived through a split (sent to the colocated worker, finished on the
+    new pools) are not the split's: its memory holds only those sent once it served."""
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=0.0, host_cores=2)
+    planner = Planner(control, cfg, INTERVAL)
+    log = control.router.finished_log
+    control.scale("prefill", 1), control.scale("decode", 1)  # the split under way
+    clock.advance(INTERVAL / 2)
+    assert planner.snapshot().pools.changing == 2
+    clock.advance(INTERVAL)
+    control.drain(["colocated-0"])
+    snap = planner.snapshot()  # the new pools serve from here
+    assert (snap.pools.prefill, snap.pools.decode, snap.pools.changing) == (1, 1, 0)
+    settled = clock.monotonic()
+    for i in range(4):  # finished in the next window: two sent during the change (slow), two after
+        sent = settled - 3.0 if i < 2 else settled + 0.1 * i
+        log.append((settled + 1.0 + i, 0.2, 0.2 if i < 2 else 0.02, sent))
+    clock.advance(INTERVAL)
+    snap = planner.snapshot()
+    assert (snap.finished, snap.tpot_attainment) == (4, 0.5)
+    assert (snap.layout_finished, snap.layout_score) == (2, 1.0)
+    planner.step()
+    assert [(m[0], m[1], m[2]) for m in planner.state.memory] == [("split", 1.0, 2)]
