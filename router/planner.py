@@ -214,9 +214,9 @@ def _layout(p: Pools) -> str | None:
     return None
 
 
-def score(snap: Snapshot) -> float | None:
+def score(ttft_attainment: float | None, tpot_attainment: float | None) -> float | None:
     """A window's score: the lower of its TTFT and TPOT attainments (None: neither known)."""
-    known = [a for a in (snap.ttft_attainment, snap.tpot_attainment) if a is not None]
+    known = [a for a in (ttft_attainment, tpot_attainment) if a is not None]
     return min(known) if known else None
 
 
@@ -225,7 +225,8 @@ def _remember(memory: tuple, snap: Snapshot, cfg: PlannerConfig) -> tuple:
     the score of its requests sent after the layout was in place."""
     own = snap.layout_finished is None
     layout = _layout(snap.pools) if cfg.host_cores >= 2 else None
-    value, finished = (score(snap), snap.finished) if own else (snap.layout_score, snap.layout_finished)
+    value, finished = (score(snap.ttft_attainment, snap.tpot_attainment), snap.finished) if own \
+        else (snap.layout_score, snap.layout_finished)
     if layout is None or value is None or snap.pools.changing:
         return memory
     old = next((m for m in memory if m[0] == layout and snap.now - m[3] <= cfg.memory_s), None)

@@ -119,14 +119,13 @@ class Planner(Background):
         window = [r for r in self.router.finished_log if r[0] > now - self.interval_s]
         ttft, tpot = self._attainments(window)
         settled = [r for r in window if self._settled_at is not None and r[3] >= self._settled_at]
-        layout = Snapshot(now, len(settled), *self._attainments(settled), 0, 0, 0.0, pools)
         reg = self.router.registry
         prefill, kv_side = reg.live(("prefill",)), reg.live(("decode", "colocated"))
         total = sum(e.status.total_blocks for e in kv_side if e.status)
         free = sum(e.status.free_blocks for e in kv_side if e.status)
         return Snapshot(now, len(window), ttft, tpot,
                         sum(e.inflight for e in prefill), sum(e.status.waiting for e in kv_side if e.status),
-                        1 - free / total if total else 0.0, pools, len(settled), score(layout))
+                        1 - free / total if total else 0.0, pools, len(settled), score(*self._attainments(settled)))
 
     def _attainments(self, finished: list) -> tuple[float | None, float | None]:
         """TTFT and TPOT attainment of finished requests (finished_log entries)."""
