@@ -40,7 +40,8 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
                "disagg_tpot_guard_ms"),
     "planner": ("planner", "slo_ttft_ms", "slo_tpot_ms", "planner_interval_s", "planner_max_workers", "planner_target",
-                "planner_sustain", "planner_cooldown_s", "planner_host_cores", "planner_memory_s"),
+                "planner_sustain", "planner_cooldown_s", "planner_host_cores", "planner_memory_s",
+                "planner_min_requests"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 

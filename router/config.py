@@ -58,6 +58,9 @@ class RouterConfig:
     planner_host_cores: int = option(0, "planner: one host's cores the workers share; with it the planner also "
                                         "trades one colocated worker on all of them for 1P+1D on half each "
                                         "(0: it does not plan core sharing)")
+    planner_min_requests: int = option(10, "planner: judge attainment on at least this many of the latest finished "
+                                           "requests (those sent since the pools last changed) where a window "
+                                           "holds fewer")
     planner_memory_s: float = option(300.0, "planner, one host: how long (s) the observed attainment of a layout "
                                             "tried (colocated or split) is trusted to choose between them")
     max_model_len: int = 2048
@@ -134,9 +137,9 @@ class RouterConfig:
         if not self.planner_interval_s > 0 or self.planner_cooldown_s < 0 or self.planner_sustain < 1:
             raise ConfigError("planner_interval_s must be > 0, planner_cooldown_s >= 0, planner_sustain >= 1")
         if min(self.planner_max_workers, self.planner_host_cores, self.planner_memory_s) < 0 \
-                or not 0 < self.planner_target <= 1:
+                or not 0 < self.planner_target <= 1 or self.planner_min_requests < 1:
             raise ConfigError("planner_max_workers, planner_host_cores and planner_memory_s must be >= 0, "
-                              "planner_target in (0, 1]")
+                              "planner_target in (0, 1], planner_min_requests >= 1")
 
     @property
     def prompt_chars_limit(self) -> int:

@@ -99,12 +99,17 @@ class Snapshot:
     # their score (`score`); None: the same as the window's own (no change to leave out)
     layout_finished: int | None = None
     layout_score: float | None = None
+    # the requests the attainments are over: the window's, and where it held fewer than
+    # the loop's minimum, the latest before it sent since the pools last changed (None: the window's)
+    judged: int | None = None
 
     def figures(self) -> dict[str, float]:
         """The numbers a decision is logged and exported with."""
         out = {"finished": self.finished, "prefill_queue": self.prefill_queue, "decode_queue": self.decode_queue,
                "decode_kv_use": round(self.decode_kv_use, 3), "prefill": self.pools.prefill,
                "decode": self.pools.decode, "colocated": self.pools.colocated, "changing": self.pools.changing}
+        if self.judged is not None and self.judged != self.finished:
+            out["judged"] = self.judged
         for name in ("ttft_attainment", "tpot_attainment"):
             if getattr(self, name) is not None:
                 out[name] = round(getattr(self, name), 3)

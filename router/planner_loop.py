@@ -1,6 +1,8 @@
 """The SLO planner in the router process: every `interval_s` it reads a `Snapshot` of
 the router (the requests that finished in the window, the pools' queues and KV use),
-asks the rule (router/planner.py) for a plan, applies it through the pool control API
+judging attainment on at least `min_requests` requests where the window holds fewer (the
+latest before it, sent since the pools last changed: at a low rate a 5 s window holds one
+request or none, 0% or 100%), asks the rule (router/planner.py) for a plan, applies it through the pool control API
 (router/control.py), logs it with its figures and exports them as metrics.
 
 A split or merge (one host, docs/slo.md "Planner") starts the new workers first and
@@ -63,14 +65,16 @@ class Planner(Background):
     """Samples the router owned by `control`, decides, applies. `step()` is one window
     (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
 
-    def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"planner interval must be > 0 s, got {interval_s}")
+    def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0,
+                 min_requests: int = 1) -> None:
+        if not interval_s > 0 or min_requests < 1:
+            raise ValueError(f"planner interval must be > 0 s and min_requests >= 1, got {interval_s}, {min_requests}")
         self.control = control
         self.router = control.router
         self.cfg = cfg
         self.interval_s = interval_s
         self.swap_timeout_s = swap_timeout_s  # a swap whose new workers never all serve is abandoned
+        self.min_requests = min_requests  # attainment is judged on at least this many requests where the layout had them
         self.state = PlannerState()
         self.swap: Swap | None = None
         self.metrics = PlannerMetrics.create(self.router.metrics.registry)
@@ -116,8 +120,10 @@ class Planner(Background):
             self._settled_at = None
         elif self._settled_at is None:
             self._settled_at = now
-        window = [r for r in self.router.finished_log if r[0] > now - self.interval_s]
-        ttft, tpot = self._attainments(window)
+        log = self.router.finished_log
+        window = [r for r in log if r[0] > now - self.interval_s]
+        judged = window + self._earlier(log, now, self.min_requests - len(window))
+        ttft, tpot = self._attainments(judged)
         settled = [r for r in window if self._settled_at is not None and r[3] >= self._settled_at]
         reg = self.router.registry
         prefill, kv_side = reg.live(("prefill",)), reg.live(("decode", "colocated"))
@@ -125,7 +131,22 @@ class Planner(Background):
         free = sum(e.status.free_blocks for e in kv_side if e.status)
         return Snapshot(now, len(window), ttft, tpot,
                         sum(e.inflight for e in prefill), sum(e.status.waiting for e in kv_side if e.status),
-                        1 - free / total if total else 0.0, pools, len(settled), score(*self._attainments(settled)))
+                        1 - free / total if total else 0.0, pools, len(settled), score(*self._attainments(settled)),
+                        len(judged))
+
+    def _earlier(self, log, now: float, n: int) -> list:
+        """The latest `n` requests that finished before this window and were sent since the
+        pools last stopped changing: what a window of few requests is judged together
+        with, so that at a low rate one request does not decide (none while pools change)."""
+        if n <= 0 or self._settled_at is None:
+            return []
+        out = []
+        for r in reversed(log):
+            if len(out) == n or r[0] <= self._settled_at:
+                break
+            if r[0] <= now - self.interval_s and r[3] >= self._settled_at:
+                out.append(r)
+        return out
 
     def _attainments(self, finished: list) -> tuple[float | None, float | None]:
         """TTFT and TPOT attainment of finished requests (finished_log entries)."""

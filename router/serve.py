@@ -177,7 +177,7 @@ def start_planner(control: ControlPlane) -> Planner | None:
     cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
                         cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
                         host_cores=c.planner_host_cores, memory_s=c.planner_memory_s)
-    planner = Planner(control, cfg, c.planner_interval_s)
+    planner = Planner(control, cfg, c.planner_interval_s, min_requests=c.planner_min_requests)
     planner.start()
     return planner
 

@@ -192,6 +192,7 @@ def test_router_config_checks_the_planner_flags():
     assert RouterConfig("m", planner="slo", slo_ttft_ms=200, slo_tpot_ms=40).planner == "slo"
     for bad, field in ((dict(planner="slo"), "slo_ttft_ms"), (dict(planner="fast"), "planner"),
                        (dict(planner_interval_s=0.0), "planner_interval_s"),
-                       (dict(planner_target=1.5), "planner_target")):
+                       (dict(planner_target=1.5), "planner_target"),
+                       (dict(planner_min_requests=0), "planner_min_requests")):
         with pytest.raises(ConfigError, match=field):
             RouterConfig("m", **bad)

@@ -185,3 +185,53 @@ def test_a_layout_is_remembered_by_the_requests_sent_after_it_was_in_place():
     assert (snap.layout_finished, snap.layout_score) == (2, 1.0)
     planner.step()
     assert [(m[0], m[1], m[2]) for m in planner.state.memory] == [("split", 1.0, 2)]
+
+
+def sparse_run(min_requests: int, windows: int = 40) -> tuple[list, FakeControl]:
+    """One colocated worker at one request a window, every fourth over the TPOT SLO
+    (75% attainment: below the 90% target, but a window alone is 0% or 100%)."""
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=30.0, host_cores=2), INTERVAL,
+                      min_requests=min_requests)
+    plans = []
+    for i in range(windows):
+        clock.advance(INTERVAL)
+        now = clock.monotonic()
+        control.router.finished_log.append((now - 1.0, 0.2, 0.2 if i % 4 == 3 else 0.02, now - 3.0))
+        plans.append(planner.step())
+    return plans, control
+
+
+def test_at_a_low_rate_a_window_is_judged_with_the_latest_requests_before_it():
+    alone, _ = sparse_run(min_requests=1)
+    assert {p.action for p in alone} == {NONE}  # 0% windows never hold twice in a row
+    judged, control = sparse_run(min_requests=8)
+    acted = [(i, p.action, p.reason) for i, p in enumerate(judged) if p.action != NONE]
+    # the first miss (4th request: 3 of 4) and the next window (4 of 5) hold the wish twice
+    assert acted and acted[0] == (4, SPLIT, "tpot_interference"), acted
+    assert control.calls[:2] == [("scale", "prefill", 1, {"num_threads": 1}), ("scale", "decode", 1, {"num_threads": 1})]
+    assert (judged[4].figures["finished"], judged[4].figures["judged"], judged[4].figures["tpot_attainment"]) == (1, 5, 0.8)
+
+
+def test_the_requests_judged_with_a_window_were_sent_after_the_pools_last_changed():
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, host_cores=2), INTERVAL, min_requests=10)
+    log = control.router.finished_log
+    for i in range(6):  # slow requests of the layout before
+        log.append((1.0 + i * 0.1, 0.2, 0.2, 0.5))
+    clock.advance(2.0)
+    control.scale("prefill", 1), control.scale("decode", 1)
+    clock.advance(INTERVAL / 2)
+    assert planner.snapshot().pools.changing == 2
+    clock.advance(INTERVAL)
+    control.drain(["colocated-0"])
+    settled = clock.monotonic()
+    assert planner.snapshot().pools.changing == 0
+    for i in range(3):  # fast requests of the split, two windows back
+        log.append((settled + 1.0 + i * 0.1, 0.2, 0.02, settled + 0.5))
+    clock.advance(3 * INTERVAL)
+    log.append((clock.monotonic() - 1.0, 0.2, 0.2, clock.monotonic() - 3.0))  # this window's one, slow
+    snap = planner.snapshot()
+    assert (snap.finished, snap.judged, snap.tpot_attainment) == (1, 4, 0.75)  # not the 6 slow ones before
