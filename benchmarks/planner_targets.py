@@ -4,7 +4,8 @@ with `--planner slo` against every fixed split of the same cores and against vLL
     python benchmarks/planner_targets.py --vllm-python /work/vllm-venv/bin/python
         [--model DIR] [--dtype float32] [--vllm-dtype float32] [--rates 0.5,1,2,3]
         [--num-prompts 40] [--input-len 256] [--output-len 64] [--planner-warmup-s 45]
-        [--systems colocated,1p1d,planner,vllm] [--add-to EARLIER.json] [--out-dir results/planner_targets]
+        [--systems colocated,1p1d,planner,vllm] [--planner-latency-models LM2.json,LM1.json]
+        [--add-to EARLIER.json] [--out-dir results/planner_targets]
 
 Method, one run, one system after the other:
 - systems: pdserve colocated x1 on 2 threads and 1P+1D on 1 thread each (every split of
@@ -69,7 +70,8 @@ def planner_flags(regime: str, args: argparse.Namespace) -> list[str]:
     ttft, tpot = REGIMES[regime]
     return ["--planner", "slo", "--slo-ttft-ms", str(ttft), "--slo-tpot-ms", str(tpot), "--planner-host-cores", "2",
             "--planner-interval-s", str(args.planner_interval_s), "--planner-sustain", str(args.planner_sustain),
-            "--planner-cooldown-s", str(args.planner_cooldown_s)]
+            "--planner-cooldown-s", str(args.planner_cooldown_s),
+            *(["--planner-latency-models", args.planner_latency_models] if args.planner_latency_models else [])]
 
 
 def systems(args: argparse.Namespace, regimes: list[str]) -> list[str]:
@@ -245,6 +247,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--planner-interval-s", type=float, default=3.0)
     p.add_argument("--planner-sustain", type=int, default=2)
     p.add_argument("--planner-cooldown-s", type=float, default=15.0)
+    p.add_argument("--planner-latency-models", default="",
+                   help="the planner's latency models (`pdserve profile` at 2 and 1 threads, comma-separated): "
+                        "it makes no split or merge they predict to do worse")
     p.add_argument("--systems", default="colocated,1p1d,planner,vllm",
                    help="which to run (vllm needs --vllm-python)")
     p.add_argument("--add-to", default=None, help="an earlier run's planner_targets.json: its points are kept, "

@@ -61,6 +61,10 @@ class RouterConfig:
     planner_min_requests: int = option(10, "planner: judge attainment on at least this many of the latest finished "
                                            "requests (those sent since the pools last changed) where a window "
                                            "holds fewer")
+    planner_latency_models: str = option("", "planner, one host: latency model files (`pdserve profile`) of a worker "
+                                             "on all --planner-host-cores threads and on half of them, "
+                                             "comma-separated; the latest requests are simulated on both layouts "
+                                             "and no split or merge predicted to do worse is made before it was tried")
     planner_memory_s: float = option(300.0, "planner, one host: how long (s) the observed attainment of a layout "
                                             "tried (colocated or split) is trusted to choose between them")
     max_model_len: int = 2048
@@ -140,6 +144,8 @@ class RouterConfig:
                 or not 0 < self.planner_target <= 1 or self.planner_min_requests < 1:
             raise ConfigError("planner_max_workers, planner_host_cores and planner_memory_s must be >= 0, "
                               "planner_target in (0, 1], planner_min_requests >= 1")
+        if self.planner_latency_models and self.planner_host_cores < 2:
+            raise ConfigError("planner_latency_models price the one-host layouts: give planner_host_cores >= 2")
 
     @property
     def prompt_chars_limit(self) -> int:

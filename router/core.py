@@ -74,7 +74,8 @@ class Router:
         self._worker_addr: dict[str, str] = {}
         self._worker_tasks: dict[str, asyncio.Task] = {}
         self.inflight: dict[str, InFlight] = {}
-        # finished requests, newest last: (monotonic s, TTFT s, TPOT s or None); the SLO planner's window
+        # finished requests, newest last: (monotonic s, TTFT s, TPOT s or None, sent at, prompt
+        # tokens, output tokens of the longest choice); the SLO planner's window
         self.finished_log: collections.deque = collections.deque(maxlen=FINISHED_LOG)
         self.preparing = 0  # admitted requests being tokenized (in the pool), not yet in flight
         # tokenizers releases the GIL while encoding: the event loop keeps serving meanwhile
@@ -448,7 +449,8 @@ class Router:
                 tpot = (now - req.first_token_at) / (longest - 1)
                 self.metrics.tpot(tpot)
             if req.first_token_at is not None:
-                self.finished_log.append((now, req.first_token_at - req.sent_at, tpot, req.sent_at))
+                self.finished_log.append((now, req.first_token_at - req.sent_at, tpot, req.sent_at,
+                                          req.num_prompt_tokens, longest))
             self.metrics.tokens(req.num_prompt_tokens, req.num_output_tokens)
 
     def _release_prefill(self, req: InFlight) -> None:

@@ -25,7 +25,12 @@ layout remembered better than the current one
 by more than `margin` is a wish of its own (`split_better_before`, `colocated_better_before`),
 and a split or merge toward a layout remembered no better than the current one is not
 made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
-measured, not guessed, once it has been tried.
+measured, not guessed, once it has been tried. Before it has been, a prediction may stand
+in: where the window carries both layouts' predicted scores (`Snapshot.predicted`, the
+latest requests simulated on each: router/planner_predict.py), a split or merge toward a
+layout predicted worse than the current one by more than `margin` is not made
+(`split_predicted_worse`, `merge_predicted_worse`), nor one while the first prediction is
+being made (`*_awaiting_prediction`).
 
 A wish becomes a plan only after it held `sustain` consecutive windows, not within
 `cooldown_s` of the last plan, not while an earlier change is under way, and only if its
@@ -102,6 +107,10 @@ class Snapshot:
     # the requests the attainments are over: the window's, and where it held fewer than
     # the loop's minimum, the latest before it sent since the pools last changed (None: the window's)
     judged: int | None = None
+    # one host: ((layout, score), ...) the latency models predict for the latest requests
+    # on each layout (router/planner_predict.py); () where not predicted
+    predicted: tuple[tuple[str, float], ...] = ()
+    awaiting_prediction: bool = False  # the first prediction is being made: no split or merge yet
 
     def figures(self) -> dict[str, float]:
         """The numbers a decision is logged and exported with."""
@@ -113,6 +122,8 @@ class Snapshot:
         for name in ("ttft_attainment", "tpot_attainment"):
             if getattr(self, name) is not None:
                 out[name] = round(getattr(self, name), 3)
+        for layout, value in self.predicted:
+            out[f"predicted_{layout}"] = value
         return out
 
 
@@ -189,25 +200,39 @@ def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, 
     if here == "colocated":
         if not tpot_low:
             return NONE, "within_slo"
-        return (NONE, "split_worse_before") if _tried_no_better(memory, "split", snap.now, cfg) \
-            else (SPLIT, "tpot_interference")
+        return _swap(SPLIT, "tpot_interference", snap, memory, cfg)
     if not (p.prefill and p.decode):
         return NONE, "within_slo" if not (ttft_low or tpot_low) else "no_pd_pools"
     if tpot_low and here == "split" and snap.decode_queue == 0 and not kv_high:
         # nothing waits for decode: its step on its share of the cores is itself too slow
-        return (NONE, "merge_worse_before") if _tried_no_better(memory, "colocated", snap.now, cfg) \
-            else (MERGE, "tpot_slow_step")
+        return _swap(MERGE, "tpot_slow_step", snap, memory, cfg)
     if tpot_low or kv_high:
         return "decode", "decode_kv" if kv_high and not tpot_low else "tpot_low"
     if ttft_low and snap.decode_queue > snap.prefill_queue:
         return "decode", "decode_queue"
     if ttft_low and here == "split" and snap.prefill_queue == 0 and snap.decode_queue == 0 \
             and not _below(snap.tpot_attainment, cfg.target + cfg.margin):
-        return (NONE, "merge_worse_before") if _tried_no_better(memory, "colocated", snap.now, cfg) \
-            else (MERGE, "ttft_unqueued")
+        return _swap(MERGE, "ttft_unqueued", snap, memory, cfg)
     if ttft_low:
         return "prefill", "ttft_low"
     return NONE, "within_slo"
+
+
+def _swap(action: str, why: str, snap: Snapshot, memory: tuple, cfg: PlannerConfig) -> tuple[str, str]:
+    """A split or merge, unless the other layout was tried and did no better
+    (`*_worse_before`) or, not tried, is predicted to do worse by more than `margin`
+    (`*_predicted_worse`)."""
+    here, other = ("colocated", "split") if action == SPLIT else ("split", "colocated")
+    name = "split" if action == SPLIT else "merge"
+    if _tried_no_better(memory, other, snap.now, cfg):
+        return NONE, f"{name}_worse_before"
+    predicted = dict(snap.predicted)
+    if _recalled(memory, other, snap.now, cfg) is None:
+        if snap.awaiting_prediction:
+            return NONE, f"{name}_awaiting_prediction"
+        if here in predicted and other in predicted and predicted[other] < predicted[here] - cfg.margin:
+            return NONE, f"{name}_predicted_worse"
+    return action, why
 
 
 def _layout(p: Pools) -> str | None:
@@ -223,6 +248,11 @@ def score(ttft_attainment: float | None, tpot_attainment: float | None) -> float
     """A window's score: the lower of its TTFT and TPOT attainments (None: neither known)."""
     known = [a for a in (ttft_attainment, tpot_attainment) if a is not None]
     return min(known) if known else None
+
+
+def share(values: list[float], slo_s: float) -> float | None:
+    """The share of `values` (seconds) within `slo_s`; None for none."""
+    return sum(v <= slo_s for v in values) / len(values) if values else None
 
 
 def _remember(memory: tuple, snap: Snapshot, cfg: PlannerConfig) -> tuple:

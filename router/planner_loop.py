@@ -10,6 +10,7 @@ drains the old ones only once every new one serves: a deployment never drops to 
 worker able to serve, as the control API's last-worker rule demands."""
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from common.clock import Clock
 from router.control import ControlPlane
 from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Plan, PlannerConfig, PlannerState, Pools, Snapshot, \
-    decide, score
+    decide, score, share
+from router.planner_predict import REFRESH_S, Predictor
 from router.registry import SERVING, PoolError
 from router.background import Background
 
@@ -66,7 +68,7 @@ class Planner(Background):
     (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
 
     def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0,
-                 min_requests: int = 1) -> None:
+                 min_requests: int = 1, predictor: Predictor | None = None) -> None:
         if not interval_s > 0 or min_requests < 1:
             raise ValueError(f"planner interval must be > 0 s and min_requests >= 1, got {interval_s}, {min_requests}")
         self.control = control
@@ -75,12 +77,16 @@ class Planner(Background):
         self.interval_s = interval_s
         self.swap_timeout_s = swap_timeout_s  # a swap whose new workers never all serve is abandoned
         self.min_requests = min_requests  # attainment is judged on at least this many requests where the layout had them
+        self.predictor = predictor  # one host: both layouts' scores for the latest requests (planner_predict.py)
         self.state = PlannerState()
         self.swap: Swap | None = None
         self.metrics = PlannerMetrics.create(self.router.metrics.registry)
         self.last: tuple[Snapshot, Plan] | None = None
         self._last_reason = ""
         self._settled_at: float | None = 0.0  # when the pools last stopped changing (None: changing now)
+        self._predicted: tuple[float, tuple] | None = None  # (when, scores) of the last prediction
+        self._due: tuple[float, int] | None = None  # a replay the loop owes: (now, KV blocks a worker)
+        self._inline = True  # step() driven directly: a replay runs in it
 
     @property
     def clock(self) -> Clock:
@@ -89,8 +95,12 @@ class Planner(Background):
     async def _loop(self) -> None:
         while True:
             await self.clock.sleep_async(self.interval_s)
+            self._inline = False  # predictions replay in a thread, off the router's event loop
             try:
                 self.step()
+                if self._due is not None:  # ready for the next window
+                    (now, blocks), self._due = self._due, None
+                    await asyncio.to_thread(self._replay, now, list(self.router.finished_log), blocks)
             except Exception as e:  # a bug must not end planning, nor the router
                 print(f"planner: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
@@ -129,10 +139,37 @@ class Planner(Background):
         prefill, kv_side = reg.live(("prefill",)), reg.live(("decode", "colocated"))
         total = sum(e.status.total_blocks for e in kv_side if e.status)
         free = sum(e.status.free_blocks for e in kv_side if e.status)
+        low = any(a is not None and a < self.cfg.target for a in (ttft, tpot))
+        cooling = self.state.last_plan_at is not None and now - self.state.last_plan_at < self.cfg.cooldown_s
+        predicted = self._predict(now, max((e.status.total_blocks for e in kv_side if e.status), default=0)) \
+            if low and not (pools.changing or cooling) else ()
         return Snapshot(now, len(window), ttft, tpot,
                         sum(e.inflight for e in prefill), sum(e.status.waiting for e in kv_side if e.status),
                         1 - free / total if total else 0.0, pools, len(settled), score(*self._attainments(settled)),
-                        len(judged))
+                        len(judged), predicted, awaiting_prediction=self._predicted is None and self._due is not None)
+
+    def _predict(self, now: float, num_blocks: int) -> tuple:
+        """Both layouts' predicted scores for the latest requests (the last replay's, for
+        REFRESH_S); () without a predictor. Where the last is older, a new replay runs
+        here when `step()` is driven directly, else it is left to the loop, which runs it
+        in a thread after this window (a replay takes ~0.1-0.3 s of CPU: on the router's
+        event loop it would stall every stream), and this window has the older one."""
+        if self.predictor is None:
+            return ()
+        if self._predicted is None or now - self._predicted[0] >= REFRESH_S:
+            if self._inline:
+                self._replay(now, list(self.router.finished_log), num_blocks)
+            else:
+                self._due = (now, num_blocks)
+        return self._predicted[1] if self._predicted is not None else ()
+
+    def _replay(self, now: float, finished: list, num_blocks: int) -> None:
+        try:
+            scores = self.predictor.scores(finished, now, num_blocks)
+        except Exception as e:  # a prediction is advice: its failure must not stop planning
+            print(f"planner: prediction failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            scores = ()
+        self._predicted = (now, scores)
 
     def _earlier(self, log, now: float, n: int) -> list:
         """The latest `n` requests that finished before this window and were sent since the
@@ -150,8 +187,8 @@ class Planner(Background):
 
     def _attainments(self, finished: list) -> tuple[float | None, float | None]:
         """TTFT and TPOT attainment of finished requests (finished_log entries)."""
-        return (_share([r[1] for r in finished], self.cfg.ttft_slo_s),
-                _share([r[2] for r in finished if r[2] is not None], self.cfg.tpot_slo_s))
+        return (share([r[1] for r in finished], self.cfg.ttft_slo_s),
+                share([r[2] for r in finished if r[2] is not None], self.cfg.tpot_slo_s))
 
     def pools(self) -> Pools:
         counts = {"prefill": 0, "decode": 0, "colocated": 0}
@@ -211,7 +248,3 @@ class Planner(Background):
             self.swap = None
             print(f"planner: abandoned a swap: new workers {', '.join(f'{w}={states.get(w)}' for w in swap.new)}; "
                   f"keeping {', '.join(swap.old)}", file=sys.stderr, flush=True)
-
-
-def _share(values: list[float], slo_s: float) -> float | None:
-    return sum(v <= slo_s for v in values) / len(values) if values else None

@@ -24,6 +24,7 @@ from common.config import ConfigError
 from common.gc_tuning import freeze_startup_heap
 from common.wire.curve import resolve as resolve_curve
 from common.worker.spec import WorkerSpec
+from router.config import RouterConfig
 from router.control import ControlPlane
 from router.core import Router
 from router.deploy import DeploymentConfig
@@ -31,6 +32,7 @@ from router.http_server import OpenAIServer
 from router.launch import Launcher, WorkerProcess
 from router.planner import PlannerConfig
 from router.planner_loop import Planner
+from router.planner_predict import LayoutModels, Predictor
 from router.pool_launch import LocalLauncher
 from router.supervisor import Supervisor
 from router.zmq_frontend import ZmqFrontend
@@ -76,6 +78,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "", *, stop: asyncio.Ev
     printed). `adopt`: under Ray, take over the running worker actors instead of starting
     them (a router actor that Ray restarted)."""
     config = dep.router
+    models = planner_models(config)  # a bad latency model file: refused before any worker
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,7 +112,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "", *, stop: asyncio.Ev
                                           len(dep.colocated_devices))
         if supervisor is not None and dep.ray is None:
             supervisor.start()
-        planner = start_planner(control)
+        planner = start_planner(control, models)
         http_url = "(disabled)"
         if http is not None:
             http_task = asyncio.create_task(http.serve())
@@ -169,7 +172,14 @@ def write_ready_file(path: str, info: dict) -> None:
     Path(path).with_suffix(".tmp").rename(path)
 
 
-def start_planner(control: ControlPlane) -> Planner | None:
+def planner_models(c: RouterConfig) -> LayoutModels | None:
+    """The planner's latency models per one-host layout, where given (ConfigError if unfit)."""
+    if c.planner != "slo" or not c.planner_latency_models:
+        return None
+    return LayoutModels.load(c.planner_latency_models, c.planner_host_cores)
+
+
+def start_planner(control: ControlPlane, models: LayoutModels | None = None) -> Planner | None:
     """The SLO planner the router's config asks for (docs/slo.md "Planner"), started; None if none."""
     c = control.router.config
     if c.planner != "slo":
@@ -177,7 +187,8 @@ def start_planner(control: ControlPlane) -> Planner | None:
     cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
                         cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
                         host_cores=c.planner_host_cores, memory_s=c.planner_memory_s)
-    planner = Planner(control, cfg, c.planner_interval_s, min_requests=c.planner_min_requests)
+    predictor = Predictor(models, c, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.host_cores) if models else None
+    planner = Planner(control, cfg, c.planner_interval_s, min_requests=c.planner_min_requests, predictor=predictor)
     planner.start()
     return planner
 

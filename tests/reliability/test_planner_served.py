@@ -143,3 +143,36 @@ def test_planner_splits_a_colocated_worker_into_p_and_d_on_one_core_each(tmp_pat
         wait_blocks_baseline(served, [p, d])
     finally:
         stop(served)
+
+
+def test_planner_makes_no_split_its_latency_models_predict_worse(tmp_path, tok, prompts, greedy):
+    """The same TPOT-bound stream with latency models in which a decode step takes 0.1 us
+    on two threads and 1 s on one: the simulated split misses the SLO everywhere, so the
+    planner keeps the colocated worker and says why, every request served."""
+    from router.latency_model import Curve, DecodeFit, LatencyModel
+    paths = []
+    for threads, step_s in ((2, 1e-7), (1, 1.0)):
+        m = LatencyModel(Curve(((0.0, 1e-6), (4096.0, 1e-6))), DecodeFit(step_s, 0.0, 0.0),
+                         Curve(((0.0, 0.0), (1024.0, 0.0))), {"num_threads": threads})
+        paths.append(tmp_path / f"latency_{threads}.json")
+        m.save(paths[-1])
+    split = [a for a in PLANNER if a != "--planner-max-workers" and a != "3"]
+    split[split.index("--slo-ttft-ms") + 1], split[split.index("--slo-tpot-ms") + 1] = "100000", "0.001"
+    served = serve(tmp_path, ["--colocated", "1"], extra=(*split, "--planner-host-cores", "2",
+                                                          "--planner-latency-models", ",".join(map(str, paths))))
+    vetoed = re.compile(r'^pdserve_planner_decisions_total\{action="none",reason="split_predicted_worse"\} ([\d.]+)$',
+                        re.M)
+    try:
+        with streaming(served, tok, prompts) as results:
+            deadline = time.monotonic() + 60
+            while not (m := vetoed.search(urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode())) \
+                    or float(m.group(1)) < 3:
+                assert time.monotonic() < deadline, served.log_tail()
+                time.sleep(0.5)
+        check_outputs(served, results, greedy)
+        assert health(served)["workers"] == {"prefill": 0, "decode": 0, "colocated": 1}
+        log = served.log.read_text(errors="replace")
+        assert "planner: no change (split_predicted_worse)" in log and "predicted_split=0.0" in log, log
+        assert "planner: split" not in log
+    finally:
+        stop(served)

@@ -1,0 +1,149 @@
+"""The planner's prediction (router/planner_predict.py): latency models matched to the
+one-host layouts by their threads, the latest requests replayed on each layout with
+figures computed by hand, and the rule making no split or merge predicted to do worse --
+until the other layout has been tried, when what was measured decides."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import ConfigError
+from router.config import RouterConfig
+from router.latency_model import Curve, DecodeFit, LatencyModel
+from router.planner import MERGE, NONE, SPLIT, PlannerConfig, PlannerState, Pools, Snapshot, decide
+from router.planner_predict import LayoutModels, Predictor
+
+PREFILL_S = 0.1
+
+
+def model(threads: int, step_s: float) -> LatencyModel:
+    """Every prefill PREFILL_S whatever its length, every decode step `step_s`, transfers free."""
+    return LatencyModel(Curve(((0.0, PREFILL_S), (4096.0, PREFILL_S))), DecodeFit(step_s, 0.0, 0.0),
+                        Curve(((0.0, 0.0), (1024.0, 0.0))), {"num_threads": threads})
+
+
+def write(tmp_path, name: str, m: LatencyModel) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(m.to_json()))
+    return str(path)
+
+
+def test_models_are_matched_to_the_layouts_by_their_threads(tmp_path):
+    two, one = write(tmp_path, "two.json", model(2, 0.01)), write(tmp_path, "one.json", model(1, 0.03))
+    models = LayoutModels.load(f"{one}, {two}", host_cores=2)
+    assert (models.colocated.decode.base_s, models.split.decode.base_s) == (0.01, 0.03)
+    for paths, cores, match in ((two, 2, r"none profiled with 1 thread\(s\) \(split\)"),
+                                (f"{two},{two}", 2, "two latency models for 2 thread"),
+                                (f"{one},{two}", 4, "meta.num_threads is 1"),
+                                (f"{one},{two}", 1, "host-cores >= 2"),
+                                (str(tmp_path / "nothing.json"), 2, "cannot read")):
+        with pytest.raises(ConfigError, match=match):
+            LayoutModels.load(paths, cores)
+    with pytest.raises(ConfigError, match="planner_host_cores >= 2"):
+        RouterConfig("m", planner="slo", slo_ttft_ms=1000, slo_tpot_ms=20, planner_latency_models=two)
+
+
+def predictor(colocated_step_s: float, split_step_s: float) -> Predictor:
+    models = LayoutModels(model(2, colocated_step_s), model(1, split_step_s))
+    return Predictor(models, RouterConfig("m"), ttft_slo_s=1.0, tpot_slo_s=0.02, host_cores=2)
+
+
+def entry(finished: float, sent: float, prompt: int, output: int) -> tuple:
+    """A router finished-log entry (its TTFT and TPOT are not what is replayed)."""
+    return (finished, 0.5, 0.05, sent, prompt, output)
+
+
+def test_one_request_alone_scores_as_computed_by_hand():
+    # colocated: first token after the 0.1 s prefill, then 10 ms steps (TPOT 10 ms <= 20);
+    # split: the same first token (free transfer), then 30 ms steps on one thread (> 20 ms)
+    p = predictor(0.01, 0.03)
+    assert p.requests([entry(10.0, 9.0, 32, 5)], now=10.0) == [(0.0, [1] * 32, 5)]
+    assert p.scores([entry(10.0, 9.0, 32, 5)], now=10.0) == (("colocated", 1.0), ("split", 0.0))
+
+
+def test_what_is_replayed_is_the_latest_minute_in_send_order_without_prefix_hits():
+    p = predictor(0.01, 0.01)
+    log = [entry(5.0, 4.0, 16, 2), (50.0, 0.1, None, 49.0), entry(80.0, 75.0, 64, 3), entry(79.0, 70.0, 8, 1)]
+    reqs = p.requests(log, now=100.0)  # the first finished over 60 s ago; the 4-tuple has no lengths
+    assert reqs == [(0.0, [1] * 8, 1), (5.0, [2] * 64, 3)]
+    assert p.scores([], now=100.0) == ()
+
+
+def test_a_prompt_stalling_the_decodes_it_shares_a_worker_with_is_predicted():
+    # two requests sent together. Colocated: A's prefill (0-0.1 s), then B's prompt shares
+    # A's next step (0.1-0.2 s), so A's tokens come at 0.1, 0.2, 0.21, 0.22: TPOT 40 ms > 20;
+    # B's at 0.2-0.23: 10 ms. Split: P prefills A then B; D decodes each at 10 ms a step.
+    p = predictor(0.01, 0.01)
+    assert dict(p.scores([entry(9.0, 5.0, 32, 4), entry(9.0, 5.0, 40, 4)], now=10.0)) == \
+        {"colocated": 0.5, "split": 1.0}
+
+
+CFG = PlannerConfig(1.0, 0.02, sustain=1, cooldown_s=0.0, host_cores=2)
+
+
+def window(pools: Pools, tpot: float, predicted: tuple, ttft: float = 1.0) -> Snapshot:
+    return Snapshot(100.0, 10, ttft, tpot, 0, 0, 0.1, pools, predicted=predicted)
+
+
+def test_no_split_where_the_split_is_predicted_worse():
+    colocated = Pools(colocated=1)
+    plan, _ = decide(window(colocated, 0.5, (("colocated", 0.6), ("split", 0.0))), PlannerState(), CFG)
+    assert (plan.action, plan.reason) == (NONE, "split_predicted_worse")
+    assert plan.figures["predicted_colocated"] == 0.6 and plan.figures["predicted_split"] == 0.0
+    awaiting = Snapshot(100.0, 10, 1.0, 0.5, 0, 0, 0.1, colocated, awaiting_prediction=True)
+    assert decide(awaiting, PlannerState(), CFG)[0].reason == "split_awaiting_prediction"
+    for predicted in ((("colocated", 0.6), ("split", 0.58)), (("colocated", 0.6), ("split", 0.9)), ()):
+        plan, _ = decide(window(colocated, 0.5, predicted), PlannerState(), CFG)
+        assert (plan.action, plan.reason) == (SPLIT, "tpot_interference"), predicted  # within margin, better, none
+
+
+def test_no_merge_where_colocated_is_predicted_worse():
+    split = Pools(prefill=1, decode=1)
+    plan, _ = decide(window(split, 0.5, (("colocated", 0.2), ("split", 0.5))), PlannerState(), CFG)
+    assert (plan.action, plan.reason) == (NONE, "merge_predicted_worse")
+    plan, _ = decide(window(split, 0.5, (("colocated", 0.9), ("split", 0.5))), PlannerState(), CFG)
+    assert (plan.action, plan.reason) == (MERGE, "tpot_slow_step")
+
+
+def test_what_was_measured_outranks_what_was_predicted():
+    # the split was tried and scored 0.9 against colocated's 0.5: back to it, whatever the models say
+    memory = (("colocated", 0.5, 20, 99.0), ("split", 0.9, 20, 60.0))
+    state = PlannerState(memory=memory)
+    plan, _ = decide(window(Pools(colocated=1), 0.5, (("colocated", 0.6), ("split", 0.0))), state, CFG)
+    assert (plan.action, plan.reason) == (SPLIT, "split_better_before")
+
+
+def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse():
+    from common.clock import ManualClock
+    from router.planner_loop import Planner
+    from tests.router.test_planner_loop import INTERVAL, FakeControl
+
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    cfg = PlannerConfig(1.0, 0.02, sustain=2, cooldown_s=0.0, host_cores=2)
+    replays = []
+
+    class Counted(Predictor):
+        def scores(self, finished, now, num_blocks=0):
+            replays.append(now)
+            return super().scores(finished, now, num_blocks)
+
+    p = predictor(0.01, 0.05)
+    planner = Planner(control, cfg, INTERVAL, predictor=Counted(p.models, RouterConfig("m"), 1.0, 0.02, 2))
+    plans = []
+    for _ in range(6):
+        clock.advance(INTERVAL)
+        now = clock.monotonic()  # each window: one request over the TPOT SLO
+        control.router.finished_log.append((now - 1.0, 0.3, 0.03, now - 3.0, 64, 16))
+        plans.append(planner.step())
+    assert {(p.action, p.reason) for p in plans} == {(NONE, "split_predicted_worse")}
+    assert (plans[-1].figures["predicted_colocated"], plans[-1].figures["predicted_split"]) == (1.0, 0.0)
+    assert control.calls == [] and replays == [INTERVAL]  # one replay serves REFRESH_S (30 s)
+    planner.predictor = predictor(0.01, 0.01)  # models that price both layouts alike: the split is tried
+    actions = []
+    for _ in range(2):
+        clock.advance(INTERVAL)
+        control.router.finished_log.append((clock.monotonic() - 1.0, 0.3, 0.03, clock.monotonic() - 3.0, 64, 16))
+        actions.append(planner.step().action)
+    assert actions == [NONE, SPLIT]  # held for sustain (2) windows
