@@ -9,7 +9,8 @@ worker. A request is replayed at its send time with its prompt and output length
 
 `pdserve serve --planner slo --planner-host-cores N --planner-latency-models A,B`: the rule
 then makes no split or merge that the models predict to do worse than the present layout,
-until that layout has been tried (what was measured outranks what was predicted)."""
+unless that layout's measured score is remembered (what was measured outranks what was
+predicted)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
