@@ -3,9 +3,21 @@ output of the uninterrupted run (transformers' generate), the dead worker leaves
 and /health names it, and every surviving worker's blocks return to baseline."""
 from __future__ import annotations
 
+import time
+
 from tests.reliability.harness import complete_all, health, metrics, recoveries, serve, stop, wait_blocks_baseline
 
 MAX_NEW = 16
+DEAD_WITHIN_S = 10.0  # the harness's --stale-after 2 s bounds it; the launcher's poll usually says it in 0.2 s
+
+
+def named_dead(served, worker_id: str) -> dict:
+    """/health once it names `worker_id` dead (the requests can all finish, re-routed,
+    before the death is recorded), or as it is after DEAD_WITHIN_S."""
+    deadline = time.monotonic() + DEAD_WITHIN_S
+    while worker_id not in (h := health(served))["dead"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return h
 
 
 def test_kill_prefill_mid_prefill_while_decode_full(tmp_path, prompts, greedy):
@@ -19,7 +31,7 @@ def test_kill_prefill_mid_prefill_while_decode_full(tmp_path, prompts, greedy):
             assert res["error"] is None, res
             assert res["token_ids"] == greedy(ids, MAX_NEW)
         assert recoveries(served).get("reprefill", 0) >= 1
-        h = health(served)
+        h = named_dead(served, "prefill-0")
         assert h["dead"] == ["prefill-0"] and h["status"] == "ok", h
         assert not any(w == "prefill-0" for _, w in metrics(served)), "a dead worker's gauges stay in /metrics"
         wait_blocks_baseline(served, ["prefill-1", "decode-0"])
@@ -39,7 +51,7 @@ def test_kill_decode_mid_decode_resumes(tmp_path, prompts, greedy):
             assert res["error"] is None, res
             assert res["token_ids"] == greedy(ids, MAX_NEW)
         assert recoveries(served).get("resume", 0) >= 1
-        assert health(served)["dead"] == ["decode-0"]
+        assert named_dead(served, "decode-0")["dead"] == ["decode-0"]
         wait_blocks_baseline(served, ["prefill-0", "decode-1"])
     finally:
         stop(served)
