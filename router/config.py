@@ -64,7 +64,8 @@ class RouterConfig:
     planner_latency_models: str = option("", "planner, one host: latency model files (`pdserve profile`) of a worker "
                                              "on all --planner-host-cores threads and on half of them, "
                                              "comma-separated; the latest requests are simulated on both layouts "
-                                             "and no split or merge predicted to do worse is made before it was tried")
+                                             "and no split or merge predicted to do worse is made while the other "
+                                             "layout's measured score is not remembered")
     planner_memory_s: float = option(300.0, "planner, one host: how long (s) the observed attainment of a layout "
                                             "tried (colocated or split) is trusted to choose between them")
     max_model_len: int = 2048

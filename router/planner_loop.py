@@ -152,7 +152,7 @@ class Planner(Background):
         """Both layouts' predicted scores for the latest requests (the last replay's, for
         REFRESH_S); () without a predictor. Where the last is older, a new replay runs
         here when `step()` is driven directly, else it is left to the loop, which runs it
-        in a thread after this window (a replay takes ~0.1-0.3 s of CPU: on the router's
+        in a thread after this window (a replay takes 40-165 ms of CPU: on the router's
         event loop it would stall every stream), and this window has the older one."""
         if self.predictor is None:
             return ()

@@ -95,10 +95,9 @@ class Predictor:
                  self.models.colocated),
                 ("split", Deployment(1, 1, 0, blocks, SchedulerConfig(), self.host_cores // 2, self.host_cores),
                  self.models.split)):
-            done = Simulation(dep, model, self.router_config).run(requests)
-            ttft = [r.first_token_at - r.arrival for r in done if r.first_token_at is not None]
-            tpot = [(r.record.token_times[-1] - r.first_token_at) / (len(r.record.token_times) - 1)
-                    for r in done if r.first_token_at is not None and len(r.record.token_times) > 1]
+            records = [r.record for r in Simulation(dep, model, self.router_config).run(requests)]
+            ttft = [r.ttft for r in records if r.ttft is not None]
+            tpot = [r.tpot for r in records if r.tpot is not None]
             value = score(share(ttft, self.ttft_slo_s), share(tpot, self.tpot_slo_s))
             if value is not None:
                 out.append((layout, round(value, 3)))
