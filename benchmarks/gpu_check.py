@@ -1,8 +1,8 @@
 """The GPU paths, run on a GPU (docs/gpu.md has what it printed): Triton kernels compiled
 for the device against their torch references, CUDA-graph capture and replay in the
 decode runner (greedy tokens against eager and transformers, decode step times), CUDA IPC
-and NCCL between two processes, and a served disaggregated run with P and D on the GPU
-next to a colocated worker.
+and NCCL between two processes, a served disaggregated run with P and D on the GPU
+next to a colocated worker, and pools split and merged under traffic (gpu_check_elastic.py).
 
     python benchmarks/gpu_check.py --out results/gpu_check.json [--device cuda:0] [--only engine,ipc]
 
@@ -32,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from gpu_check_elastic import check_elastic  # noqa: E402
 from gpu_check_features import check_features  # noqa: E402
 from gpu_check_transfer import check_cuda_ipc, check_nccl, on_gpu, sync, timed  # noqa: E402
 from servers import log, repo_pythonpath, start_pdserve  # noqa: E402
@@ -398,9 +399,14 @@ def check_sampling_features(args, models) -> dict:
     return check_features(args, models, _llm, prompts_for)
 
 
+def check_pools(args, models) -> dict:
+    return check_elastic(args, models, hf_greedy, prompts_for, MAX_NEW)
+
+
 CHECKS = {"env": check_env, "triton": check_triton, "engine": check_engine, "bf16": check_bf16,
           "features": check_sampling_features, "graph_speed": check_graph_speed,
-          "cuda_ipc": check_cuda_ipc, "nccl": check_nccl, "pair": check_pair, "serving": check_serving}
+          "cuda_ipc": check_cuda_ipc, "nccl": check_nccl, "pair": check_pair, "serving": check_serving,
+          "elastic": check_pools}
 
 
 def main() -> int:

@@ -145,8 +145,8 @@ def start_pdserve(cfg: str, model: str, logdir: Path, extra: list[str] = (), *, 
     while not ready.exists():
         s.fail_if_dead(300)
         time.sleep(0.2)
-    info = json.loads(ready.read_text())
-    s.url, s.worker_pids = info["http"], [w["pid"] for w in info["workers"].values()]
+    s.info = json.loads(ready.read_text())  # type: ignore[attr-defined]
+    s.url, s.worker_pids = s.info["http"], [w["pid"] for w in s.info["workers"].values()]  # type: ignore[attr-defined]
     log(f"{s.name}: ready at {s.url} after {time.monotonic() - s.t0:.1f} s (worker pids {s.worker_pids})")
     return s
 
