@@ -60,14 +60,18 @@ class RouterConfig:
                                         "(0: it does not plan core sharing)")
     planner_min_requests: int = option(10, "planner: judge attainment on at least this many of the latest finished "
                                            "requests (those sent since the pools last changed) where a window "
-                                           "holds fewer")
+                                           "holds fewer; one host: a layout's measured score counts once it is "
+                                           "over this many")
     planner_latency_models: str = option("", "planner, one host: latency model files (`pdserve profile`) of a worker "
                                              "on all --planner-host-cores threads and on half of them, "
                                              "comma-separated; the latest requests are simulated on both layouts "
                                              "and no split or merge predicted to do worse is made while the other "
                                              "layout's measured score is not remembered")
-    planner_memory_s: float = option(300.0, "planner, one host: how long (s) the observed attainment of a layout "
-                                            "tried (colocated or split) is trusted to choose between them")
+    planner_memory_s: float = option(1800.0, "planner, one host: the longest (s) the observed attainment of a "
+                                             "layout tried (colocated or split) is trusted to choose between them")
+    planner_load_band: float = option(1.5, "planner, one host: ... and only while the load (request rate, mean "
+                                           "prompt and output length) is within this factor of the one it was "
+                                           "measured under")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
@@ -145,6 +149,8 @@ class RouterConfig:
                 or not 0 < self.planner_target <= 1 or self.planner_min_requests < 1:
             raise ConfigError("planner_max_workers, planner_host_cores and planner_memory_s must be >= 0, "
                               "planner_target in (0, 1], planner_min_requests >= 1")
+        if not self.planner_load_band >= 1:
+            raise ConfigError(f"planner_load_band must be >= 1, got {self.planner_load_band}")
         if self.planner_latency_models and self.planner_host_cores < 2:
             raise ConfigError("planner_latency_models price the one-host layouts: give planner_host_cores >= 2")
 

@@ -20,7 +20,12 @@ Each window the rule names what the figures ask for (its wish):
 On one host the rule also remembers how each layout (colocated, split) did: a score per
 window (the lower of the TTFT and TPOT attainments of the requests sent after the layout
 was in place, so none that lived through the change), averaged over the windows the
-layout held (each weighted by those requests), outside cooldowns, for `memory_s`. A
+layout held (each weighted by those requests), outside cooldowns, with the load it was
+measured under (`Load`: arrival rate, mean prompt and output length). A score applies
+once it counts `min_requests` requests, while the load is like it (each figure within
+`load_band` x of the remembered one) and for at most `memory_s` after the layout was last
+seen: under a steady load the choice stands, a load that moved makes the planner measure
+again, and three requests do not make a layout's name. A
 layout remembered better than the current one
 by more than `margin` is a wish of its own (`split_better_before`, `colocated_better_before`),
 and a split or merge toward a layout remembered no better than the current one is not
@@ -42,6 +47,7 @@ fewer than `max_workers`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 NONE, ADD, REROLE, SPLIT, MERGE = "none", "add", "re_role", "split", "merge"
 WISHES = ("prefill", "decode", "split", "merge")
@@ -61,7 +67,9 @@ class PlannerConfig:
     cooldown_s: float = 30.0  # no plan this soon after the last
     max_workers: int = 0      # workers the planner may grow the deployment to (0: role changes only)
     host_cores: int = 0       # one host: the cores its workers share (0: core sharing is not planned)
-    memory_s: float = 300.0   # one host: how long a layout's observed score is trusted
+    memory_s: float = 1800.0  # one host: the longest a layout's observed score is trusted
+    load_band: float = 1.5    # ... and only while each figure of the load is within this factor of its own
+    min_requests: int = 1     # attainment is judged, and a layout's score counts, over at least this many requests
 
     def __post_init__(self) -> None:
         if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
@@ -70,6 +78,38 @@ class PlannerConfig:
             raise ValueError("planner target must be in (0, 1], margin >= 0, kv_high in (0, 1]")
         if self.sustain < 1 or min(self.cooldown_s, self.max_workers, self.host_cores, self.memory_s) < 0:
             raise ValueError("planner sustain must be >= 1; cooldown, max_workers, host_cores and memory_s >= 0")
+        if not self.load_band >= 1 or self.min_requests < 1:
+            raise ValueError(f"planner load_band must be >= 1 and min_requests >= 1, got {self.load_band}, "
+                             f"{self.min_requests}")
+
+
+class Load(NamedTuple):
+    """The load a window's figures were measured under: requests sent a second, and their
+    mean prompt and output lengths in tokens (router/planner_loop.py: the latest minutes)."""
+
+    rate: float
+    prompt_tokens: float
+    output_tokens: float
+
+    def like(self, other: Load, band: float) -> bool:
+        """Whether each figure is within `band` x of `other`'s."""
+        return all(max(a, b) <= band * min(a, b) if min(a, b) > 0 else a == b for a, b in zip(self, other))
+
+
+class Remembered(NamedTuple):
+    """One layout's measured score: the mean over `requests`, last updated at `seen`
+    (monotonic seconds), under `load` (None: not known)."""
+
+    layout: str
+    score: float
+    requests: int
+    seen: float
+    load: Load | None = None
+
+    def applies(self, now: float, load: Load | None, cfg: PlannerConfig) -> bool:
+        """Seen within `memory_s` and, where both loads are known, under a load like `load`."""
+        return now - self.seen <= cfg.memory_s and (self.load is None or load is None
+                                                    or self.load.like(load, cfg.load_band))
 
 
 @dataclass(frozen=True)
@@ -111,6 +151,7 @@ class Snapshot:
     # on each layout (router/planner_predict.py); () where not predicted
     predicted: tuple[tuple[str, float], ...] = ()
     awaiting_prediction: bool = False  # the first prediction is being made: no split or merge yet
+    load: Load | None = None  # the load of the latest minutes (None: too few requests to say)
 
     def figures(self) -> dict[str, float]:
         """The numbers a decision is logged and exported with."""
@@ -124,6 +165,8 @@ class Snapshot:
                 out[name] = round(getattr(self, name), 3)
         for layout, value in self.predicted:
             out[f"predicted_{layout}"] = value
+        if self.load is not None:
+            out["load_rate"] = round(self.load.rate, 3)
         return out
 
 
@@ -157,8 +200,7 @@ class PlannerState:
     wish: str = NONE
     streak: int = 0
     last_plan_at: float | None = None
-    # one host: (layout, mean score, requests counted, last seen) per layout tried
-    memory: tuple[tuple[str, float, int, float], ...] = ()
+    memory: tuple[Remembered, ...] = ()  # one host: per layout tried
 
 
 def decide(snap: Snapshot, state: PlannerState, cfg: PlannerConfig) -> tuple[Plan, PlannerState]:
@@ -194,7 +236,7 @@ def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, 
         return NONE, "idle"
     here = _layout(p) if cfg.host_cores >= 2 else None
     if here is not None and (ttft_low or tpot_low):
-        better = _better_elsewhere(memory, here, snap.now, cfg)
+        better = _better_elsewhere(memory, here, snap, cfg)
         if better is not None:
             return better
     if here == "colocated":
@@ -224,10 +266,10 @@ def _swap(action: str, why: str, snap: Snapshot, memory: tuple, cfg: PlannerConf
     (`*_predicted_worse`)."""
     here, other = ("colocated", "split") if action == SPLIT else ("split", "colocated")
     name = "split" if action == SPLIT else "merge"
-    if _tried_no_better(memory, other, snap.now, cfg):
+    if _tried_no_better(memory, other, snap, cfg):
         return NONE, f"{name}_worse_before"
     predicted = dict(snap.predicted)
-    if _recalled(memory, other, snap.now, cfg) is None:
+    if _recalled(memory, other, snap, cfg) is None:
         if snap.awaiting_prediction:
             return NONE, f"{name}_awaiting_prediction"
         if here in predicted and other in predicted and predicted[other] < predicted[here] - cfg.margin:
@@ -264,28 +306,31 @@ def _remember(memory: tuple, snap: Snapshot, cfg: PlannerConfig) -> tuple:
         else (snap.layout_score, snap.layout_finished)
     if layout is None or value is None or snap.pools.changing:
         return memory
-    old = next((m for m in memory if m[0] == layout and snap.now - m[3] <= cfg.memory_s), None)
-    mean, n = (old[1], old[2]) if old else (0.0, 0)
+    old = next((m for m in memory if m.layout == layout and m.applies(snap.now, snap.load, cfg)), None)
+    mean, n = (old.score, old.requests) if old else (0.0, 0)
     k = max(1, finished)  # a window counts as many times as it finished requests
-    entry = (layout, (mean * n + value * k) / (n + k), n + k, snap.now)
-    return (*(m for m in memory if m[0] != layout), entry)
+    load = snap.load if snap.load is not None else old.load if old else None
+    entry = Remembered(layout, (mean * n + value * k) / (n + k), n + k, snap.now, load)
+    return (*(m for m in memory if m.layout != layout), entry)
 
 
-def _recalled(memory: tuple, layout: str, now: float, cfg: PlannerConfig) -> float | None:
-    return next((m[1] for m in memory if m[0] == layout and now - m[3] <= cfg.memory_s), None)
+def _recalled(memory: tuple, layout: str, snap: Snapshot, cfg: PlannerConfig) -> float | None:
+    """`layout`'s remembered score, where it applies and counts `min_requests` requests."""
+    return next((m.score for m in memory if m.layout == layout and m.requests >= cfg.min_requests
+                 and m.applies(snap.now, snap.load, cfg)), None)
 
 
-def _tried_no_better(memory: tuple, other: str, now: float, cfg: PlannerConfig) -> bool:
-    """Whether `other` was tried within memory_s and scored no better than the current layout."""
+def _tried_no_better(memory: tuple, other: str, snap: Snapshot, cfg: PlannerConfig) -> bool:
+    """Whether `other` was tried (and still applies) and scored no better than the current layout."""
     here = "split" if other == "colocated" else "colocated"
-    theirs, ours = _recalled(memory, other, now, cfg), _recalled(memory, here, now, cfg)
+    theirs, ours = _recalled(memory, other, snap, cfg), _recalled(memory, here, snap, cfg)
     return theirs is not None and ours is not None and theirs <= ours
 
 
-def _better_elsewhere(memory: tuple, here: str, now: float, cfg: PlannerConfig) -> tuple[str, str] | None:
+def _better_elsewhere(memory: tuple, here: str, snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str] | None:
     """The move to the other layout where it scored more than `margin` above this one."""
     other = "split" if here == "colocated" else "colocated"
-    theirs, ours = _recalled(memory, other, now, cfg), _recalled(memory, here, now, cfg)
+    theirs, ours = _recalled(memory, other, snap, cfg), _recalled(memory, here, snap, cfg)
     if theirs is None or ours is None or theirs <= ours + cfg.margin:
         return None
     return (SPLIT, "split_better_before") if other == "split" else (MERGE, "colocated_better_before")

@@ -1,8 +1,9 @@
 """The SLO planner in the router process: every `interval_s` it reads a `Snapshot` of
 the router (the requests that finished in the window, the pools' queues and KV use),
-judging attainment on at least `min_requests` requests where the window holds fewer (the
+judging attainment on at least `cfg.min_requests` requests where the window holds fewer (the
 latest before it, sent since the pools last changed: at a low rate a 5 s window holds one
-request or none, 0% or 100%), asks the rule (router/planner.py) for a plan, applies it through the pool control API
+request or none, 0% or 100%) and the load of the last `LOAD_S` (what the rule's memory of a
+layout is kept with), asks the rule (router/planner.py) for a plan, applies it through the pool control API
 (router/control.py), logs it with its figures and exports them as metrics.
 
 A split or merge (one host, docs/slo.md "Planner") starts the new workers first and
@@ -19,13 +20,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.clock import Clock
 from router.control import ControlPlane
-from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Plan, PlannerConfig, PlannerState, Pools, Snapshot, \
-    decide, score, share
+from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Load, Plan, PlannerConfig, PlannerState, Pools, \
+    Snapshot, decide, score, share
 from router.planner_predict import REFRESH_S, Predictor
 from router.registry import SERVING, PoolError
 from router.background import Background
 
 CHANGING = ("starting", "draining", "exiting")
+LOAD_S = 120.0  # the load is that of the requests sent in the last LOAD_S that have finished
+LOAD_MIN = 4    # ... at least this many of them, else it is not known
 
 
 @dataclass
@@ -68,15 +71,14 @@ class Planner(Background):
     (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
 
     def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0,
-                 min_requests: int = 1, predictor: Predictor | None = None) -> None:
-        if not interval_s > 0 or min_requests < 1:
-            raise ValueError(f"planner interval must be > 0 s and min_requests >= 1, got {interval_s}, {min_requests}")
+                 predictor: Predictor | None = None) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"planner interval must be > 0 s, got {interval_s}")
         self.control = control
         self.router = control.router
         self.cfg = cfg
         self.interval_s = interval_s
         self.swap_timeout_s = swap_timeout_s  # a swap whose new workers never all serve is abandoned
-        self.min_requests = min_requests  # attainment is judged on at least this many requests where the layout had them
         self.predictor = predictor  # one host: both layouts' scores for the latest requests (planner_predict.py)
         self.state = PlannerState()
         self.swap: Swap | None = None
@@ -132,7 +134,7 @@ class Planner(Background):
             self._settled_at = now
         log = self.router.finished_log
         window = [r for r in log if r[0] > now - self.interval_s]
-        judged = window + self._earlier(log, now, self.min_requests - len(window))
+        judged = window + self._earlier(log, now, self.cfg.min_requests - len(window))
         ttft, tpot = self._attainments(judged)
         settled = [r for r in window if self._settled_at is not None and r[3] >= self._settled_at]
         reg = self.router.registry
@@ -146,7 +148,20 @@ class Planner(Background):
         return Snapshot(now, len(window), ttft, tpot,
                         sum(e.inflight for e in prefill), sum(e.status.waiting for e in kv_side if e.status),
                         1 - free / total if total else 0.0, pools, len(settled), score(*self._attainments(settled)),
-                        len(judged), predicted, awaiting_prediction=self._predicted is None and self._due is not None)
+                        len(judged), predicted, awaiting_prediction=self._predicted is None and self._due is not None,
+                        load=self._load(log, now))
+
+    def _load(self, log, now: float) -> Load | None:
+        """Requests sent a second over the last LOAD_S (or since the first the log holds,
+        where that is later), and their mean prompt and output lengths; None for fewer
+        than LOAD_MIN. Requests still running are not counted: a rate some percent low,
+        the same at every window of one load, which is what the rule compares."""
+        recent = [r for r in log if r[3] >= now - LOAD_S]
+        if len(recent) < LOAD_MIN:
+            return None
+        span = min(LOAD_S, now - min(r[3] for r in log))
+        return Load(len(recent) / max(span, self.interval_s), sum(r[4] for r in recent) / len(recent),
+                    sum(r[5] for r in recent) / len(recent))
 
     def _predict(self, now: float, num_blocks: int) -> tuple:
         """Both layouts' predicted scores for the latest requests (the last replay's, for

@@ -186,9 +186,10 @@ def start_planner(control: ControlPlane, models: LayoutModels | None = None) -> 
         return None
     cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
                         cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
-                        host_cores=c.planner_host_cores, memory_s=c.planner_memory_s)
+                        host_cores=c.planner_host_cores, memory_s=c.planner_memory_s, load_band=c.planner_load_band,
+                        min_requests=c.planner_min_requests)
     predictor = Predictor(models, c, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.host_cores) if models else None
-    planner = Planner(control, cfg, c.planner_interval_s, min_requests=c.planner_min_requests, predictor=predictor)
+    planner = Planner(control, cfg, c.planner_interval_s, predictor=predictor)
     planner.start()
     return planner
 

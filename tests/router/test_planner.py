@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, PlannerConfig, PlannerState, Pools, Snapshot, decide
+from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Load, PlannerConfig, PlannerState, Pools, Remembered, \
+    Snapshot, decide
 
 CFG = PlannerConfig(ttft_slo_s=0.5, tpot_slo_s=0.05, sustain=3, cooldown_s=30.0, max_workers=4)
 P1_D2 = Pools(1, 2)
@@ -14,8 +15,8 @@ START = PlannerState()
 
 
 def snap(now: float, ttft: float | None = 1.0, tpot: float | None = 1.0, pq: int = 0, dq: int = 0, kv: float = 0.2,
-         pools: Pools = P1_D2, finished: int = 20) -> Snapshot:
-    return Snapshot(now, finished, ttft, tpot, pq, dq, kv, pools)
+         pools: Pools = P1_D2, finished: int = 20, load: Load | None = None) -> Snapshot:
+    return Snapshot(now, finished, ttft, tpot, pq, dq, kv, pools, load=load)
 
 
 def run(snaps: list[Snapshot], cfg: PlannerConfig = CFG, state: PlannerState = START):
@@ -144,7 +145,7 @@ def test_one_host_split_whose_unqueued_decode_steps_miss_tpot_merges_unless_colo
     assert (plans[-1].action, plans[-1].num_threads, plans[-1].reason) == (MERGE, 2, "tpot_slow_step")
     queued, _ = run([snap(t * 5.0, tpot=0.3, dq=3, pools=split) for t in range(2)], cfg)  # decode is short of room
     assert (queued[-1].action, queued[-1].reason) == (NONE, "tpot_low_no_core_free")
-    memory = (("split", 0.3, 3, 0.0), ("colocated", 0.3, 3, 0.0))  # tried, no better
+    memory = (Remembered("split", 0.3, 3, 0.0), Remembered("colocated", 0.3, 3, 0.0))  # tried, no better
     plan, _ = decide(snap(5.0, tpot=0.3, pools=split), PlannerState(memory=memory), replace(cfg, sustain=1))
     assert (plan.action, plan.reason) == (NONE, "merge_worse_before")
 
@@ -166,10 +167,57 @@ def test_one_host_goes_back_to_the_layout_that_did_better_and_stays_there_until_
     assert dict((m[0], round(m[1], 2)) for m in state.memory) == {"colocated": 0.57, "split": 0.2}
 
 
+def bounce(load_at, cfg: PlannerConfig, end: int = 1000):
+    """Colocated misses TPOT (0.57), splits, split does worse (0.2), merges back; then
+    colocated keeps missing, windows of 5 s until `end`, under `load_at(t)`."""
+    colo, split = Pools(0, 0, 1), Pools(1, 1)
+    layout = {0: colo, 5: colo, 10: colo, 15: split, 20: split}
+    snaps = [snap(t, tpot=0.2 if layout.get(t, colo) is split else 0.57, pools=layout.get(t, colo), load=load_at(t))
+             for t in range(0, end, 5)]
+    plans, state = run(snaps, cfg)
+    return [(s.now, p.action, p.reason) for s, p in zip(snaps, plans) if p.action != NONE], snaps, plans, state
+
+
+def test_one_host_under_a_steady_load_the_layout_that_did_better_stays():
+    """The memory of a layout lasts while the load holds: colocated missing TPOT for 16
+    minutes at the same load (rate, prompt and output lengths within the band) never
+    splits again -- the default memory of 30 minutes, not a retry every few minutes."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=10.0, host_cores=2)
+    steady = lambda t: Load(0.125 * (1.2 if t % 10 else 0.9), 256.0, 64.0)  # noqa: E731  noise within the band
+    acted, snaps, plans, state = bounce(steady, cfg)
+    assert acted == [(5, SPLIT, "tpot_interference"), (20, MERGE, "colocated_better_before")], acted
+    assert {p.reason for s, p in zip(snaps, plans) if s.now >= 30} == {"split_worse_before"}
+    assert {m.layout: m.load for m in state.memory}["split"] == steady(20)
+
+
+def test_one_host_a_load_that_moved_makes_the_planner_measure_again():
+    """Twice the rate (or prompts twice as long) is another load: split's score, measured
+    under the first, no longer stops a split, and colocated's is measured afresh."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=10.0, host_cores=2)
+    for moved in (Load(0.25, 256.0, 64.0), Load(0.125, 600.0, 64.0)):
+        acted, snaps, plans, state = bounce(lambda t, m=moved: Load(0.125, 256.0, 64.0) if t < 300 else m, cfg,
+                                            end=310)
+        assert acted == [(5, SPLIT, "tpot_interference"), (20, MERGE, "colocated_better_before"),
+                         (305, SPLIT, "tpot_interference")], (moved, acted)
+        before = [m for m in state.memory if m.layout == "colocated"]
+        assert before[0].requests == 40 and before[0].load == moved  # the windows at 300 and 305 s: a fresh mean
+
+
+def test_load_likeness_and_a_memory_without_a_load():
+    assert Load(1.0, 256, 64).like(Load(1.4, 200, 90), 1.5)
+    assert not Load(1.0, 256, 64).like(Load(1.6, 256, 64), 1.5)
+    assert not Load(1.0, 256, 64).like(Load(1.0, 256, 20), 1.5)
+    cfg = PlannerConfig(0.5, 0.05, host_cores=2, memory_s=100.0)
+    unknown = Remembered("split", 0.2, 3, 0.0)  # measured before the load was known: time alone decides
+    assert unknown.applies(100.0, Load(9.0, 9, 9), cfg) and not unknown.applies(101.0, None, cfg)
+    with pytest.raises(ValueError, match="load_band"):
+        PlannerConfig(0.5, 0.05, load_band=0.9)
+
+
 def test_one_host_split_that_did_better_is_taken_again_when_colocated_misses():
     """A split remembered well above colocated is a wish of its own, whichever SLO misses."""
     cfg = PlannerConfig(0.5, 0.05, sustain=1, cooldown_s=0.0, host_cores=2)
-    memory = (("split", 0.95, 3, 0.0), ("colocated", 0.5, 3, 0.0))
+    memory = (Remembered("split", 0.95, 3, 0.0), Remembered("colocated", 0.5, 3, 0.0))
     plan, _ = decide(snap(5.0, ttft=0.5, tpot=1.0, pools=Pools(0, 0, 1)), PlannerState(memory=memory), cfg)
     assert (plan.action, plan.reason) == (SPLIT, "split_better_before")
 
@@ -193,6 +241,18 @@ def test_router_config_checks_the_planner_flags():
     for bad, field in ((dict(planner="slo"), "slo_ttft_ms"), (dict(planner="fast"), "planner"),
                        (dict(planner_interval_s=0.0), "planner_interval_s"),
                        (dict(planner_target=1.5), "planner_target"),
-                       (dict(planner_min_requests=0), "planner_min_requests")):
+                       (dict(planner_min_requests=0), "planner_min_requests"),
+                       (dict(planner_load_band=0.5), "planner_load_band")):
         with pytest.raises(ConfigError, match=field):
             RouterConfig("m", **bad)
+
+
+def test_one_host_a_score_of_fewer_than_min_requests_does_not_decide():
+    """Colocated remembered over 3 requests at 33% does not keep a split missing TPOT from
+    merging back; over 10 it does."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=1, host_cores=2, min_requests=10)
+    split = Pools(1, 1)
+    for n, want in ((3, (MERGE, "tpot_slow_step")), (10, (NONE, "merge_worse_before"))):
+        memory = (Remembered("colocated", 0.33, n, 0.0), Remembered("split", 0.6, 30, 0.0))
+        plan, _ = decide(snap(5.0, tpot=0.6, pools=split), PlannerState(memory=memory), cfg)
+        assert (plan.action, plan.reason) == want, n

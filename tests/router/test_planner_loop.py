@@ -79,7 +79,7 @@ def load(control: FakeControl, rng: random.Random, demand: float, per_window: in
         ttft = rng.uniform(0.1, 0.4) if prefill >= demand else rng.uniform(0.3, 2.0)
         tpot = rng.uniform(0.06, 0.2) if colocated_only else rng.uniform(0.01, 0.04)
         done = now + (i + 1) * INTERVAL / per_window
-        control.router.finished_log.append((done, ttft, tpot, done - ttft - 63 * tpot))  # sent 64 tokens back
+        control.router.finished_log.append((done, ttft, tpot, done - ttft - 63 * tpot, 256, 64))  # sent 64 tokens back
     for e in control.router.registry.workers.values():
         if e.role == "prefill":
             e.inflight = 0 if prefill >= demand else 4
@@ -178,7 +178,7 @@ def test_a_layout_is_remembered_by_the_requests_sent_after_it_was_in_place():
     settled = clock.monotonic()
     for i in range(4):  # finished in the next window: two sent during the change (slow), two after
         sent = settled - 3.0 if i < 2 else settled + 0.1 * i
-        log.append((settled + 1.0 + i, 0.2, 0.2 if i < 2 else 0.02, sent))
+        log.append((settled + 1.0 + i, 0.2, 0.2 if i < 2 else 0.02, sent, 256, 64))
     clock.advance(INTERVAL)
     snap = planner.snapshot()
     assert (snap.finished, snap.tpot_attainment) == (4, 0.5)
@@ -192,13 +192,13 @@ def sparse_run(min_requests: int, windows: int = 40) -> tuple[list, FakeControl]
     (75% attainment: below the 90% target, but a window alone is 0% or 100%)."""
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
-    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=30.0, host_cores=2), INTERVAL,
-                      min_requests=min_requests)
+    planner = Planner(control, PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=30.0, host_cores=2,
+                                             min_requests=min_requests), INTERVAL)
     plans = []
     for i in range(windows):
         clock.advance(INTERVAL)
         now = clock.monotonic()
-        control.router.finished_log.append((now - 1.0, 0.2, 0.2 if i % 4 == 3 else 0.02, now - 3.0))
+        control.router.finished_log.append((now - 1.0, 0.2, 0.2 if i % 4 == 3 else 0.02, now - 3.0, 256, 64))
         plans.append(planner.step())
     return plans, control
 
@@ -217,10 +217,10 @@ def test_at_a_low_rate_a_window_is_judged_with_the_latest_requests_before_it():
 def test_the_requests_judged_with_a_window_were_sent_after_the_pools_last_changed():
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
-    planner = Planner(control, PlannerConfig(0.5, 0.05, host_cores=2), INTERVAL, min_requests=10)
+    planner = Planner(control, PlannerConfig(0.5, 0.05, host_cores=2, min_requests=10), INTERVAL)
     log = control.router.finished_log
     for i in range(6):  # slow requests of the layout before
-        log.append((1.0 + i * 0.1, 0.2, 0.2, 0.5))
+        log.append((1.0 + i * 0.1, 0.2, 0.2, 0.5, 256, 64))
     clock.advance(2.0)
     control.scale("prefill", 1), control.scale("decode", 1)
     clock.advance(INTERVAL / 2)
@@ -230,8 +230,30 @@ def test_the_requests_judged_with_a_window_were_sent_after_the_pools_last_change
     settled = clock.monotonic()
     assert planner.snapshot().pools.changing == 0
     for i in range(3):  # fast requests of the split, two windows back
-        log.append((settled + 1.0 + i * 0.1, 0.2, 0.02, settled + 0.5))
+        log.append((settled + 1.0 + i * 0.1, 0.2, 0.02, settled + 0.5, 256, 64))
     clock.advance(3 * INTERVAL)
-    log.append((clock.monotonic() - 1.0, 0.2, 0.2, clock.monotonic() - 3.0))  # this window's one, slow
+    log.append((clock.monotonic() - 1.0, 0.2, 0.2, clock.monotonic() - 3.0, 256, 64))  # this window's one, slow
     snap = planner.snapshot()
     assert (snap.finished, snap.judged, snap.tpot_attainment) == (1, 4, 0.75)  # not the 6 slow ones before
+
+
+def test_the_load_is_the_rate_and_lengths_of_the_latest_requests():
+    """Requests sent in the last LOAD_S (or since the first one logged), their mean prompt
+    and output lengths; not known for fewer than LOAD_MIN."""
+    from router.planner_loop import LOAD_MIN, LOAD_S
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    planner = Planner(control, PlannerConfig(0.5, 0.05, host_cores=2), INTERVAL)
+    log = control.router.finished_log
+    clock.advance(1000.0)
+    for i in range(LOAD_MIN - 1):
+        log.append((1000.0 + i, 0.2, 0.02, 960.0 + 10 * i, 100, 10))
+    assert planner.snapshot().load is None
+    log.append((1010.0, 0.2, 0.02, 990.0, 300, 30))  # 4 sent in the last 40 s, the first at 960
+    load = planner.snapshot().load
+    assert (load.rate, load.prompt_tokens, load.output_tokens) == (4 / 40.0, 150.0, 15.0)
+    clock.advance(LOAD_S)  # every one sent more than LOAD_S ago
+    assert planner.snapshot().load is None
+    for i in range(8):
+        log.append((clock.monotonic(), 0.2, 0.02, clock.monotonic() - 15.0 * i, 64, 16))
+    assert planner.snapshot().load.rate == 8 / LOAD_S  # the log reaches back further: the whole LOAD_S

@@ -11,7 +11,7 @@ import pytest
 from common.config import ConfigError
 from router.config import RouterConfig
 from router.latency_model import Curve, DecodeFit, LatencyModel
-from router.planner import MERGE, NONE, SPLIT, PlannerConfig, PlannerState, Pools, Snapshot, decide
+from router.planner import MERGE, NONE, SPLIT, PlannerConfig, PlannerState, Pools, Remembered, Snapshot, decide
 from router.planner_predict import LayoutModels, Predictor
 
 PREFILL_S = 0.1
@@ -108,7 +108,7 @@ def test_no_merge_where_colocated_is_predicted_worse():
 
 def test_what_was_measured_outranks_what_was_predicted():
     # the split was tried and scored 0.9 against colocated's 0.5: back to it, whatever the models say
-    memory = (("colocated", 0.5, 20, 99.0), ("split", 0.9, 20, 60.0))
+    memory = (Remembered("colocated", 0.5, 20, 99.0), Remembered("split", 0.9, 20, 60.0))
     state = PlannerState(memory=memory)
     plan, _ = decide(window(Pools(colocated=1), 0.5, (("colocated", 0.6), ("split", 0.0))), state, CFG)
     assert (plan.action, plan.reason) == (SPLIT, "split_better_before")
