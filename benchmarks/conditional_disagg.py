@@ -56,9 +56,9 @@ TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
 TRACE_SCALE = 32
 
 
-def workload(args: argparse.Namespace, vocab: int) -> list[tuple[BenchRequest, float]]:
+def workload(args: argparse.Namespace, vocab: int, trace: Path = TRACE) -> list[tuple[BenchRequest, float]]:
     """(request, send time) pairs: the trace slice with ties spread, compressed to --rate."""
-    reqs = mooncake_workload(TRACE, args.requests, TRACE_SCALE, vocab, start=args.trace_start,
+    reqs = mooncake_workload(trace, args.requests, TRACE_SCALE, vocab, start=args.trace_start,
                              max_output=args.max_output, max_input=args.max_input, seed=args.seed)
     spread = spread_ties([r.arrival or 0.0 for r in reqs])
     scale = (len(reqs) - 1) / args.rate / (spread[-1] - spread[0]) if spread[-1] > spread[0] else 1.0

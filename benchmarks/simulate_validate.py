@@ -66,11 +66,11 @@ COMPONENTS = (("queue", "arrival", "prefill_start"), ("router_in", "arrival", "p
 PROFILE_SIZES = ["--prefill-tokens", "16,64,256,1023", "--batches", "1,4,8", "--contexts", "64,512", "--reps", "2"]
 
 
-def profile(model: str, threads: int, out: Path) -> LatencyModel:
+def profile(model: str, threads: int, out: Path, device: str = "cpu") -> LatencyModel:
     """`pdserve profile` with a worker's engine flags (benchmarks/servers.py)."""
     cmd = [sys.executable, "-m", "router.cli", "profile", model, "--out", str(out), "--num-threads", str(threads),
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", "float32", *PROFILE_SIZES]
+           "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", "float32", "--device", device, *PROFILE_SIZES]
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     log(f"profile ({threads} threads): {time.monotonic() - t0:.0f} s")
@@ -144,19 +144,28 @@ def simulate(layout: tuple[int, int, int, int], model: LatencyModel, requests: l
 
 def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) -> tuple[list[RequestRecord], LatencyModel]:
     """Start the deployment, profile beside it, serve the plan."""
-    server = start_pdserve(cfg, args.model, workdir, name=f"pdserve-{cfg}")
+    server = start_pdserve(cfg, args.model, workdir, device_flags(cfg, args.device), name=f"pdserve-{cfg}")
     try:
-        model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json")
+        model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json", args.device)
         load = os.getloadavg()[0]
         records, _ = asyncio.run(run_workload([r for r, _ in plan], "http", server.url, [t for _, t in plan],
                                               temperature=0.0, ignore_eos=True, return_timeline=True, progress=False))
         log(f"{cfg}: served {len(records)} requests (load average {load:.1f} -> {os.getloadavg()[0]:.1f})")
         if args.bracket:
-            after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json")
+            after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json", args.device)
             model = mean_model(model, after)
     finally:
         server.stop()
     return records, model
+
+
+def device_flags(cfg: str, device: str) -> list[str]:
+    """Every worker of the layout on `device` (nothing for the CPU, the servers' default)."""
+    if device == "cpu":
+        return []
+    p, d, c, _ = LAYOUTS[cfg]
+    flags = [("--prefill-devices", p), ("--decode-devices", d), ("--colocated-devices", c)]
+    return [a for flag, n in flags if n for a in (flag, ",".join([device] * n))]
 
 
 def _ratio(sim: dict, meas: dict) -> dict:
@@ -175,9 +184,12 @@ def main() -> int:
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-bracket", dest="bracket", action="store_false", help="profile before the run only")
+    ap.add_argument("--device", default="cpu", help="where every worker runs and the profile is taken "
+                    "(cuda:0: all on one GPU, which the simulator does not model as shared)")
+    ap.add_argument("--trace", default=None, help="the Mooncake conversation trace (default: ../shared's)")
     ap.add_argument("--out", default=str(REPO / "results/simulate_validate.json"))
     a = ap.parse_args()
-    plan = workload(a, ModelConfig.from_dir(a.model).vocab_size)
+    plan = workload(a, ModelConfig.from_dir(a.model).vocab_size, *([Path(a.trace)] if a.trace else []))
     requests = [(t, r.prompt_token_ids, r.output_len) for r, t in plan]
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(a), "cores": os.cpu_count(),
                  "slos_ms": SLOS, "deployments": {}}

@@ -13,7 +13,7 @@ class ColocatedWorker(DecodeWorker):
     role = "colocated"
 
     def make_engine(self) -> LLMEngine:
-        return LLMEngine(self.config)
+        return LLMEngine(self.config, warm_up=True)
 
     def check_prefill_addr(self, address: str) -> None:
         raise RequestError("a colocated worker computes prompts itself; prefill_addr must be empty")

@@ -67,7 +67,7 @@ class DecodeWorker(WorkerBase):
         shape = kv_cache_shape(self.config, decide_num_blocks(self.config))
         self.receiver = make_receiver(self.backend, shape, kv_cache_dtype(dev), dev.device,
                                       shm_name_hint(self.worker_id, self.key.deployment_id))
-        return LLMEngine(self.config, self.receiver.kv_cache)
+        return LLMEngine(self.config, self.receiver.kv_cache, warm_up=True)
 
     def handshake(self) -> KVHandshake:
         assert self.receiver is not None

@@ -34,7 +34,7 @@ class PrefillWorker(WorkerBase):
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         super().__init__(engine_config, worker_config, clock)
         self.backend = resolve_backend(worker_config.kv_transfer, engine_config.device.device)
-        self.engine = LLMEngine(engine_config, prefill_only=True)
+        self.engine = LLMEngine(engine_config, prefill_only=True, warm_up=True)
         self.senders: dict[str, KVSender] = {}  # decode_id -> sender
         self.peer_blocks: dict[str, int] = {}  # decode_id -> blocks in its cache (bounds every write)
         self.jobs = JobTable()

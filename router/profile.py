@@ -183,7 +183,11 @@ def _tcp_mover(src: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
 
 def run_profile(model_dir: str, options: EngineOptions, plan: ProfilePlan, kv_transfer: str = "auto",
                 log: Callable[[str], None] = lambda _: None) -> LatencyModel:
-    """Measure and fit; the engine's KV cache holds what the plan needs unless the options size it."""
+    """Measure and fit; the engine's KV cache holds what the plan needs unless the options size it.
+    Decode steps are timed as a decode worker takes them: through CUDA graphs on a GPU
+    (common/worker/spec.py); eager steps there are 2-4x slower on a small model."""
+    if options.device.device.startswith("cuda"):
+        options = options.replace(decode_graphs=True)
     engine_config = options.engine_config(model_dir)
     plan = plan.fitted_to(engine_config.scheduler.max_model_len, engine_config.scheduler.max_num_seqs)
     if options.cache.num_kv_blocks is None:

@@ -5,6 +5,7 @@ handed off after its first token, its KV blocks reported as they complete)."""
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,7 +72,7 @@ class LLMEngine:
     goes through `release`, which frees exactly what the sequence holds."""
 
     def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None, *,
-                 prefill_only: bool = False) -> None:
+                 prefill_only: bool = False, warm_up: bool = False) -> None:
         self.config = config
         self.prefill_only = prefill_only
         runner_cls = GraphRunner if config.decode_graphs else ModelRunner
@@ -87,6 +88,25 @@ class LLMEngine:
         self.runner.grammars.stop_token_ids = sorted(self.eos_token_ids)  # what ends a grammar
         self._tokenizer: Tokenizer | None = None
         self._ids = SeqIdCounter()
+        self.warm_up_s = self.warm_up() if warm_up else None
+
+    def warm_up(self) -> float:
+        """Run one short prompt through a prefill and, unless prefill-only, three decode
+        steps, then release it: the device's first-use costs (on a GPU ~0.9 s of kernel
+        compilation and library set-up, and batch 1's CUDA graph) are paid at start, not by
+        the first request a worker serves (workers ask for it before they say hello). The
+        prompt and its tokens fit in one block (of 8 tokens or more), so nothing enters the
+        prefix cache or its events, and every block is free after. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        bs = self.config.cache.block_size
+        n = max(1, min(8, bs // 2, self.config.scheduler.max_model_len - 4))
+        params = SamplingParams(temperature=0.0, max_tokens=1 if self.prefill_only else 4, ignore_eos=True)
+        seq = self.add_request([0] * n, params)
+        while self.has_work():
+            self.step()
+        self.release(seq, "warm_up")  # a prefill-only engine's sequence holds its blocks until released
+        self.block_manager.take_events()
+        return time.perf_counter() - t0
 
     @property
     def tokenizer(self) -> Tokenizer:

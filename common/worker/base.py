@@ -182,7 +182,8 @@ class WorkerBase:
         if self.reporter is not None:
             self.reporter.send_or_drop(self.hello())
         threading.Thread(target=self._keepalive, name="keepalive", daemon=True).start()
-        self.log(f"ready on {self.server.address}")
+        warm = self.engine.warm_up_s
+        self.log(f"ready on {self.server.address}" + (f" (warm-up {warm * 1000:.0f} ms)" if warm is not None else ""))
         freeze_startup_heap()  # the model, torch and the rest: out of every later collection
         try:
             while not self._stop:

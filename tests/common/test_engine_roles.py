@@ -292,3 +292,23 @@ def test_reserved_blocks_enter_the_prefix_cache_only_once_filled(model_dir, torc
     for s in (second, third, fourth):
         d.release(s)
     check_baseline(d)
+
+
+def test_a_warmed_up_engine_is_as_it_started_and_serves_the_same(model_dir, hf_greedy, torch_one_thread):
+    """warm_up (what every worker runs before its hello): every block free, nothing in the
+    prefix cache nor in its events for the router, nothing queued; both roles then serve
+    transformers' greedy output, and a prefill-only one hands off as before."""
+    p = LLMEngine(config(model_dir, max_num_batched_tokens=32), prefill_only=True, warm_up=True)
+    d = LLMEngine(config(model_dir, num_kv_blocks=64), warm_up=True)
+    for e in (p, d):
+        assert e.warm_up_s is not None and e.warm_up_s > 0
+        check_baseline(e)
+        assert not e.block_manager._hash_to_block and e.block_manager.take_events() == []
+    assert LLMEngine(config(model_dir)).warm_up_s is None  # the offline engine does not warm up
+    ids = [prompt(40, 21), prompt(9, 22), [0] * 8]  # the last one is the warm-up's own prompt
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    seqs, _, skips = disaggregate(p, d, [ids], params)
+    assert skips == [0, 0, 0]
+    for seq, one in zip(seqs, ids):
+        assert seq.output_token_ids == hf_greedy(model_dir, one, 8)
+    check_baseline(p, d)

@@ -148,7 +148,7 @@ def test_planner_splits_a_colocated_worker_into_p_and_d_on_one_core_each(tmp_pat
 def test_planner_makes_no_split_its_latency_models_predict_worse(tmp_path, tok, prompts, greedy):
     """The same TPOT-bound stream with latency models in which a decode step takes 0.1 us
     on two threads and 1 s on one: the simulated split misses the SLO everywhere, so the
-    planner keeps the colocated worker and says why, every request served."""
+    planner keeps the colocated worker and says why, every request served, its blocks back."""
     from router.latency_model import Curve, DecodeFit, LatencyModel
     paths = []
     for threads, step_s in ((2, 1e-7), (1, 1.0)):
@@ -174,5 +174,6 @@ def test_planner_makes_no_split_its_latency_models_predict_worse(tmp_path, tok, 
         log = served.log.read_text(errors="replace")
         assert "planner: no change (split_predicted_worse)" in log and "predicted_split=0.0" in log, log
         assert "planner: split" not in log
+        wait_blocks_baseline(served, ["colocated-0"])
     finally:
         stop(served)
