@@ -25,7 +25,7 @@ measured under (`Load`: arrival rate, mean prompt and output length). A score ap
 once it counts `min_requests` requests, while the load is like it (each figure within
 `load_band` x of the remembered one) and for at most `memory_s` after the layout was last
 seen: under a steady load the choice stands, a load that moved makes the planner measure
-again, and three requests do not make a layout's name. A
+again, and a layout tried over a few requests is not judged by them. A
 layout remembered better than the current one
 by more than `margin` is a wish of its own (`split_better_before`, `colocated_better_before`),
 and a split or merge toward a layout remembered no better than the current one is not

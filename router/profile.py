@@ -181,13 +181,19 @@ def _tcp_mover(src: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
     return move, close
 
 
+def as_decode_worker(options: EngineOptions) -> EngineOptions:
+    """The options a decode worker on the same device runs with: on a GPU its decode steps
+    go through CUDA graphs (common/worker/spec.py), 3-4x faster than eager ones on the small
+    qwen3 on an H100 (docs/gpu.md), so they are timed that way."""
+    if options.device.device.startswith("cuda") and not options.decode_graphs:
+        return options.replace(decode_graphs=True)
+    return options
+
+
 def run_profile(model_dir: str, options: EngineOptions, plan: ProfilePlan, kv_transfer: str = "auto",
                 log: Callable[[str], None] = lambda _: None) -> LatencyModel:
-    """Measure and fit; the engine's KV cache holds what the plan needs unless the options size it.
-    Decode steps are timed as a decode worker takes them: through CUDA graphs on a GPU
-    (common/worker/spec.py); eager steps there are 2-4x slower on a small model."""
-    if options.device.device.startswith("cuda"):
-        options = options.replace(decode_graphs=True)
+    """Measure and fit; the engine's KV cache holds what the plan needs unless the options size it."""
+    options = as_decode_worker(options)
     engine_config = options.engine_config(model_dir)
     plan = plan.fitted_to(engine_config.scheduler.max_model_len, engine_config.scheduler.max_num_seqs)
     if options.cache.num_kv_blocks is None:

@@ -12,7 +12,7 @@ from router.config import RouterConfig
 from router.disagg_policy import DisaggCase
 from router.disagg_state import policy_from_config
 from router.latency_model import SCHEMA, LatencyModel
-from router.profile import ProfilePlan, run_profile
+from router.profile import ProfilePlan, as_decode_worker, run_profile
 from tests.helpers import one_torch_thread
 
 
@@ -46,3 +46,12 @@ def test_profile_tcp_transfer_and_refused_plans(model_dirs):
         run_profile(model_dirs["llama"], options, ProfilePlan((63, 64, 100), (2,), (16,), (1, 3)))  # one size: 63
     with pytest.raises(ConfigError, match="not 'gloo'"):
         run_profile(model_dirs["llama"], options, ProfilePlan((8, 30), (2,), (16,), (1, 3), 1, 1), "gloo")
+
+
+def test_gpu_decode_steps_are_profiled_as_decode_workers_take_them():
+    """Through CUDA graphs on a GPU, as common/worker/spec.py gives decode workers there;
+    on the CPU as asked (eager unless --decode-graphs)."""
+    assert as_decode_worker(EngineOptions.of(device="cuda:0")).decode_graphs
+    assert as_decode_worker(EngineOptions.of(device="cuda")).decode_graphs
+    assert not as_decode_worker(EngineOptions.of(device="cpu")).decode_graphs
+    assert as_decode_worker(EngineOptions.of(device="cpu", decode_graphs=True)).decode_graphs
