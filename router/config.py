@@ -69,9 +69,9 @@ class RouterConfig:
                                              "layout's measured score is not remembered")
     planner_memory_s: float = option(1800.0, "planner, one host: the longest (s) the observed attainment of a "
                                              "layout tried (colocated or split) is trusted to choose between them")
-    planner_load_band: float = option(1.5, "planner, one host: ... and only while the load (request rate, mean "
-                                           "prompt and output length) is within this factor of the one it was "
-                                           "measured under")
+    planner_load_band: float = option(1.5, "planner, one host: a layout's observed attainment is trusted only "
+                                           "while the load (request rate, mean prompt and output length) stays "
+                                           "within this factor of the one it was measured under")
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
