@@ -101,6 +101,7 @@ class Server:
         self.ps = psutil.Process(self.proc.pid)
         self.url = ""
         self.worker_pids: list[int] = []
+        self.info: dict = {}  # pdserve's ready file: addresses, secret file, workers
 
     def fail_if_dead(self, timeout_s: float) -> None:
         if self.proc.poll() is not None or time.monotonic() - self.t0 > timeout_s:
@@ -145,8 +146,8 @@ def start_pdserve(cfg: str, model: str, logdir: Path, extra: list[str] = (), *, 
     while not ready.exists():
         s.fail_if_dead(300)
         time.sleep(0.2)
-    s.info = json.loads(ready.read_text())  # type: ignore[attr-defined]
-    s.url, s.worker_pids = s.info["http"], [w["pid"] for w in s.info["workers"].values()]  # type: ignore[attr-defined]
+    s.info = json.loads(ready.read_text())
+    s.url, s.worker_pids = s.info["http"], [w["pid"] for w in s.info["workers"].values()]
     log(f"{s.name}: ready at {s.url} after {time.monotonic() - s.t0:.1f} s (worker pids {s.worker_pids})")
     return s
 

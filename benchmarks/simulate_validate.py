@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conditional_disagg import workload  # noqa: E402
+from conditional_disagg import TRACE, workload  # noqa: E402
 from servers import MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, log, start_pdserve  # noqa: E402
 
 from benchmarks.report import write_report  # noqa: E402
@@ -186,10 +186,10 @@ def main() -> int:
     ap.add_argument("--no-bracket", dest="bracket", action="store_false", help="profile before the run only")
     ap.add_argument("--device", default="cpu", help="where every worker runs and the profile is taken "
                     "(cuda:0: all on one GPU, which the simulator does not model as shared)")
-    ap.add_argument("--trace", default=None, help="the Mooncake conversation trace (default: ../shared's)")
+    ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace")
     ap.add_argument("--out", default=str(REPO / "results/simulate_validate.json"))
     a = ap.parse_args()
-    plan = workload(a, ModelConfig.from_dir(a.model).vocab_size, *([Path(a.trace)] if a.trace else []))
+    plan = workload(a, ModelConfig.from_dir(a.model).vocab_size, Path(a.trace))
     requests = [(t, r.prompt_token_ids, r.output_len) for r, t in plan]
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(a), "cores": os.cpu_count(),
                  "slos_ms": SLOS, "deployments": {}}

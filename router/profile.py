@@ -31,6 +31,7 @@ from common.engine.kv_layout import kv_cache_tensor
 from common.engine.model_runner import kv_cache_shape
 from common.models.precision import kv_cache_dtype
 from common.sampling_params import SamplingParams
+from common.worker.spec import role_engine
 from kv_transfer import resolve_backend
 from kv_transfer.base import copy_blocks
 from router.latency_model import Curve, DecodeFit, LatencyModel
@@ -181,19 +182,10 @@ def _tcp_mover(src: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
     return move, close
 
 
-def as_decode_worker(options: EngineOptions) -> EngineOptions:
-    """The options a decode worker on the same device runs with: on a GPU its decode steps
-    go through CUDA graphs (common/worker/spec.py), 3-4x faster than eager ones on the small
-    qwen3 on an H100 (docs/gpu.md), so they are timed that way."""
-    if options.device.device.startswith("cuda") and not options.decode_graphs:
-        return options.replace(decode_graphs=True)
-    return options
-
-
 def run_profile(model_dir: str, options: EngineOptions, plan: ProfilePlan, kv_transfer: str = "auto",
                 log: Callable[[str], None] = lambda _: None) -> LatencyModel:
     """Measure and fit; the engine's KV cache holds what the plan needs unless the options size it."""
-    options = as_decode_worker(options)
+    options = role_engine(options, "decode")  # on a GPU, decode steps through CUDA graphs: 3-4x faster (docs/gpu.md)
     engine_config = options.engine_config(model_dir)
     plan = plan.fitted_to(engine_config.scheduler.max_model_len, engine_config.scheduler.max_num_seqs)
     if options.cache.num_kv_blocks is None:

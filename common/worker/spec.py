@@ -86,14 +86,19 @@ class WorkerSpec:
         return cls(str(model_dir), engine, worker)
 
     def engine_config(self) -> EngineConfig:
-        """The engine of this worker; on a GPU, decode and colocated workers step their
-        decode batches through the graph runner (CUDA graphs). On the CPU there is no
-        graph to replay, and padding a batch to its bucket only adds rows to compute
-        (a batch of 9 ran as 16), so the graph runner is used there only when asked for
-        (`decode_graphs`, which the tests set to exercise the bucketing)."""
-        on_gpu = self.engine.device.device.startswith("cuda")
-        decode_graphs = self.engine.decode_graphs or (on_gpu and self.worker.role != "prefill")
-        return dataclasses.replace(self.engine, decode_graphs=decode_graphs).engine_config(self.model_dir)
+        """The engine of this worker (`role_engine`)."""
+        return role_engine(self.engine, self.worker.role).engine_config(self.model_dir)
+
+
+def role_engine(engine: EngineOptions, role: str) -> EngineOptions:
+    """The engine options a worker of `role` runs with: on a GPU, decode and colocated
+    workers step their decode batches through the graph runner (CUDA graphs). On the CPU
+    there is no graph to replay, and padding a batch to its bucket only adds rows to
+    compute (a batch of 9 ran as 16), so the graph runner is used there only when asked
+    for (`decode_graphs`, which the tests set to exercise the bucketing). `pdserve
+    profile` times decode steps as a decode worker's."""
+    on_gpu = engine.device.device.startswith("cuda")
+    return dataclasses.replace(engine, decode_graphs=engine.decode_graphs or (on_gpu and role != "prefill"))
 
 
 def worker_main(argv: list[str] | None, prog: str, roles: tuple[str, ...],

@@ -12,7 +12,8 @@ from router.config import RouterConfig
 from router.disagg_policy import DisaggCase
 from router.disagg_state import policy_from_config
 from router.latency_model import SCHEMA, LatencyModel
-from router.profile import ProfilePlan, as_decode_worker, run_profile
+from common.worker.spec import role_engine
+from router.profile import ProfilePlan, run_profile
 from tests.helpers import one_torch_thread
 
 
@@ -49,9 +50,11 @@ def test_profile_tcp_transfer_and_refused_plans(model_dirs):
 
 
 def test_gpu_decode_steps_are_profiled_as_decode_workers_take_them():
-    """Through CUDA graphs on a GPU, as common/worker/spec.py gives decode workers there;
-    on the CPU as asked (eager unless --decode-graphs)."""
-    assert as_decode_worker(EngineOptions.of(device="cuda:0")).decode_graphs
-    assert as_decode_worker(EngineOptions.of(device="cuda")).decode_graphs
-    assert not as_decode_worker(EngineOptions.of(device="cpu")).decode_graphs
-    assert as_decode_worker(EngineOptions.of(device="cpu", decode_graphs=True)).decode_graphs
+    """Through CUDA graphs on a GPU, as common/worker/spec.py gives decode workers there
+    (run_profile asks role_engine for a decode worker's options); on the CPU as asked
+    (eager unless --decode-graphs)."""
+    assert role_engine(EngineOptions.of(device="cuda:0"), "decode").decode_graphs
+    assert role_engine(EngineOptions.of(device="cuda"), "decode").decode_graphs
+    assert not role_engine(EngineOptions.of(device="cuda:0"), "prefill").decode_graphs
+    assert not role_engine(EngineOptions.of(device="cpu"), "decode").decode_graphs
+    assert role_engine(EngineOptions.of(device="cpu", decode_graphs=True), "decode").decode_graphs
