@@ -15,7 +15,9 @@ Each window the rule names what the figures ask for (its wish):
              queue and TPOT has room: the prompt itself is slow on its share of the
              cores; or whose TPOT is below target while nothing waits for decode: the
              decode step itself is slow on its share; one colocated worker with all of them
-  none       both within target (or no finished request to judge by)
+  none       both within target, or no finished request to judge by, or fewer than
+             `min_requests` sent since the pools last changed (`few_requests`; decode KV
+             use above `kv_high` still asks for decode capacity)
 
 On one host the rule also remembers how each layout (colocated, split) did: a score per
 window (the lower of the TTFT and TPOT attainments of the requests sent after the layout
@@ -212,7 +214,7 @@ def decide(snap: Snapshot, state: PlannerState, cfg: PlannerConfig) -> tuple[Pla
         return Plan(NONE, "cooldown", figures=figs), replace(state, wish=NONE, streak=0)
     state = replace(state, memory=_remember(state.memory, snap, cfg))
     wish, why = _wish(snap, cfg, state.memory)
-    if why == "idle":  # no request finished: no evidence either way, the count holds
+    if why in ("idle", "few_requests"):  # no evidence either way yet: the count holds
         return Plan(NONE, why, figures=figs), state
     streak = state.streak + 1 if wish == state.wish else 1
     if wish == NONE:
@@ -234,6 +236,8 @@ def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, 
     p = snap.pools
     if snap.finished == 0 and not kv_high:
         return NONE, "idle"
+    if snap.judged is not None and snap.judged < cfg.min_requests and not kv_high:
+        return NONE, "few_requests"  # too few since the pools last changed to judge by: the count holds
     here = _layout(p) if cfg.host_cores >= 2 else None
     if here is not None and (ttft_low or tpot_low):
         better = _better_elsewhere(memory, here, snap, cfg)

@@ -70,6 +70,24 @@ def test_steady_within_slo_changes_nothing():
     assert state == PlannerState()
 
 
+def test_fewer_than_min_requests_since_the_change_decide_nothing_and_keep_the_count():
+    """A split at 0.125 req/s missing TPOT on 7 requests since it settled is not merged
+    back; the count holds through such windows, and with the 10th request it merges. A
+    full decode KV still asks for decode capacity on few requests."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, host_cores=2, min_requests=10)
+    split = Pools(1, 1)
+    few = [replace(snap(t * 5.0, tpot=0.6, pools=split, finished=1), judged=7) for t in range(4)]
+    plans, state = run(few, cfg)
+    assert {(p.action, p.reason) for p in plans} == {(NONE, "few_requests")} and state.streak == 0
+    enough = [replace(snap(20.0 + t * 5.0, tpot=0.6, pools=split, finished=1), judged=10) for t in range(2)]
+    plans, _ = run([few[0], *enough], cfg)
+    assert [(p.action, p.reason) for p in plans] == \
+        [(NONE, "few_requests"), (NONE, "tpot_slow_step_pending"), (MERGE, "tpot_slow_step")]
+    kv_full = [replace(snap(t * 5.0, kv=0.95, pools=Pools(1, 1), finished=1), judged=2) for t in range(3)]
+    plans, _ = run(kv_full, PlannerConfig(0.5, 0.05, sustain=3, max_workers=4, min_requests=10))
+    assert (plans[-1].action, plans[-1].role, plans[-1].reason) == (ADD, "decode", "decode_kv")
+
+
 def test_no_finished_request_is_idle():
     plans, _ = run([snap(t * 5.0, ttft=None, tpot=None, finished=0) for t in range(5)])
     assert {(p.action, p.reason) for p in plans} == {(NONE, "idle")}

@@ -208,10 +208,13 @@ def test_at_a_low_rate_a_window_is_judged_with_the_latest_requests_before_it():
     assert {p.action for p in alone} == {NONE}  # 0% windows never hold twice in a row
     judged, control = sparse_run(min_requests=8)
     acted = [(i, p.action, p.reason) for i, p in enumerate(judged) if p.action != NONE]
-    # the first miss (4th request: 3 of 4) and the next window (4 of 5) hold the wish twice
-    assert acted and acted[0] == (4, SPLIT, "tpot_interference"), acted
+    # nothing on fewer than 8 requests; the 8th (6 of 8) and the next window (6 of 8: the
+    # oldest left the 8 judged) hold the wish twice
+    assert {judged[i].reason for i in range(7)} == {"few_requests"}
+    assert acted and acted[0] == (8, SPLIT, "tpot_interference"), acted
     assert control.calls[:2] == [("scale", "prefill", 1, {"num_threads": 1}), ("scale", "decode", 1, {"num_threads": 1})]
-    assert (judged[4].figures["finished"], judged[4].figures["judged"], judged[4].figures["tpot_attainment"]) == (1, 5, 0.8)
+    assert (judged[8].figures["finished"], judged[8].figures["judged"], judged[8].figures["tpot_attainment"]) == \
+        (1, 8, 0.75)
 
 
 def test_the_requests_judged_with_a_window_were_sent_after_the_pools_last_changed():
