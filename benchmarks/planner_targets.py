@@ -5,9 +5,10 @@ with `--planner slo` against every fixed split of the same cores and against vLL
         [--model DIR] [--dtype float32] [--vllm-dtype float32] [--rates 0.5,1,2,3]
         [--num-prompts 40] [--input-len 256] [--output-len 64] [--planner-warmup-s 45]
         [--systems colocated,1p1d,planner,vllm] [--planner-latency-models LM2.json,LM1.json]
-        [--add-to EARLIER.json] [--out-dir results/planner_targets]
+        [--interleave] [--add-to EARLIER.json] [--out-dir results/planner_targets]
 
-Method, one run, one system after the other:
+Method, one run, one system after the other (`--interleave`: every server started first and
+kept up, each rate run on every system in turn, so that the machine's drift falls on all alike):
 - systems: pdserve colocated x1 on 2 threads and 1P+1D on 1 thread each (every split of
   2 cores, benchmarks/servers.py); for each SLO regime `--planner slo --planner-host-cores 2`
   with that regime's SLOs, started colocated (`--planner-start`); vLLM (`--vllm-python`,
@@ -191,6 +192,25 @@ def sweep(name: str, args: argparse.Namespace, rates: list[float], vocab: int, l
         s.stop()
 
 
+def interleaved(names: list[str], args: argparse.Namespace, rates: list[float], vocab: int, logdir: Path,
+                regimes: list[str]) -> dict:
+    """Every system's server started first and kept up (idle, ~1% of a core each); then
+    each rate, lowest first, on every system in turn (the order reversed at every other
+    rate), so that a drift in the machine's speed falls on all systems alike."""
+    servers: dict[str, Server] = {}
+    try:
+        for name in names:
+            servers[name] = start(name, args, vocab, logdir)
+        runs = {name: {"command": getattr(s, "cmd", None), "points": []} for name, s in servers.items()}
+        for k, rate in enumerate(rates):
+            for name in (names if k % 2 == 0 else names[::-1]):
+                runs[name]["points"].append(point(servers[name], name, args, rate, k, vocab, regimes))
+        return runs
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
 def at_least(rate: float | None, ref: float | None, factor: float) -> bool | None:
     """rate >= factor x ref, a rate of None (even the lowest rate missed) counting as 0;
     None where both missed at the lowest rate (the sweep says nothing)."""
@@ -252,6 +272,9 @@ def parse() -> argparse.Namespace:
                         "it makes no split or merge they predict to do worse")
     p.add_argument("--systems", default="colocated,1p1d,planner,vllm",
                    help="which to run (vllm needs --vllm-python)")
+    p.add_argument("--interleave", action="store_true",
+                   help="start every system's server first and run each rate on all of them in turn "
+                        "(rate by rate) instead of one system's whole sweep after the other's")
     p.add_argument("--add-to", default=None, help="an earlier run's planner_targets.json: its points are kept, "
                                                   "this run's added (replacing any at the same rate), and the "
                                                   "verdicts taken over both")
@@ -269,7 +292,8 @@ def main() -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     chosen = set(args.systems.split(","))
     names = [n for n in systems(args, regimes) if n.partition("-")[0] in chosen]
-    runs = {name: sweep(name, args, rates, vocab, logdir, regimes) for name in names}
+    runs = interleaved(names, args, rates, vocab, logdir, regimes) if args.interleave else \
+        {name: sweep(name, args, rates, vocab, logdir, regimes) for name in names}
     points = {name: run["points"] for name, run in runs.items()}
     commands = {n: r["command"] for n, r in runs.items()}
     earlier = json.loads(Path(args.add_to).read_text()) if args.add_to else None

@@ -64,3 +64,34 @@ def test_a_later_run_adds_its_rates_and_replaces_the_same_rate(pt):
         [(1.0, 1.0), (2.0, 0.95), (4.0, 0.2)]
     assert both["vllm"] == earlier["vllm"] and both["planner-" + TTFT_BOUND] == later["planner-" + TTFT_BOUND]
     assert pt.report(both, [TTFT_BOUND])[TTFT_BOUND]["goodput_rate"]["colocated"] == pytest.approx(2.0 + 2 * 0.05 / 0.75)
+
+
+def test_interleaved_runs_each_rate_on_every_system_and_stops_every_server(pt, monkeypatch):
+    """Rate by rate, the system order reversed at every other rate; every server stopped,
+    also when a point fails."""
+    calls, stopped = [], []
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.cmd = name, f"serve {name}"
+
+        def stop(self):
+            stopped.append(self.name)
+
+    monkeypatch.setattr(pt, "start", lambda name, *a: Fake(name))
+    monkeypatch.setattr(pt, "point", lambda s, name, args, rate, k, *a: calls.append((rate, name)) or {"rate": rate})
+    runs = pt.interleaved(["a", "b", "c"], None, [0.5, 1.0, 2.0], 100, None, [])
+    assert calls == [(0.5, "a"), (0.5, "b"), (0.5, "c"), (1.0, "c"), (1.0, "b"), (1.0, "a"),
+                     (2.0, "a"), (2.0, "b"), (2.0, "c")]
+    assert runs["b"] == {"command": "serve b", "points": [{"rate": 0.5}, {"rate": 1.0}, {"rate": 2.0}]}
+    assert sorted(stopped) == ["a", "b", "c"]
+
+    stopped.clear()
+
+    def fail(s, name, args, rate, k, *a):
+        raise RuntimeError(f"{name} at {rate}")
+
+    monkeypatch.setattr(pt, "point", fail)
+    with pytest.raises(RuntimeError, match="a at 0.5"):
+        pt.interleaved(["a", "b"], None, [0.5], 100, None, [])
+    assert sorted(stopped) == ["a", "b"]
