@@ -15,7 +15,8 @@ kept up, each rate run on every system in turn, so that the machine's drift fall
   its OpenAI server at `--vllm-dtype`, as benchmarks/vs_vllm.py starts it).
 - each system gets one server, warmed up with two requests, that serves every rate of the
   sweep, lowest first, and is stopped after. Before each measured point a planner server
-  serves warm-up streams at that rate of `--planner-warmup-s` each (fresh prompts, not
+  serves warm-up streams at that rate of `--planner-warmup-s` each, and of at least
+  `--planner-min-requests` + 3 requests (the planner judges no fewer; fresh prompts, not
   counted), each followed by a wait until no worker drains or exits and its pools hold
   still for 10 s, until a stream passes without a planner change (at most 3):
   what is measured is the split the planner settled on at that load, as a deployment that
@@ -71,7 +72,7 @@ def planner_flags(regime: str, args: argparse.Namespace) -> list[str]:
     ttft, tpot = REGIMES[regime]
     return ["--planner", "slo", "--slo-ttft-ms", str(ttft), "--slo-tpot-ms", str(tpot), "--planner-host-cores", "2",
             "--planner-interval-s", str(args.planner_interval_s), "--planner-sustain", str(args.planner_sustain),
-            "--planner-cooldown-s", str(args.planner_cooldown_s),
+            "--planner-cooldown-s", str(args.planner_cooldown_s), "--planner-min-requests", str(args.planner_min_requests),
             *(["--planner-latency-models", args.planner_latency_models] if args.planner_latency_models else [])]
 
 
@@ -136,7 +137,7 @@ def decision_poller(url: str, t0: float) -> DecisionPoller:
 def planner_warmup(s: Server, args: argparse.Namespace, rate: float, vocab: int, seed: int) -> dict:
     """Warm-up streams at `rate` until one passes without a planner change (at most 3):
     workers a change started have then served before the measured point."""
-    n = max(2, math.ceil(rate * args.planner_warmup_s))
+    n = max(2, math.ceil(rate * args.planner_warmup_s), args.planner_min_requests + 3)
     t0, rounds = time.time(), []
     for i in range(3):
         reqs = random_workload(n, args.input_len, args.output_len, 0.0, vocab, seed=5000 + 10 * seed + i)
@@ -267,6 +268,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--planner-interval-s", type=float, default=3.0)
     p.add_argument("--planner-sustain", type=int, default=2)
     p.add_argument("--planner-cooldown-s", type=float, default=15.0)
+    p.add_argument("--planner-min-requests", type=int, default=10,
+                   help="the planner's; a warm-up stream holds at least this many + 3 requests, so that it can decide")
     p.add_argument("--planner-latency-models", default="",
                    help="the planner's latency models (`pdserve profile` at 2 and 1 threads, comma-separated): "
                         "it makes no split or merge they predict to do worse")

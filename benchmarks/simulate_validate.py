@@ -16,8 +16,12 @@ worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
    the latency model is the mean of the two (curves point by point, the decode step
    fitted to both sample sets), bracketing the run against a load that drifts;
 4. the same requests at the same send times go through `pdserve simulate`'s code with
-   the same split, engine limits, threads per worker and host cores (os.cpu_count()).
-Reported per deployment: TTFT / TPOT p50 and p90 simulated, measured and their ratio;
+   the same split, engine limits, threads per worker and host cores (os.cpu_count()):
+   once as it is, once with the CPU the router process and this client spent per
+   streamed token in the served run (`--host-cpu-per-token-ms`: a step whose workers'
+   threads fill the cores waits for it).
+Reported per deployment: that CPU per token (router, client); TTFT / TPOT p50 and p90
+simulated (both ways), measured and their ratio;
 attainment at each SLO pair; and the per-request components both timelines have
 (medians, ms): queue (arrival -> prefill start; a busy worker reads its socket only
 between steps, so in a served timeline the wait lands in router in (arrival -> prefill
@@ -33,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -132,31 +137,44 @@ def figures(records: list[RequestRecord]) -> dict:
             "components_ms": components(records)}
 
 
-def simulate(layout: tuple[int, int, int, int], model: LatencyModel, requests: list) -> list[RequestRecord]:
+def simulate(layout: tuple[int, int, int, int], model: LatencyModel, requests: list,
+             host_cpu_per_token_s: float = 0.0) -> list[RequestRecord]:
     p, d, c, threads = layout
     dep = Deployment(p, d, c, KV_BLOCKS, SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED),
-                     threads=threads, host_cores=os.cpu_count() or 1)
+                     threads=threads, host_cores=os.cpu_count() or 1, host_cpu_per_token_s=host_cpu_per_token_s)
     reqs = Simulation(dep, model, RouterConfig(model_dir="simulated")).run(requests)
     for r in reqs:
         r.record.timeline = r.timeline
     return [r.record for r in reqs]
 
 
-def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) -> tuple[list[RequestRecord], LatencyModel]:
-    """Start the deployment, profile beside it, serve the plan."""
+def _own_cpu_s() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) \
+        -> tuple[list[RequestRecord], LatencyModel, dict[str, float]]:
+    """Start the deployment, profile beside it, serve the plan; also the CPU ms the router
+    process and this client spent per streamed token while serving."""
     server = start_pdserve(cfg, args.model, workdir, device_flags(cfg, args.device), name=f"pdserve-{cfg}")
     try:
         model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json", args.device)
         load = os.getloadavg()[0]
+        router0, client0 = sum(server.ps.cpu_times()[:2]), _own_cpu_s()
         records, _ = asyncio.run(run_workload([r for r, _ in plan], "http", server.url, [t for _, t in plan],
                                               temperature=0.0, ignore_eos=True, return_timeline=True, progress=False))
-        log(f"{cfg}: served {len(records)} requests (load average {load:.1f} -> {os.getloadavg()[0]:.1f})")
+        tokens = max(1, sum(r.output_len for r in records if r.success))
+        host = {"router_cpu_ms_per_token": (sum(server.ps.cpu_times()[:2]) - router0) / tokens * 1000,
+                "client_cpu_ms_per_token": (_own_cpu_s() - client0) / tokens * 1000}
+        log(f"{cfg}: served {len(records)} requests (load average {load:.1f} -> {os.getloadavg()[0]:.1f}); CPU a "
+            f"token: router {host['router_cpu_ms_per_token']:.2f} ms, client {host['client_cpu_ms_per_token']:.2f} ms")
         if args.bracket:
             after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json", args.device)
             model = mean_model(model, after)
     finally:
         server.stop()
-    return records, model
+    return records, model, host
 
 
 def device_flags(cfg: str, device: str) -> list[str]:
@@ -196,11 +214,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="simvalidate-") as tmp:
         for cfg in [c for c in a.configs.split(",") if c]:
             load = os.getloadavg()
-            measured, model = measure(cfg, a, plan, Path(tmp))
+            measured, model, host = measure(cfg, a, plan, Path(tmp))
+            host_s = (host["router_cpu_ms_per_token"] + host["client_cpu_ms_per_token"]) / 1000
             sim, meas = figures(simulate(LAYOUTS[cfg], model, requests)), figures(measured)
+            sim_host = figures(simulate(LAYOUTS[cfg], model, requests, host_s))
             out["deployments"][cfg] = {"load_average_1_5_15": load, "latency_model": model.to_json(),
-                                       "simulated": sim, "measured": meas, "simulated_over_measured": _ratio(sim, meas)}
-            log(f"{cfg}: simulated/measured {json.dumps(out['deployments'][cfg]['simulated_over_measured'])}")
+                                       "host_cpu": host, "simulated": sim, "simulated_host_cpu": sim_host,
+                                       "measured": meas, "simulated_over_measured": _ratio(sim, meas),
+                                       "simulated_host_cpu_over_measured": _ratio(sim_host, meas)}
+            for k in ("simulated_over_measured", "simulated_host_cpu_over_measured"):
+                log(f"{cfg}: {k} {json.dumps(out['deployments'][cfg][k])}")
     write_report(out, a.out)
     return 0
 

@@ -1,10 +1,11 @@
 """Prometheus metrics of the router: requests, TTFT/TPOT/E2E histograms, tokens,
 per-worker load, prefix-cache hit rate (routing view and workers' own counters), KV
-transfer bytes. The ones vLLM also exports come under vLLM's names too (`vllm:` prefix,
+transfer bytes, the router process's CPU and memory (`process_*`). The ones vLLM also exports come under vLLM's names too (`vllm:` prefix,
 a `model_name` label), fed by the same observations, so dashboards made for vLLM work."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics, \
+    generate_latest
 
 from common.wire.messages import WorkerStatus
 
@@ -18,6 +19,7 @@ class RouterMetrics:
     def __init__(self, model_name: str = "") -> None:
         disable_created_metrics()  # no *_created series: they only clutter the text output
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total & co.: the router's own CPU (docs/slo.md "Simulator")
         self.requests = Counter("pdserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.ttft_h = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot_h = Histogram("pdserve_tpot_seconds", "Time per output token after the first",

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (with --host-cores)")
     p.add_argument("--host-cores", type=int, default=0, help="the cores all workers share: steps of workers "
                                                              "stepping at once stretch (0: a worker's own cores)")
+    p.add_argument("--host-cpu-per-token-ms", type=float, default=0.0,
+                   help="with --host-cores: CPU ms the router (and a client on the host) spend per token streamed; "
+                        "a step whose workers fill the cores grows by it per token it streams")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", default="90,99")
     p.add_argument("--search", action="store_true", help="find the split and disaggregation mode with the most "
@@ -117,7 +120,8 @@ def simulate(args: argparse.Namespace, model: LatencyModel, requests: list, dep:
 
 def deployment(args: argparse.Namespace, prefill: int, decode: int, colocated: int) -> Deployment:
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    return Deployment(prefill, decode, colocated, args.num_blocks, sched, args.threads, args.host_cores)
+    return Deployment(prefill, decode, colocated, args.num_blocks, sched, args.threads, args.host_cores,
+                      args.host_cpu_per_token_ms / 1000)
 
 
 def candidates(workers: int, modes: list[str]) -> list[tuple[int, int, int, str]]:

@@ -10,7 +10,10 @@ context) (less the decode fit's base where the step also has prompt chunks: one 
 streams the weights once), stretched where the deployment's workers share a host's cores: with
 `host_cores` set, a step that starts while `busy` workers of `threads` threads each are
 stepping (itself included) takes max(1, busy * threads / host_cores) times as long (the
-rate is fixed when the step starts). A sequence whose tokens are all computed after a step samples a
+rate is fixed when the step starts); and where those threads fill the cores, the host's
+other processes (the router, a client on the host: `host_cpu_per_token_s` of CPU for each
+token streamed) take their CPU from the step, which waits for its slowest thread: the step
+grows by that much per token it streams. A sequence whose tokens are all computed after a step samples a
 token (its value is irrelevant; outputs run to their trace length, as with ignore_eos).
 A disaggregated request reserves its blocks on D when it arrives (FIFO, as the decode
 worker does), is prefilled on P, and its KV moves once both are done; its first token
@@ -52,10 +55,12 @@ class Deployment:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     threads: int = 1     # torch threads per worker
     host_cores: int = 0  # the cores all workers share (0: each worker has its own)
+    host_cpu_per_token_s: float = 0.0  # with host_cores: CPU of the router (and a client on the host) per token streamed
 
     def __post_init__(self) -> None:
-        if min(self.prefill, self.decode, self.colocated, self.host_cores) < 0 or self.num_blocks < 1:
-            raise ValueError("worker counts and host_cores must be >= 0 and num_blocks >= 1")
+        if min(self.prefill, self.decode, self.colocated, self.host_cores, self.host_cpu_per_token_s) < 0 \
+                or self.num_blocks < 1:
+            raise ValueError("worker counts, host_cores and host_cpu_per_token_s must be >= 0 and num_blocks >= 1")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
         if not (self.prefill and self.decode) and not self.colocated:
@@ -209,7 +214,8 @@ class Simulation:
         w.busy, w.steps = True, w.steps + 1
         for seq in batch.seqs:
             w.reqs[seq.seq_id].timeline.setdefault("prefill_start", self.now)
-        self._push(self.now + self.step_seconds(batch) * self.contention(), STEP_DONE, (w, batch))
+        self._push(self.now + self.step_seconds(batch) * self.contention() + self.host_share(batch), STEP_DONE,
+                   (w, batch))
 
     def contention(self) -> float:
         """How much slower a step runs for the workers stepping now sharing the host's cores."""
@@ -217,6 +223,16 @@ class Simulation:
             return 1.0
         busy = sum(w.busy for w in self.workers.values())
         return max(1.0, busy * self.dep.threads / self.dep.host_cores)
+
+    def host_share(self, batch: ScheduledBatch) -> float:
+        """Seconds the host's other processes take from a step whose stepping workers' threads
+        fill the cores: their CPU for each token the step streams (0 where a core is free)."""
+        if not (self.dep.host_cores and self.dep.host_cpu_per_token_s):
+            return 0.0
+        if sum(w.busy for w in self.workers.values()) * self.dep.threads < self.dep.host_cores:
+            return 0.0
+        tokens = sum(seq.num_computed_tokens + n >= len(seq.token_ids) for seq, n in zip(batch.seqs, batch.num_tokens))
+        return tokens * self.dep.host_cpu_per_token_s
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
         """The prompts' chunks, each priced alone by the prefill curve, sharing one step's

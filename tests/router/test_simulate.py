@@ -160,6 +160,25 @@ def test_threads_within_the_cores_do_not_stretch():
         Deployment(1, 1, threads=0)
 
 
+def test_host_cpu_per_token_takes_from_steps_only_where_the_threads_fill_the_cores():
+    # One colocated worker of 2 threads on 2 cores, the router's 5 ms a token: the prefill
+    # step streams the first token (.1 + .005), the decode step the second (.01 + .005).
+    ids = list(range(100, 116))
+    (r,) = _sim(Deployment(0, 0, 1, threads=2, host_cores=2, host_cpu_per_token_s=0.005)).run([(0.0, ids, 2)])
+    assert r.record.token_times == pytest.approx([0.105, 0.12], abs=1e-9)
+    # 1P+1D, 1 thread each on 2 cores: D decodes while P is idle, a core is free for the
+    # router; P's prefill ran alone too. Token times as without it: KV lands .112, then a
+    # 10 ms step a token.
+    (r,) = _sim(Deployment(1, 1, threads=1, host_cores=2, host_cpu_per_token_s=0.005)).run([(0.0, ids, 3)])
+    assert r.record.token_times == pytest.approx([0.112, 0.122, 0.132], abs=1e-9)
+    # on one core P's prefill fills it: its sampled token adds .005 (KV lands .117), and
+    # so does each decode step on D (.015 a step)
+    (r,) = _sim(Deployment(1, 1, threads=1, host_cores=1, host_cpu_per_token_s=0.005)).run([(0.0, ids, 3)])
+    assert r.record.token_times == pytest.approx([0.117, 0.132, 0.147], abs=1e-9)
+    with pytest.raises(ValueError, match="host_cpu_per_token_s"):
+        Deployment(1, 1, host_cpu_per_token_s=-0.001)
+
+
 def test_cli_host_cores_stretch_the_run(tmp_path):
     _model(tmp_path)
     # 2 threads a worker on 1 core: every step takes twice its time (more while two step);
