@@ -17,7 +17,7 @@ kept up, each rate run on every system in turn, so that the machine's drift fall
   sweep, lowest first, and is stopped after. Before each measured point a planner server
   serves warm-up streams at that rate of `--planner-warmup-s` each, and of at least
   `--planner-min-requests` + 3 requests (the planner judges no fewer; fresh prompts, not
-  counted), each followed by a wait until no worker drains or exits and its pools hold
+  counted), each followed by a wait until no worker starts, drains or exits and its pools hold
   still for 10 s, until a stream passes without a planner change (at most 3):
   what is measured is the split the planner settled on at that load, as a deployment that
   runs for hours would have it. Its decisions (warm-up and measured part) are kept with
@@ -114,13 +114,14 @@ def pools(url: str) -> dict[str, int]:
 
 
 def settle(url: str, timeout_s: float) -> dict[str, int]:
-    """Wait until no worker is draining or exiting and the pool stays the same for 10 s."""
+    """Wait until no worker is starting, draining or exiting and the pool stays the same for 10 s."""
     deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
     while time.monotonic() < deadline:
         now = pools(url)
         if now != last:
             last, since = now, time.monotonic()
-        elif not any(k.endswith(("/draining", "/exiting")) for k in now) and time.monotonic() - since >= 10.0:
+        elif not any(k.endswith(("/starting", "/draining", "/exiting")) for k in now) \
+                and time.monotonic() - since >= 10.0:
             return now
         time.sleep(1.0)
     return last or {}
