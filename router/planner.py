@@ -29,7 +29,8 @@ once it counts `min_requests` requests, while the load is like it (each figure w
 seen: under a steady load the choice stands, a load that moved makes the planner measure
 again, and a layout tried over a few requests is not judged by them. A
 layout remembered better than the current one
-by more than `margin` is a wish of its own (`split_better_before`, `colocated_better_before`),
+by more than `margin` and than `confidence_z` standard errors of the two scores' difference
+(a score of few requests is noisy) is a wish of its own (`split_better_before`, `colocated_better_before`),
 and a split or merge toward a layout remembered no better than the current one is not
 made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
 measured, not guessed, once it has been tried. Before it has been, a prediction may stand
@@ -72,6 +73,7 @@ class PlannerConfig:
     memory_s: float = 1800.0  # one host: the longest a layout's observed score is trusted
     load_band: float = 1.5    # ... and only while each figure of the load is within this factor of its own
     min_requests: int = 1     # attainment is judged, and a layout's score counts, over at least this many requests
+    confidence_z: float = 1.28  # one host: a remembered score beats another by margin + this many standard errors
 
     def __post_init__(self) -> None:
         if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
@@ -80,9 +82,9 @@ class PlannerConfig:
             raise ValueError("planner target must be in (0, 1], margin >= 0, kv_high in (0, 1]")
         if self.sustain < 1 or min(self.cooldown_s, self.max_workers, self.host_cores, self.memory_s) < 0:
             raise ValueError("planner sustain must be >= 1; cooldown, max_workers, host_cores and memory_s >= 0")
-        if not self.load_band >= 1 or self.min_requests < 1:
-            raise ValueError(f"planner load_band must be >= 1 and min_requests >= 1, got {self.load_band}, "
-                             f"{self.min_requests}")
+        if not self.load_band >= 1 or self.min_requests < 1 or self.confidence_z < 0:
+            raise ValueError(f"planner load_band must be >= 1, min_requests >= 1 and confidence_z >= 0, got "
+                             f"{self.load_band}, {self.min_requests}, {self.confidence_z}")
 
 
 class Load(NamedTuple):
@@ -320,8 +322,22 @@ def _remember(memory: tuple, snap: Snapshot, cfg: PlannerConfig) -> tuple:
 
 def _recalled(memory: tuple, layout: str, snap: Snapshot, cfg: PlannerConfig) -> float | None:
     """`layout`'s remembered score, where it applies and counts `min_requests` requests."""
-    return next((m.score for m in memory if m.layout == layout and m.requests >= cfg.min_requests
+    m = _entry(memory, layout, snap, cfg)
+    return m.score if m is not None else None
+
+
+def _entry(memory: tuple, layout: str, snap: Snapshot, cfg: PlannerConfig) -> Remembered | None:
+    return next((m for m in memory if m.layout == layout and m.requests >= cfg.min_requests
                  and m.applies(snap.now, snap.load, cfg)), None)
+
+
+def _beats(a: Remembered, b: Remembered, cfg: PlannerConfig) -> bool:
+    """Whether score `a` is above `b` by more than `margin` and by more than `confidence_z`
+    standard errors of the difference of two shares (pooled): over 10 requests each, 90%
+    against 80% is one request, not a better layout; over 60 each it is."""
+    pooled = (a.score * a.requests + b.score * b.requests) / (a.requests + b.requests)
+    se = (pooled * (1 - pooled) * (1 / a.requests + 1 / b.requests)) ** 0.5
+    return a.score - b.score > max(cfg.margin, cfg.confidence_z * se)
 
 
 def _tried_no_better(memory: tuple, other: str, snap: Snapshot, cfg: PlannerConfig) -> bool:
@@ -332,10 +348,11 @@ def _tried_no_better(memory: tuple, other: str, snap: Snapshot, cfg: PlannerConf
 
 
 def _better_elsewhere(memory: tuple, here: str, snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str] | None:
-    """The move to the other layout where it scored more than `margin` above this one."""
+    """The move to the other layout where it scored above this one by more than `margin`
+    and than the noise of the two scores (`_beats`)."""
     other = "split" if here == "colocated" else "colocated"
-    theirs, ours = _recalled(memory, other, snap, cfg), _recalled(memory, here, snap, cfg)
-    if theirs is None or ours is None or theirs <= ours + cfg.margin:
+    theirs, ours = _entry(memory, other, snap, cfg), _entry(memory, here, snap, cfg)
+    if theirs is None or ours is None or not _beats(theirs, ours, cfg):
         return None
     return (SPLIT, "split_better_before") if other == "split" else (MERGE, "colocated_better_before")
 

@@ -235,9 +235,24 @@ def test_load_likeness_and_a_memory_without_a_load():
 def test_one_host_split_that_did_better_is_taken_again_when_colocated_misses():
     """A split remembered well above colocated is a wish of its own, whichever SLO misses."""
     cfg = PlannerConfig(0.5, 0.05, sustain=1, cooldown_s=0.0, host_cores=2)
-    memory = (Remembered("split", 0.95, 3, 0.0), Remembered("colocated", 0.5, 3, 0.0))
+    memory = (Remembered("split", 0.95, 10, 0.0), Remembered("colocated", 0.5, 10, 0.0))
     plan, _ = decide(snap(5.0, ttft=0.5, tpot=1.0, pools=Pools(0, 0, 1)), PlannerState(memory=memory), cfg)
     assert (plan.action, plan.reason) == (SPLIT, "split_better_before")
+
+
+def test_one_host_a_remembered_difference_within_the_noise_of_few_requests_is_no_reason_to_move():
+    """Colocated remembered at 90% and the split at 80%, 10 requests each (one request
+    apart): the split, missing TPOT with requests queued for decode, stays (the rule asks for
+    decode capacity, none is free); at 60 requests each the same scores are a difference,
+    and it merges back."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=1, cooldown_s=0.0, host_cores=2, min_requests=10)
+    split = Pools(1, 1)
+    for n, want in ((10, (NONE, "tpot_low_no_core_free")), (60, (MERGE, "colocated_better_before"))):
+        memory = (Remembered("colocated", 0.9, n, 0.0), Remembered("split", 0.8, n, 0.0))
+        plan, _ = decide(snap(5.0, tpot=0.8, pools=split, dq=1), PlannerState(memory=memory), cfg)
+        assert (plan.action, plan.reason) == want, n
+    with pytest.raises(ValueError, match="confidence_z"):
+        PlannerConfig(0.5, 0.05, confidence_z=-1.0)
 
 
 def test_without_host_cores_nothing_is_remembered():
