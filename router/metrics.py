@@ -1,7 +1,8 @@
 """Prometheus metrics of the router: requests, TTFT/TPOT/E2E histograms, tokens,
 per-worker load, prefix-cache hit rate (routing view and workers' own counters), KV
-transfer bytes, the router process's CPU and memory (`process_*`). The ones vLLM also exports come under vLLM's names too (`vllm:` prefix,
-a `model_name` label), fed by the same observations, so dashboards made for vLLM work."""
+transfer bytes, the router process's own CPU and memory (`process_*`). The ones vLLM
+also exports come under vLLM's names too (`vllm:` prefix, a `model_name` label), fed by
+the same observations, so dashboards made for vLLM work."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics, \
