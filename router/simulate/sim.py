@@ -214,22 +214,18 @@ class Simulation:
         w.busy, w.steps = True, w.steps + 1
         for seq in batch.seqs:
             w.reqs[seq.seq_id].timeline.setdefault("prefill_start", self.now)
-        self._push(self.now + self.step_seconds(batch) * self.contention() + self.host_share(batch), STEP_DONE,
-                   (w, batch))
+        threads = sum(w.busy for w in self.workers.values()) * self.dep.threads  # stepping now, this step's included
+        self._push(self.now + self.step_seconds(batch) * self.contention(threads) + self.host_share(batch, threads),
+                   STEP_DONE, (w, batch))
 
-    def contention(self) -> float:
-        """How much slower a step runs for the workers stepping now sharing the host's cores."""
-        if not self.dep.host_cores:
-            return 1.0
-        busy = sum(w.busy for w in self.workers.values())
-        return max(1.0, busy * self.dep.threads / self.dep.host_cores)
+    def contention(self, threads: int) -> float:
+        """How much slower a step runs while `threads` threads step on the host's cores."""
+        return max(1.0, threads / self.dep.host_cores) if self.dep.host_cores else 1.0
 
-    def host_share(self, batch: ScheduledBatch) -> float:
-        """Seconds the host's other processes take from a step whose stepping workers' threads
-        fill the cores: their CPU for each token the step streams (0 where a core is free)."""
-        if not (self.dep.host_cores and self.dep.host_cpu_per_token_s):
-            return 0.0
-        if sum(w.busy for w in self.workers.values()) * self.dep.threads < self.dep.host_cores:
+    def host_share(self, batch: ScheduledBatch, threads: int) -> float:
+        """Seconds the host's other processes take from a step while `threads` stepping
+        threads fill the cores: their CPU for each token it streams (0 where a core is free)."""
+        if not (self.dep.host_cores and self.dep.host_cpu_per_token_s) or threads < self.dep.host_cores:
             return 0.0
         tokens = sum(seq.num_computed_tokens + n >= len(seq.token_ids) for seq, n in zip(batch.seqs, batch.num_tokens))
         return tokens * self.dep.host_cpu_per_token_s
