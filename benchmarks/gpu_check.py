@@ -64,6 +64,14 @@ def make_models(root: Path) -> dict[str, str]:
     return dirs
 
 
+def given_model(model: str) -> dict[str, str]:
+    """--model: a folder, a .gguf file (converted to a cached folder, as `pdserve serve`
+    does) or 'default', keyed by its name."""
+    from common.loading.default_model import resolve_model
+    d = resolve_model(None if model == "default" else model)
+    return {Path(model).stem if model != "default" else "default": d}
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -155,7 +163,8 @@ def _kernel_row(dtype: torch.dtype, dev: str) -> dict:
 def _llm(model_dir: str, device: str, graphs: bool, dtype: str = "float32", **kw):
     from common.engine.llm import LLM
     opts = dict(device=device, dtype=dtype, num_kv_blocks=1024, max_model_len=1024, max_num_seqs=64,
-                decode_graphs=graphs, seed=0, **kw)
+                decode_graphs=graphs, seed=0, quantization="none")  # a GGUF's folder: its dequantized weights
+    opts.update(kw)
     if not on_gpu(device):
         opts["num_threads"] = 2
     return LLM(model_dir, **opts)
@@ -192,7 +201,7 @@ def check_graph_speed(args, models) -> dict:
     tokens - time of 1) / 128 for a batch of 32-token prompts; also bf16 tokens graphs
     vs eager (no transformers oracle at bf16: ours against ours)."""
     from common.sampling_params import SamplingParams
-    d = models["small-qwen3"]
+    d = models[args.speed_model]
     rows = []
     batches = (1, 8, 32, 64) if on_gpu(args.device) else (1, 4)
     for dtype in ("float32", "bfloat16"):
@@ -299,7 +308,7 @@ def check_serving(args, models) -> dict:
     from router.bench.metrics import summarize
     from router.bench.runner import run_workload
     from router.bench.workloads import random_workload
-    d = models["small-qwen3"]
+    d = models[args.speed_model]
     dev = args.device
     configs = {"1p1d": ["--prefill-devices", dev, "--decode-devices", dev],
                "colocated": ["--colocated-devices", dev]}
@@ -416,6 +425,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated checks (default all): " + ",".join(CHECKS))
     ap.add_argument("--rates", default="5,20,50", help="serving sweep, req/s")
     ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--model", default="",
+                    help="a model folder or .gguf file to run the checks on instead of the random ones "
+                         "(engine, bf16, graph_speed and serving use it; the default model: 'default')")
     ap.add_argument("--serving-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the served check's dtype; below float32 its greedy reference is our offline "
                          "engine at that dtype, one prompt at a time")
@@ -425,7 +437,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        models = make_models(Path(tmp))
+        models = given_model(args.model) if args.model else make_models(Path(tmp))
+        args.speed_model = "small-qwen3" if not args.model else next(iter(models))
         for name in names:
             log(f"check {name}")
             t0 = time.perf_counter()

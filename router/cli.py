@@ -130,14 +130,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _devices(spec: str | None, count: int, flag: str) -> tuple[str, ...]:
-    """`--prefill 2 --prefill-devices cuda:0,cuda:1`; cpu for all when no devices are given."""
+def _devices(spec: str | None, count: int, flag: str, default: str = "cpu") -> tuple[str, ...]:
+    """`--prefill 2 --prefill-devices cuda:0,cuda:1`; `default` (--device) for all when no
+    devices are given."""
     if not spec:
-        return ("cpu",) * count
+        return (default,) * count
     devs = tuple(d.strip() for d in spec.split(",") if d.strip())
     if len(devs) != count:
         raise ConfigError(f"{flag} lists {len(devs)} devices for {count} workers")
     return devs
+
+
+def _worker_devices(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """Each role's workers' devices: the role's --*-devices flag, else --device for all."""
+    default = engine_options(args).device.device
+    if args.colocated:
+        return {"colocated": _devices(args.colocated_devices, args.colocated, "--colocated-devices", default)}
+    return {"prefill": _devices(args.prefill_devices, args.prefill, "--prefill-devices", default),
+            "decode": _devices(args.decode_devices, args.decode, "--decode-devices", default)}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -145,7 +155,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.deploy import plan_deployment
     from router.serve import run
     placement = ray_placement(args)  # None: every worker on this machine
-    model, options = _resolved_options(args, here=placement is None)
     if args.colocated and (args.prefill or args.decode):
         raise ConfigError("use either --colocated K or --prefill N --decode M, not both")
     if not args.colocated:
@@ -153,6 +162,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.decode = 1 if args.decode is None else args.decode
     if not args.colocated and (args.prefill < 1 or args.decode < 1):
         raise ConfigError("a disaggregated deployment needs --prefill >= 1 and --decode >= 1 (or --colocated K)")
+    devices = _worker_devices(args)
+    model, options = _resolved_options(args, here=placement is None,
+                                       workers_device=next((d for ds in devices.values() for d in ds if d != "cpu"), None))
     n_workers = args.colocated or (args.prefill + args.decode)
     threads = options.device.num_threads or max(1, (os.cpu_count() or 1) // n_workers)
     if placement is not None:
@@ -163,12 +175,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     timeouts = given(args, WORKER_DEST)
     if args.colocated:
         dep = plan_deployment(router, options, threads_per_worker=threads, worker_timeouts=timeouts,
-                              colocated_devices=_devices(args.colocated_devices, args.colocated, "--colocated-devices"))
+                              colocated_devices=devices["colocated"])
     else:
         dep = plan_deployment(router, options, kv_transfer=args.kv_transfer, threads_per_worker=threads,
-                              worker_timeouts=timeouts,
-                              prefill_devices=_devices(args.prefill_devices, args.prefill, "--prefill-devices"),
-                              decode_devices=_devices(args.decode_devices, args.decode, "--decode-devices"))
+                              worker_timeouts=timeouts, prefill_devices=devices["prefill"],
+                              decode_devices=devices["decode"])
     if args.secret_file:  # multi-host: every host's workers are given the same secret this way
         dep = dataclasses.replace(dep, secret=_secret(args.secret_file))
     run(dep, args.ready_file)
@@ -199,20 +210,26 @@ def _router_config(args: argparse.Namespace, model: str, options: EngineOptions,
                         api_key=api_key, **router_fields, **fields)
 
 
-def _resolved_options(args: argparse.Namespace, here: bool = True) -> tuple[str, EngineOptions]:
+def _resolved_options(args: argparse.Namespace, here: bool = True,
+                      workers_device: str | None = None) -> tuple[str, EngineOptions]:
     """The model and the engine options of the flags, with max_model_len and dtype
     resolved from the model: a router and its workers must agree on them (the model
     fingerprint covers the dtype). `here`: the workers run on this machine, so their
-    device is checked here too; a Ray driver plans GPU workers it may not have itself."""
+    device is checked here too; a Ray driver plans GPU workers it may not have itself.
+    `workers_device`: a GPU some workers run on (--prefill-devices cuda:0): `auto` dtype
+    and quantization resolve as on it, which every worker can run (a GGUF model's kept
+    quantization runs on the CPU only, so on a GPU it is `none` for all)."""
     options = engine_options(args)  # the flags' values are checked before a model is fetched
     model = resolve_model(args.model)
-    if not here:  # dtype and quantization as the workers' device resolves them
+    target = workers_device or options.device.device
+    pinned = not here or target != options.device.device
+    if pinned:  # dtype and quantization as the workers' device resolves them
         from common.checkpoint_dtype import resolve_dtype
         from common.quantization import resolve_quantization
         dev = options.device
-        options = options.replace(dtype=resolve_dtype(dev.dtype, model, dev.device),
-                                  quantization=resolve_quantization(dev.quantization, model, dev.device))
-    engine = (options if here else options.replace(device="cpu")).engine_config(model)
+        options = options.replace(dtype=resolve_dtype(dev.dtype, model, target),
+                                  quantization=resolve_quantization(dev.quantization, model, target))
+    engine = (options.replace(device="cpu") if pinned else options).engine_config(model)
     return model, options.replace(max_model_len=engine.scheduler.max_model_len, dtype=engine.device.dtype,
                                   quantization=engine.device.quantization)
 

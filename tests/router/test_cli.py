@@ -156,3 +156,49 @@ def test_config_refuses_unknown_parsers_and_auto_without_one():
         with pytest.raises(ConfigError):
             RouterConfig(model_dir="m", **bad)
     RouterConfig(model_dir="m", enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+
+
+def _serve_args(*flags: str):
+    args = build_parser().parse_args(["serve", *flags])
+    if not args.colocated:
+        args.prefill = 1 if args.prefill is None else args.prefill
+        args.decode = 1 if args.decode is None else args.decode
+    return args
+
+
+def test_serve_workers_run_on_device_unless_their_role_names_devices():
+    from router.cli import _worker_devices
+    assert _worker_devices(_serve_args("--device", "cuda:0", "--decode", "2")) == {
+        "prefill": ("cuda:0",), "decode": ("cuda:0", "cuda:0")}
+    assert _worker_devices(_serve_args("--device", "cuda:0", "--decode-devices", "cpu")) == {
+        "prefill": ("cuda:0",), "decode": ("cpu",)}
+    assert _worker_devices(_serve_args("--colocated", "2")) == {"colocated": ("cpu", "cpu")}
+
+
+def _as_if_from_gguf(model_dir: str, tmp_path) -> str:
+    """A copy of `model_dir` that names a GGUF file it came from (what `convert_gguf`
+    leaves), so `auto` quantization keeps the GGUF's types on the CPU."""
+    import shutil
+
+    from common.quantization import write_gguf_source
+    folder = shutil.copytree(model_dir, tmp_path / "from-gguf")
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    write_gguf_source(folder, source)
+    return str(folder)
+
+
+def test_serve_resolves_auto_precision_as_its_gpu_workers_do(model_dirs, tmp_path):
+    """A GGUF's kept quantization runs on the CPU only: with P and D on a GPU, `auto`
+    resolves to the dequantized weights for every worker (before, the router resolved it
+    for the CPU and the GPU workers exited refusing `gguf`). Explicit CPU-only
+    quantization with GPU workers is refused before anything starts."""
+    from common.config import ConfigError
+    from router.cli import _resolved_options
+    model = _as_if_from_gguf(model_dirs["llama"], tmp_path)
+    _, on_cpu = _resolved_options(_serve_args(model))
+    assert on_cpu.device.quantization == "gguf"
+    _, on_gpu = _resolved_options(_serve_args(model), workers_device="cuda:0")
+    assert (on_gpu.device.quantization, on_gpu.device.dtype) == ("none", "float32")
+    with pytest.raises(ConfigError, match="runs on the CPU only"):
+        _resolved_options(_serve_args(model, "--quantization", "int8"), workers_device="cuda:0")
