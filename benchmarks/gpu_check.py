@@ -5,6 +5,7 @@ and NCCL between two processes, a served disaggregated run with P and D on the G
 next to a colocated worker, and pools split and merged under traffic (gpu_check_elastic.py).
 
     python benchmarks/gpu_check.py --out results/gpu_check.json [--device cuda:0] [--only engine,ipc]
+    python benchmarks/gpu_check.py --model default --only engine,bf16,graph_speed,serving   # the default SmolLM2
 
 Each check reports ok or failed with its error, so one broken path does not hide the
 others; the JSON is rewritten after every check. With `--device cpu` the same checks run
