@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from planner_vs_fixed import REGIMES, DecisionPoller  # noqa: E402
-from servers import Server, log, start_pdserve, start_vllm, vllm_version  # noqa: E402
+from servers import Server, cpu_by_pid, cpu_split, log, start_pdserve, start_vllm, vllm_version  # noqa: E402
 
 from common.config import ModelConfig  # noqa: E402
 from router.bench.arrivals import arrival_times  # noqa: E402
@@ -169,7 +169,12 @@ def point(s: Server, name: str, args: argparse.Namespace, rate: float, k: int, v
         out["warmup"] = planner_warmup(s, args, rate, vocab, k)
     reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=100 + k)
     poller = decision_poller(s.url, time.time()) if name.startswith("planner-") else None
+    cpu0 = cpu_by_pid(s.ps)
     records, duration = serve(s, reqs, arrival_times(args.num_prompts, rate, 1.0, seed=k))
+    out["cpu"] = cpu_split(s.proc.pid, cpu0, cpu_by_pid(s.ps))
+    tokens = sum(r.output_len for r in records if r.success)
+    out["cpu"].update(output_tokens=tokens, duration_s=round(duration, 1),
+                      root_ms_per_token=round(1e3 * out["cpu"]["root_s"] / max(tokens, 1), 3))
     if poller:
         out["decisions"], out["pool_after"] = poller.stop(), pools(s.url)
     own = [name.removeprefix("planner-")] if name.startswith("planner-") else regimes
@@ -180,6 +185,9 @@ def point(s: Server, name: str, args: argparse.Namespace, rate: float, k: int, v
         log(f"  {name:<28} {rate:g} req/s, {r}: attainment {res['slo_attainment']:4.0%}  TTFT mean "
             f"{res.get('mean_ttft_ms', 0):6.0f} p99 {res.get('p99_ttft_ms', 0):6.0f} ms  TPOT mean "
             f"{res.get('mean_tpot_ms', 0):6.1f} p99 {res.get('p99_tpot_ms', 0):6.1f} ms")
+    c = out["cpu"]
+    log(f"  {name:<28} CPU over the point: server process {c['root_s']:.1f} s ({c['root_ms_per_token']:.2f} ms a "
+        f"token), its workers {c['descendants_s']:.1f} s")
     return out
 
 

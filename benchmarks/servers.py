@@ -90,6 +90,32 @@ def tree_cpu_s(proc: psutil.Process) -> float:
     return total
 
 
+def cpu_by_pid(proc: psutil.Process) -> dict[int, float]:
+    """CPU seconds of a process and of each live descendant, by pid."""
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_split(root: int, before: dict[int, float], after: dict[int, float]) -> dict:
+    """CPU seconds spent between two `cpu_by_pid` samples: the root process's (a pdserve
+    server's router) and its descendants' (the workers: those alive at the end; one that
+    started in between counts from 0, one that exited in between is lost and counted)."""
+    kids = {pid: t - before.get(pid, 0.0) for pid, t in after.items() if pid != root}
+    return {"root_s": round(after.get(root, 0.0) - before.get(root, 0.0), 3),
+            "descendants_s": round(sum(kids.values()), 3),
+            "exited": sum(1 for pid in before if pid not in after)}
+
+
 # ---- servers ------------------------------------------------------------------------------
 
 class Server:

@@ -155,6 +155,7 @@ class Snapshot:
     # on each layout (router/planner_predict.py); () where not predicted
     predicted: tuple[tuple[str, float], ...] = ()
     awaiting_prediction: bool = False  # the first prediction is being made: no split or merge yet
+    router_cpu_ms_per_token: float | None = None  # what the prediction priced the router's CPU at (None: not)
     load: Load | None = None  # the load of the latest minutes (None: too few requests to say)
 
     def figures(self) -> dict[str, float]:
@@ -169,6 +170,8 @@ class Snapshot:
                 out[name] = round(getattr(self, name), 3)
         for layout, value in self.predicted:
             out[f"predicted_{layout}"] = value
+        if self.predicted and self.router_cpu_ms_per_token is not None:
+            out["router_cpu_ms_per_token"] = self.router_cpu_ms_per_token
         if self.load is not None:
             out["load_rate"] = round(self.load.rate, 3)
         return out

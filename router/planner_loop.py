@@ -12,8 +12,11 @@ worker able to serve, as the control API's last-worker rule demands."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -22,13 +25,14 @@ from common.clock import Clock
 from router.control import ControlPlane
 from router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Load, Plan, PlannerConfig, PlannerState, Pools, \
     Snapshot, decide, score, share
-from router.planner_predict import REFRESH_S, Predictor
+from router.planner_predict import PREDICT_S, REFRESH_S, Predictor
 from router.registry import SERVING, PoolError
 from router.background import Background
 
 CHANGING = ("starting", "draining", "exiting")
 LOAD_S = 120.0  # the load is that of the requests sent in the last LOAD_S that have finished
 LOAD_MIN = 4    # ... at least this many of them, else it is not known
+CPU_MIN_TOKENS = 200  # the router's CPU a token is priced over at least this many streamed tokens, else not
 
 
 @dataclass
@@ -71,7 +75,7 @@ class Planner(Background):
     (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
 
     def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0,
-                 predictor: Predictor | None = None) -> None:
+                 predictor: Predictor | None = None, cpu_seconds: Callable[[], float] = time.process_time) -> None:
         if not interval_s > 0:
             raise ValueError(f"planner interval must be > 0 s, got {interval_s}")
         self.control = control
@@ -87,7 +91,10 @@ class Planner(Background):
         self._last_reason = ""
         self._settled_at: float | None = 0.0  # when the pools last stopped changing (None: changing now)
         self._predicted: tuple[float, tuple] | None = None  # (when, scores) of the last prediction
-        self._due: tuple[float, int] | None = None  # a replay the loop owes: (now, KV blocks a worker)
+        self._due: tuple[float, int, float] | None = None  # a replay the loop owes: (now, KV blocks a worker, CPU a token)
+        self.cpu_seconds = cpu_seconds  # this process's CPU (every thread's): the router's own
+        self._cpu: collections.deque = collections.deque()  # (when, cpu_seconds()) at each window
+        self.router_cpu_per_token_s: float | None = None  # what the last prediction priced (None: too few tokens)
         self._inline = True  # step() driven directly: a replay runs in it
 
     @property
@@ -101,13 +108,14 @@ class Planner(Background):
             try:
                 self.step()
                 if self._due is not None:  # ready for the next window
-                    (now, blocks), self._due = self._due, None
-                    await asyncio.to_thread(self._replay, now, list(self.router.finished_log), blocks)
+                    (now, blocks, cpu), self._due = self._due, None
+                    await asyncio.to_thread(self._replay, now, list(self.router.finished_log), blocks, cpu)
             except Exception as e:  # a bug must not end planning, nor the router
                 print(f"planner: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def step(self) -> Plan:
         """One window: advance a swap under way, then sample, decide, apply, log, export."""
+        self._sample_cpu()
         self._advance_swap()
         snap = self.snapshot()
         plan, self.state = decide(snap, self.state, self.cfg)
@@ -149,6 +157,8 @@ class Planner(Background):
                         sum(e.inflight for e in prefill), sum(e.status.waiting for e in kv_side if e.status),
                         1 - free / total if total else 0.0, pools, len(settled), score(*self._attainments(settled)),
                         len(judged), predicted, awaiting_prediction=self._predicted is None and self._due is not None,
+                        router_cpu_ms_per_token=None if self.router_cpu_per_token_s is None
+                        else round(self.router_cpu_per_token_s * 1e3, 3),
                         load=self._load(log, now))
 
     def _load(self, log, now: float) -> Load | None:
@@ -163,6 +173,24 @@ class Planner(Background):
         return Load(len(recent) / max(span, self.interval_s), sum(r[4] for r in recent) / len(recent),
                     sum(r[5] for r in recent) / len(recent))
 
+    def _sample_cpu(self) -> None:
+        now = self.clock.monotonic()
+        self._cpu.append((now, self.cpu_seconds()))
+        while len(self._cpu) > 2 and self._cpu[1][0] <= now - PREDICT_S:
+            self._cpu.popleft()
+
+    def cpu_per_token(self) -> float | None:
+        """The router's CPU seconds per token it streamed, over the last PREDICT_S (the
+        requests a prediction replays): this process's CPU between the oldest and the
+        latest window sample, over the output tokens of the requests that finished between
+        them. It covers the per-token relay, each request's own work and the background
+        (windows, heartbeats, replays), spread over the tokens. None under CPU_MIN_TOKENS."""
+        if len(self._cpu) < 2:
+            return None
+        (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
+        tokens = sum(r[5] for r in self.router.finished_log if len(r) >= 6 and t0 < r[0] <= t1)
+        return max(0.0, c1 - c0) / tokens if tokens >= CPU_MIN_TOKENS else None
+
     def _predict(self, now: float, num_blocks: int) -> tuple:
         """Both layouts' predicted scores for the latest requests (the last replay's, for
         REFRESH_S); () without a predictor. Where the last is older, a new replay runs
@@ -172,15 +200,17 @@ class Planner(Background):
         if self.predictor is None:
             return ()
         if self._predicted is None or now - self._predicted[0] >= REFRESH_S:
+            cpu = self.cpu_per_token()
+            self.router_cpu_per_token_s = cpu
             if self._inline:
-                self._replay(now, list(self.router.finished_log), num_blocks)
+                self._replay(now, list(self.router.finished_log), num_blocks, cpu or 0.0)
             else:
-                self._due = (now, num_blocks)
+                self._due = (now, num_blocks, cpu or 0.0)
         return self._predicted[1] if self._predicted is not None else ()
 
-    def _replay(self, now: float, finished: list, num_blocks: int) -> None:
+    def _replay(self, now: float, finished: list, num_blocks: int, cpu_per_token_s: float = 0.0) -> None:
         try:
-            scores = self.predictor.scores(finished, now, num_blocks)
+            scores = self.predictor.scores(finished, now, num_blocks, cpu_per_token_s)
         except Exception as e:  # a prediction is advice: its failure must not stop planning
             print(f"planner: prediction failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             scores = ()

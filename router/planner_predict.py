@@ -82,8 +82,11 @@ class Predictor:
         t0 = recent[0][3]
         return [(r[3] - t0, [i + 1] * int(r[4]), max(1, int(r[5]))) for i, r in enumerate(recent)]
 
-    def scores(self, finished: list[tuple], now: float, num_blocks: int = 0) -> tuple[tuple[str, float], ...]:
-        """((layout, predicted score), ...) for colocated and split; () with nothing to replay."""
+    def scores(self, finished: list[tuple], now: float, num_blocks: int = 0,
+               host_cpu_per_token_s: float = 0.0) -> tuple[tuple[str, float], ...]:
+        """((layout, predicted score), ...) for colocated and split; () with nothing to replay.
+        `host_cpu_per_token_s`: the router's own CPU a streamed token (the planner measures
+        it), which a step on all the host's cores pays (router/simulate/sim.py `host_share`)."""
         from router.simulate.sim import Deployment, Simulation  # the engine's scheduler: only when asked
         requests = self.requests(finished, now)
         if not requests:
@@ -91,10 +94,10 @@ class Predictor:
         blocks = num_blocks or DEFAULT_BLOCKS
         out = []
         for layout, dep, model in (
-                ("colocated", Deployment(0, 0, 1, blocks, SchedulerConfig(), self.host_cores, self.host_cores),
-                 self.models.colocated),
-                ("split", Deployment(1, 1, 0, blocks, SchedulerConfig(), self.host_cores // 2, self.host_cores),
-                 self.models.split)):
+                ("colocated", Deployment(0, 0, 1, blocks, SchedulerConfig(), self.host_cores, self.host_cores,
+                                         host_cpu_per_token_s), self.models.colocated),
+                ("split", Deployment(1, 1, 0, blocks, SchedulerConfig(), self.host_cores // 2, self.host_cores,
+                                     host_cpu_per_token_s), self.models.split)):
             records = [r.record for r in Simulation(dep, model, self.router_config).run(requests)]
             ttft = [r.ttft for r in records if r.ttft is not None]
             tpot = [r.tpot for r in records if r.tpot is not None]

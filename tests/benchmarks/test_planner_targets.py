@@ -95,3 +95,11 @@ def test_interleaved_runs_each_rate_on_every_system_and_stops_every_server(pt, m
     with pytest.raises(RuntimeError, match="a at 0.5"):
         pt.interleaved(["a", "b"], None, [0.5], 100, None, [])
     assert sorted(stopped) == ["a", "b"]
+
+
+def test_cpu_split_counts_the_server_and_its_workers_apart(pt):
+    """A worker alive throughout counts its delta, one started in between counts from 0,
+    one that exited in between is counted as exited (its CPU is lost)."""
+    before = {10: 5.0, 11: 100.0, 12: 40.0}
+    after = {10: 6.5, 11: 130.0, 13: 2.0}
+    assert pt.cpu_split(10, before, after) == {"root_s": 1.5, "descendants_s": 32.0, "exited": 1}

@@ -79,6 +79,57 @@ def test_a_prompt_stalling_the_decodes_it_shares_a_worker_with_is_predicted():
         {"colocated": 0.5, "split": 1.0}
 
 
+def test_the_routers_cpu_is_paid_by_steps_on_every_core():
+    # one request; both layouts' decode steps take 15 ms (TPOT SLO 20 ms). With the
+    # router's 10 ms of CPU a streamed token: colocated's 2 threads fill both cores, so each
+    # of its steps pays it (25 ms > 20); the split's decode thread steps alone after the
+    # prefill (a core free for the router) and keeps its 15 ms.
+    p = predictor(0.015, 0.015)
+    log = [entry(10.0, 9.0, 32, 5)]
+    assert p.scores(log, now=10.0) == (("colocated", 1.0), ("split", 1.0))
+    assert p.scores(log, now=10.0, host_cpu_per_token_s=0.01) == (("colocated", 0.0), ("split", 1.0))
+
+
+def test_the_loop_measures_the_routers_cpu_a_token_and_prices_it():
+    """CPU seconds of this process (injected) over the tokens of the requests finished
+    between the first and the last window sample of the last PREDICT_S; none under
+    CPU_MIN_TOKENS tokens; the replay gets it."""
+    from common.clock import ManualClock
+    from router.planner_loop import CPU_MIN_TOKENS, Planner
+    from tests.router.test_planner_loop import INTERVAL, FakeControl
+
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    cpu = [0.0]
+    priced = []
+
+    class Counted(Predictor):
+        def scores(self, finished, now, num_blocks=0, host_cpu_per_token_s=0.0):
+            priced.append(host_cpu_per_token_s)
+            return super().scores(finished, now, num_blocks, host_cpu_per_token_s)
+
+    p = predictor(0.01, 0.05)
+    planner = Planner(control, PlannerConfig(1.0, 0.02, sustain=2, cooldown_s=0.0, host_cores=2), INTERVAL,
+                      predictor=Counted(p.models, RouterConfig("m"), 1.0, 0.02, 2), cpu_seconds=lambda: cpu[0])
+    per_window = 64  # tokens finished each window; 0.32 s of CPU each: 5 ms a token
+    assert CPU_MIN_TOKENS > per_window
+    figures = []
+    for _ in range(5):
+        clock.advance(INTERVAL)
+        now = clock.monotonic()  # one request a window, over the TPOT SLO: a prediction is asked for
+        control.router.finished_log.append((now - 1.0, 0.3, 0.03, now - 3.0, 64, per_window))
+        cpu[0] += 0.005 * per_window
+        figures.append(planner.step().figures)
+    assert priced[0] == 0.0 and "router_cpu_ms_per_token" not in figures[0]  # no tokens between samples yet
+    assert planner.cpu_per_token() == pytest.approx(0.005)
+    planner._predicted = None  # the next window replays again
+    clock.advance(INTERVAL)
+    control.router.finished_log.append((clock.monotonic() - 1.0, 0.3, 0.03, clock.monotonic() - 3.0, 64, per_window))
+    cpu[0] += 0.005 * per_window
+    assert planner.step().figures["router_cpu_ms_per_token"] == 5.0
+    assert priced[-1] == pytest.approx(0.005)
+
+
 CFG = PlannerConfig(1.0, 0.02, sustain=1, cooldown_s=0.0, host_cores=2)
 
 
@@ -125,9 +176,9 @@ def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse
     replays = []
 
     class Counted(Predictor):
-        def scores(self, finished, now, num_blocks=0):
+        def scores(self, finished, now, num_blocks=0, host_cpu_per_token_s=0.0):
             replays.append(now)
-            return super().scores(finished, now, num_blocks)
+            return super().scores(finished, now, num_blocks, host_cpu_per_token_s)
 
     p = predictor(0.01, 0.05)
     planner = Planner(control, cfg, INTERVAL, predictor=Counted(p.models, RouterConfig("m"), 1.0, 0.02, 2))
