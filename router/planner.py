@@ -38,7 +38,10 @@ in: where the window carries both layouts' predicted scores (`Snapshot.predicted
 latest requests simulated on each: router/planner_predict.py), a split or merge toward a
 layout predicted worse than the current one by more than `margin` is not made
 (`split_predicted_worse`, `merge_predicted_worse`), nor one while the first prediction is
-being made (`*_awaiting_prediction`).
+being made (`*_awaiting_prediction`); and a layout within the SLO but near it (score
+under target + margin) moves to the other where the models predict this one under the
+target and the other at or above it (`split_predicted_better`, `merge_predicted_better`):
+at a low rate a few misses in a window are all the evidence there is for a long time.
 
 A wish becomes a plan only after it held `sustain` consecutive windows, not within
 `cooldown_s` of the last plan, not while an earlier change is under way, and only if its
@@ -248,6 +251,10 @@ def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, 
         better = _better_elsewhere(memory, here, snap, cfg)
         if better is not None:
             return better
+    elif here is not None:
+        ahead = _predicted_ahead(here, snap, memory, cfg)
+        if ahead is not None:
+            return ahead
     if here == "colocated":
         if not tpot_low:
             return NONE, "within_slo"
@@ -284,6 +291,24 @@ def _swap(action: str, why: str, snap: Snapshot, memory: tuple, cfg: PlannerConf
         if here in predicted and other in predicted and predicted[other] < predicted[here] - cfg.margin:
             return NONE, f"{name}_predicted_worse"
     return action, why
+
+
+def _predicted_ahead(here: str, snap: Snapshot, memory: tuple, cfg: PlannerConfig) -> tuple[str, str] | None:
+    """Within the SLO but near it (the window's score under target + margin): the move to
+    the other layout where it was not tried and the latency models predict this one under
+    the target and the other at or above it, by more than `margin` (`split_predicted_better`,
+    `merge_predicted_better`). A layout measured worse after the move is undone by the
+    rules above, and a remembered score outranks the prediction."""
+    current = score(snap.ttft_attainment, snap.tpot_attainment)
+    if current is None or current >= cfg.target + cfg.margin:
+        return None
+    other = "split" if here == "colocated" else "colocated"
+    predicted = dict(snap.predicted)
+    if here not in predicted or other not in predicted or _recalled(memory, other, snap, cfg) is not None:
+        return None
+    if predicted[here] < cfg.target <= predicted[other] and predicted[other] - predicted[here] > cfg.margin:
+        return (SPLIT, "split_predicted_better") if other == "split" else (MERGE, "merge_predicted_better")
+    return None
 
 
 def _layout(p: Pools) -> str | None:

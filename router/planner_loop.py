@@ -149,7 +149,8 @@ class Planner(Background):
         prefill, kv_side = reg.live(("prefill",)), reg.live(("decode", "colocated"))
         total = sum(e.status.total_blocks for e in kv_side if e.status)
         free = sum(e.status.free_blocks for e in kv_side if e.status)
-        low = any(a is not None and a < self.cfg.target for a in (ttft, tpot))
+        # near the target (under it + margin): the rule may act on a prediction (planner.py `_predicted_ahead`)
+        low = any(a is not None and a < self.cfg.target + self.cfg.margin for a in (ttft, tpot))
         cooling = self.state.last_plan_at is not None and now - self.state.last_plan_at < self.cfg.cooldown_s
         predicted = self._predict(now, max((e.status.total_blocks for e in kv_side if e.status), default=0)) \
             if low and not (pools.changing or cooling) else ()

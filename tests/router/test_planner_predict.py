@@ -198,3 +198,23 @@ def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse
         control.router.finished_log.append((clock.monotonic() - 1.0, 0.3, 0.03, clock.monotonic() - 3.0, 64, 16))
         actions.append(planner.step().action)
     assert actions == [NONE, SPLIT]  # held for sustain (2) windows
+
+
+def test_near_the_target_the_layout_predicted_better_is_moved_to():
+    """Within the SLO but under target + margin, the models predicting this layout under
+    the target and the other at or above it: the move is made. Not at the target + margin,
+    not where the present layout is predicted at the target, not where the other was
+    measured (what was measured outranks what was predicted)."""
+    colocated, split = Pools(colocated=1), Pools(prefill=1, decode=1)
+    ahead = (("colocated", 0.8), ("split", 1.0))
+    plan, _ = decide(window(colocated, 0.9, ahead), PlannerState(), CFG)
+    assert (plan.action, plan.reason) == (SPLIT, "split_predicted_better")
+    plan, _ = decide(window(split, 1.0, (("colocated", 1.0), ("split", 0.8)), ttft=0.9), PlannerState(), CFG)
+    assert (plan.action, plan.reason) == (MERGE, "merge_predicted_better")
+    for snap, state in ((window(colocated, 1.0, ahead), PlannerState()),
+                        (window(colocated, 0.9, (("colocated", 0.9), ("split", 1.0))), PlannerState()),
+                        (window(colocated, 0.9, ()), PlannerState()),
+                        (window(colocated, 0.9, ahead),
+                         PlannerState(memory=(Remembered("split", 0.85, 20, 99.0),)))):
+        plan, _ = decide(snap, state, CFG)
+        assert (plan.action, plan.reason) == (NONE, "within_slo"), (snap, state)
