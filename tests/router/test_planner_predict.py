@@ -49,6 +49,18 @@ def predictor(colocated_step_s: float, split_step_s: float) -> Predictor:
     return Predictor(models, RouterConfig("m"), ttft_slo_s=1.0, tpot_slo_s=0.02, host_cores=2)
 
 
+class Recording(Predictor):
+    """A predictor that notes each replay: (when, the router's CPU a token it priced)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.replays: list[tuple[float, float]] = []
+
+    def scores(self, finished, now, num_blocks=0, host_cpu_per_token_s=0.0):
+        self.replays.append((now, host_cpu_per_token_s))
+        return super().scores(finished, now, num_blocks, host_cpu_per_token_s)
+
+
 def entry(finished: float, sent: float, prompt: int, output: int) -> tuple:
     """A router finished-log entry (its TTFT and TPOT are not what is replayed)."""
     return (finished, 0.5, 0.05, sent, prompt, output)
@@ -101,16 +113,9 @@ def test_the_loop_measures_the_routers_cpu_a_token_and_prices_it():
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
     cpu = [0.0]
-    priced = []
-
-    class Counted(Predictor):
-        def scores(self, finished, now, num_blocks=0, host_cpu_per_token_s=0.0):
-            priced.append(host_cpu_per_token_s)
-            return super().scores(finished, now, num_blocks, host_cpu_per_token_s)
-
-    p = predictor(0.01, 0.05)
+    recording = Recording(predictor(0.01, 0.05).models, RouterConfig("m"), 1.0, 0.02, 2)
     planner = Planner(control, PlannerConfig(1.0, 0.02, sustain=2, cooldown_s=0.0, host_cores=2), INTERVAL,
-                      predictor=Counted(p.models, RouterConfig("m"), 1.0, 0.02, 2), cpu_seconds=lambda: cpu[0])
+                      predictor=recording, cpu_seconds=lambda: cpu[0])
     per_window = 64  # tokens finished each window; 0.32 s of CPU each: 5 ms a token
     assert CPU_MIN_TOKENS > per_window
     figures = []
@@ -120,6 +125,7 @@ def test_the_loop_measures_the_routers_cpu_a_token_and_prices_it():
         control.router.finished_log.append((now - 1.0, 0.3, 0.03, now - 3.0, 64, per_window))
         cpu[0] += 0.005 * per_window
         figures.append(planner.step().figures)
+    priced = [c for _, c in recording.replays]
     assert priced[0] == 0.0 and "router_cpu_ms_per_token" not in figures[0]  # no tokens between samples yet
     assert planner.cpu_per_token() == pytest.approx(0.005)
     planner._predicted = None  # the next window replays again
@@ -127,7 +133,7 @@ def test_the_loop_measures_the_routers_cpu_a_token_and_prices_it():
     control.router.finished_log.append((clock.monotonic() - 1.0, 0.3, 0.03, clock.monotonic() - 3.0, 64, per_window))
     cpu[0] += 0.005 * per_window
     assert planner.step().figures["router_cpu_ms_per_token"] == 5.0
-    assert priced[-1] == pytest.approx(0.005)
+    assert recording.replays[-1][1] == pytest.approx(0.005)
 
 
 CFG = PlannerConfig(1.0, 0.02, sustain=1, cooldown_s=0.0, host_cores=2)
@@ -173,15 +179,8 @@ def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
     cfg = PlannerConfig(1.0, 0.02, sustain=2, cooldown_s=0.0, host_cores=2)
-    replays = []
-
-    class Counted(Predictor):
-        def scores(self, finished, now, num_blocks=0, host_cpu_per_token_s=0.0):
-            replays.append(now)
-            return super().scores(finished, now, num_blocks, host_cpu_per_token_s)
-
-    p = predictor(0.01, 0.05)
-    planner = Planner(control, cfg, INTERVAL, predictor=Counted(p.models, RouterConfig("m"), 1.0, 0.02, 2))
+    recording = Recording(predictor(0.01, 0.05).models, RouterConfig("m"), 1.0, 0.02, 2)
+    planner = Planner(control, cfg, INTERVAL, predictor=recording)
     plans = []
     for _ in range(6):
         clock.advance(INTERVAL)
@@ -190,7 +189,7 @@ def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse
         plans.append(planner.step())
     assert {(p.action, p.reason) for p in plans} == {(NONE, "split_predicted_worse")}
     assert (plans[-1].figures["predicted_colocated"], plans[-1].figures["predicted_split"]) == (1.0, 0.0)
-    assert control.calls == [] and replays == [INTERVAL]  # one replay serves REFRESH_S (30 s)
+    assert control.calls == [] and [t for t, _ in recording.replays] == [INTERVAL]  # one replay serves REFRESH_S (30 s)
     planner.predictor = predictor(0.01, 0.01)  # models that price both layouts alike: the split is tried
     actions = []
     for _ in range(2):
