@@ -31,8 +31,8 @@ again, and a layout tried over a few requests is not judged by them. A
 layout remembered better than the current one
 by more than `margin` and than `confidence_z` standard errors of the two scores' difference
 (a score of few requests is noisy) is a wish of its own (`split_better_before`, `colocated_better_before`),
-and a split or merge toward a layout remembered no better than the current one is not
-made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
+and a split or merge toward a layout remembered no better than the current one (beyond
+that same noise) is not made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
 measured, not guessed, once it has been tried. Before it has been, a prediction may stand
 in: where the window carries both layouts' predicted scores (`Snapshot.predicted`, the
 latest requests simulated on each: router/planner_predict.py), a split or merge toward a
@@ -369,10 +369,12 @@ def _beats(a: Remembered, b: Remembered, cfg: PlannerConfig) -> bool:
 
 
 def _tried_no_better(memory: tuple, other: str, snap: Snapshot, cfg: PlannerConfig) -> bool:
-    """Whether `other` was tried (and still applies) and scored no better than the current layout."""
+    """Whether `other` was tried (and still applies) and scored no better than the current
+    layout beyond the noise of the two scores (`_beats`): over 10 requests each, 80%
+    against 60% is two requests, not a reason to swap back (a swap costs a window)."""
     here = "split" if other == "colocated" else "colocated"
-    theirs, ours = _recalled(memory, other, snap, cfg), _recalled(memory, here, snap, cfg)
-    return theirs is not None and ours is not None and theirs <= ours
+    theirs, ours = _entry(memory, other, snap, cfg), _entry(memory, here, snap, cfg)
+    return theirs is not None and ours is not None and not _beats(theirs, ours, cfg)
 
 
 def _better_elsewhere(memory: tuple, here: str, snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str] | None:

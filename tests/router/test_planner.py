@@ -280,6 +280,18 @@ def test_router_config_checks_the_planner_flags():
             RouterConfig("m", **bad)
 
 
+def test_one_host_a_remembered_layout_better_only_within_the_noise_is_not_swapped_back_to():
+    """A split missing TTFT over 10 requests (60%) does not merge back to colocated
+    remembered at 80% over 10 (two requests apart); against colocated's 80% over 60 and
+    the split's 40% over 60 it does."""
+    cfg = PlannerConfig(1.0, 0.05, sustain=1, host_cores=2, min_requests=10)
+    split = Pools(1, 1)
+    for n, split_score, want in ((10, 0.6, (NONE, "merge_worse_before")), (60, 0.4, (MERGE, "colocated_better_before"))):
+        memory = (Remembered("colocated", 0.8, n, 0.0), Remembered("split", split_score, n, 0.0))
+        plan, _ = decide(snap(5.0, ttft=split_score, pools=split), PlannerState(memory=memory), cfg)
+        assert (plan.action, plan.reason) == want, n
+
+
 def test_one_host_a_score_of_fewer_than_min_requests_does_not_decide():
     """Colocated remembered over 3 requests at 33% does not keep a split missing TPOT from
     merging back; over 10 it does."""
