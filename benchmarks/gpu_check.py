@@ -35,10 +35,10 @@ import torch  # noqa: E402
 
 from gpu_check_elastic import check_elastic  # noqa: E402
 from gpu_check_features import check_features  # noqa: E402
+from gpu_check_models import ARCHS, given_model, hf_greedy, make_models, prompts_for  # noqa: E402
 from gpu_check_transfer import check_cuda_ipc, check_nccl, on_gpu, sync, timed  # noqa: E402
 from servers import log, repo_pythonpath, start_pdserve  # noqa: E402
 
-ARCHS = ("qwen3", "qwen2", "llama")
 MAX_NEW = 16
 SEEDED = [dict(temperature=1.0, seed=11), dict(temperature=0.8, top_p=0.9, seed=12),
           dict(temperature=1.3, top_k=20, seed=13)]  # as tests/disagg: one random stream per request
@@ -54,42 +54,6 @@ def seeded_one_engine(model_dir: str, device: str, graphs: bool = False) -> list
     llm = _llm(model_dir, device, graphs)
     params = [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **kw) for kw in SEEDED]
     return [o["token_ids"] for o in llm.generate(seeded_prompts(model_dir), params, use_tqdm=False)]
-
-
-# ---- models and the transformers oracle -----------------------------------------------------
-
-def make_models(root: Path) -> dict[str, str]:
-    from common.loading.model_factory import make_model
-    dirs = {arch: str(make_model(root / arch, arch, "tiny", seed=1)) for arch in ARCHS}
-    dirs["small-qwen3"] = str(make_model(root / "small-qwen3", "qwen3", "small", seed=0))
-    return dirs
-
-
-def given_model(model: str) -> dict[str, str]:
-    """--model: a folder, a .gguf file (converted to a cached folder, as `pdserve serve`
-    does) or 'default', keyed by its name."""
-    from common.loading.default_model import resolve_model
-    d = resolve_model(None if model == "default" else model)
-    return {Path(model).stem if model != "default" else "default": d}
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: str) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
-            outs.append(out[0, len(p):].tolist())
-    del model
-    return outs
-
-
-def prompts_for(model_dir: str) -> list[list[int]]:
-    from common.config import ModelConfig
-    from tests.helpers import mixed_prompts  # the prompts the CPU tests use: block edges, shared prefixes
-    return mixed_prompts(ModelConfig.from_dir(model_dir).vocab_size, seed=7)
 
 
 # ---- checks -----------------------------------------------------------------------------------

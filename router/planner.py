@@ -302,7 +302,7 @@ def _predicted_ahead(here: str, snap: Snapshot, memory: tuple, cfg: PlannerConfi
     current = score(snap.ttft_attainment, snap.tpot_attainment)
     if current is None or current >= cfg.target + cfg.margin:
         return None
-    other = "split" if here == "colocated" else "colocated"
+    other = _other(here)
     predicted = dict(snap.predicted)
     if here not in predicted or other not in predicted or _recalled(memory, other, snap, cfg) is not None:
         return None
@@ -318,6 +318,11 @@ def _layout(p: Pools) -> str | None:
     if p.prefill and p.decode and not p.colocated:
         return "split"
     return None
+
+
+def _other(layout: str) -> str:
+    """One host's other layout: "split" for "colocated" and back."""
+    return "split" if layout == "colocated" else "colocated"
 
 
 def score(ttft_attainment: float | None, tpot_attainment: float | None) -> float | None:
@@ -372,7 +377,7 @@ def _tried_no_better(memory: tuple, other: str, snap: Snapshot, cfg: PlannerConf
     """Whether `other` was tried (and still applies) and scored no better than the current
     layout beyond the noise of the two scores (`_beats`): over 10 requests each, 80%
     against 60% is two requests, not a reason to swap back (a swap costs a window)."""
-    here = "split" if other == "colocated" else "colocated"
+    here = _other(other)
     theirs, ours = _entry(memory, other, snap, cfg), _entry(memory, here, snap, cfg)
     return theirs is not None and ours is not None and not _beats(theirs, ours, cfg)
 
@@ -380,7 +385,7 @@ def _tried_no_better(memory: tuple, other: str, snap: Snapshot, cfg: PlannerConf
 def _better_elsewhere(memory: tuple, here: str, snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str] | None:
     """The move to the other layout where it scored above this one by more than `margin`
     and than the noise of the two scores (`_beats`)."""
-    other = "split" if here == "colocated" else "colocated"
+    other = _other(here)
     theirs, ours = _entry(memory, other, snap, cfg), _entry(memory, here, snap, cfg)
     if theirs is None or ours is None or not _beats(theirs, ours, cfg):
         return None
