@@ -5,7 +5,7 @@ model from another moment is another machine).
     python benchmarks/simulate_validate.py [--model DIR] [--configs colocated,1p1d,2p1d]
         [--requests 16] [--rate 0.5] [--out results/simulate_validate.json]
 
-Per deployment (benchmarks/servers.py: float32, --num-kv-blocks 2048; colocated: one
+Per deployment (benchmarks/servers.py: `--dtype` (float32), --num-kv-blocks 2048; colocated: one
 worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
 1. the deployment starts and stands idle;
 2. `pdserve profile` runs beside it with one worker's engine flags, threads included
@@ -71,11 +71,11 @@ COMPONENTS = (("queue", "arrival", "prefill_start"), ("router_in", "arrival", "p
 PROFILE_SIZES = ["--prefill-tokens", "16,64,256,1023", "--batches", "1,4,8", "--contexts", "64,512", "--reps", "2"]
 
 
-def profile(model: str, threads: int, out: Path, device: str = "cpu") -> LatencyModel:
+def profile(model: str, threads: int, out: Path, device: str = "cpu", dtype: str = "float32") -> LatencyModel:
     """`pdserve profile` with a worker's engine flags (benchmarks/servers.py)."""
     cmd = [sys.executable, "-m", "router.cli", "profile", model, "--out", str(out), "--num-threads", str(threads),
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", "float32", "--device", device, *PROFILE_SIZES]
+           "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", dtype, "--device", device, *PROFILE_SIZES]
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     log(f"profile ({threads} threads): {time.monotonic() - t0:.0f} s")
@@ -157,9 +157,10 @@ def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) \
         -> tuple[list[RequestRecord], LatencyModel, dict[str, float]]:
     """Start the deployment, profile beside it, serve the plan; also the CPU ms the router
     process and this client spent per streamed token while serving."""
-    server = start_pdserve(cfg, args.model, workdir, device_flags(cfg, args.device), name=f"pdserve-{cfg}")
+    server = start_pdserve(cfg, args.model, workdir, device_flags(cfg, args.device), name=f"pdserve-{cfg}",
+                           dtype=args.dtype)
     try:
-        model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json", args.device)
+        model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json", args.device, args.dtype)
         load = os.getloadavg()[0]
         router0, client0 = sum(server.ps.cpu_times()[:2]), _own_cpu_s()
         records, _ = asyncio.run(run_workload([r for r, _ in plan], "http", server.url, [t for _, t in plan],
@@ -170,7 +171,8 @@ def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) \
         log(f"{cfg}: served {len(records)} requests (load average {load:.1f} -> {os.getloadavg()[0]:.1f}); CPU a "
             f"token: router {host['router_cpu_ms_per_token']:.2f} ms, client {host['client_cpu_ms_per_token']:.2f} ms")
         if args.bracket:
-            after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json", args.device)
+            after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json", args.device,
+                            args.dtype)
             model = mean_model(model, after)
     finally:
         server.stop()
@@ -204,6 +206,8 @@ def main() -> int:
     ap.add_argument("--no-bracket", dest="bracket", action="store_false", help="profile before the run only")
     ap.add_argument("--device", default="cpu", help="where every worker runs and the profile is taken "
                     "(cuda:0: all on one GPU, which the simulator does not model as shared)")
+    ap.add_argument("--dtype", default="float32", help="the workers' and the profile's --dtype (auto: the "
+                    "checkpoint's; the default SmolLM2 then keeps its Q4_1 linears)")
     ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace")
     ap.add_argument("--out", default=str(REPO / "results/simulate_validate.json"))
     a = ap.parse_args()

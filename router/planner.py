@@ -52,11 +52,13 @@ pool (a role change) where it can, else from a new worker while the deployment h
 fewer than `max_workers`."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 NONE, ADD, REROLE, SPLIT, MERGE = "none", "add", "re_role", "split", "merge"
 WISHES = ("prefill", "decode", "split", "merge")
+RATE_Z = 1.96  # two measured rates differ where their log ratio passes this many standard errors (and the band)
 
 
 @dataclass(frozen=True)
@@ -92,15 +94,29 @@ class PlannerConfig:
 
 class Load(NamedTuple):
     """The load a window's figures were measured under: requests sent a second, and their
-    mean prompt and output lengths in tokens (router/planner_loop.py: the latest minutes)."""
+    mean prompt and output lengths in tokens (router/planner_loop.py: the latest minutes),
+    over `requests` requests (0: not known)."""
 
     rate: float
     prompt_tokens: float
     output_tokens: float
+    requests: int = 0
 
     def like(self, other: Load, band: float) -> bool:
-        """Whether each figure is within `band` x of `other`'s."""
-        return all(max(a, b) <= band * min(a, b) if min(a, b) > 0 else a == b for a, b in zip(self, other))
+        """Whether each figure is within `band` x of `other`'s; the rates, counts of Poisson
+        arrivals where both counts are known, also within `RATE_Z` standard errors of their
+        log ratio (sqrt(1/n1 + 1/n2)): at 0.125 req/s two minutes hold ~15 requests, and a
+        lull of 7 in one of them (0.058 req/s) is the same load, not one 2x lighter."""
+        rate_band = band
+        if self.requests and other.requests:
+            rate_band = max(band, math.exp(RATE_Z * math.sqrt(1 / self.requests + 1 / other.requests)))
+        return all(_within(a, b, f) for a, b, f in ((self.rate, other.rate, rate_band),
+                                                     (self.prompt_tokens, other.prompt_tokens, band),
+                                                     (self.output_tokens, other.output_tokens, band)))
+
+
+def _within(a: float, b: float, factor: float) -> bool:
+    return max(a, b) <= factor * min(a, b) if min(a, b) > 0 else a == b
 
 
 class Remembered(NamedTuple):
@@ -177,6 +193,7 @@ class Snapshot:
             out["router_cpu_ms_per_token"] = self.router_cpu_ms_per_token
         if self.load is not None:
             out["load_rate"] = round(self.load.rate, 3)
+            out["load_requests"] = self.load.requests
         return out
 
 

@@ -172,7 +172,7 @@ class Planner(Background):
             return None
         span = min(LOAD_S, now - min(r[3] for r in log))
         return Load(len(recent) / max(span, self.interval_s), sum(r[4] for r in recent) / len(recent),
-                    sum(r[5] for r in recent) / len(recent))
+                    sum(r[5] for r in recent) / len(recent), len(recent))
 
     def _sample_cpu(self) -> None:
         now = self.clock.monotonic()

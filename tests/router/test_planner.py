@@ -208,6 +208,20 @@ def test_one_host_under_a_steady_load_the_layout_that_did_better_stays():
     assert {m.layout: m.load for m in state.memory}["split"] == steady(20)
 
 
+def test_one_host_a_lull_of_poisson_arrivals_keeps_the_memory():
+    """At 0.125 req/s the rate over two minutes swings from 7 to 20 requests: with the
+    counts known the split's score still applies in the lull and colocated never splits
+    again; without them the lull reads as another load and it splits (the served run's
+    merge at load_rate=0.058)."""
+    cfg = PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=10.0, host_cores=2)
+    swings = lambda n: lambda t: Load(0.125 * (0.47 if 300 <= t < 330 else 1.0), 256.0, 64.0,  # noqa: E731
+                                      n and (7 if 300 <= t < 330 else 15))
+    acted, *_ = bounce(swings(True), cfg, end=400)
+    assert acted == [(5, SPLIT, "tpot_interference"), (20, MERGE, "colocated_better_before")], acted
+    acted, *_ = bounce(swings(False), cfg, end=400)
+    assert (305, SPLIT, "tpot_interference") in acted, acted
+
+
 def test_one_host_a_load_that_moved_makes_the_planner_measure_again():
     """Twice the rate (or prompts twice as long) is another load: split's score, measured
     under the first, no longer stops a split, and colocated's is measured afresh."""
@@ -225,6 +239,13 @@ def test_load_likeness_and_a_memory_without_a_load():
     assert Load(1.0, 256, 64).like(Load(1.4, 200, 90), 1.5)
     assert not Load(1.0, 256, 64).like(Load(1.6, 256, 64), 1.5)
     assert not Load(1.0, 256, 64).like(Load(1.0, 256, 20), 1.5)
+    # rates over few requests: 7 against 15 in two minutes is Poisson noise of one load ...
+    assert Load(0.058, 256, 64, 7).like(Load(0.125, 256, 64, 15), 1.5)
+    assert not Load(0.058, 256, 64).like(Load(0.125, 256, 64), 1.5)  # ... counts unknown: the band alone
+    # ... twice the rate over 15 and 30 requests is another load, and so is 1.6x over many
+    assert not Load(0.125, 256, 64, 15).like(Load(0.25, 256, 64, 30), 1.5)
+    assert not Load(1.0, 256, 64, 120).like(Load(1.6, 256, 64, 190), 1.5)
+    assert not Load(0.125, 256, 64, 7).like(Load(0.125, 600, 64, 15), 1.5)  # lengths: the band alone
     cfg = PlannerConfig(0.5, 0.05, host_cores=2, memory_s=100.0)
     unknown = Remembered("split", 0.2, 3, 0.0)  # measured before the load was known: time alone decides
     assert unknown.applies(100.0, Load(9.0, 9, 9), cfg) and not unknown.applies(101.0, None, cfg)
