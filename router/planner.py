@@ -295,14 +295,16 @@ def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, 
 
 def _swap(action: str, why: str, snap: Snapshot, memory: tuple, cfg: PlannerConfig) -> tuple[str, str]:
     """A split or merge, unless the other layout was tried and did no better
-    (`*_worse_before`) or, not tried, is predicted to do worse by more than `margin`
-    (`*_predicted_worse`)."""
+    (`*_worse_before`) or, where the two were not both measured under this load, is
+    predicted to do worse by more than `margin` (`*_predicted_worse`): a score of the
+    other alone, with nothing of this layout's to set it against, does not outrank the
+    prediction (at a new rate the layout in place has no score yet)."""
     here, other = ("colocated", "split") if action == SPLIT else ("split", "colocated")
     name = "split" if action == SPLIT else "merge"
     if _tried_no_better(memory, other, snap, cfg):
         return NONE, f"{name}_worse_before"
     predicted = dict(snap.predicted)
-    if _recalled(memory, other, snap, cfg) is None:
+    if _entry(memory, other, snap, cfg) is None or _entry(memory, here, snap, cfg) is None:
         if snap.awaiting_prediction:
             return NONE, f"{name}_awaiting_prediction"
         if here in predicted and other in predicted and predicted[other] < predicted[here] - cfg.margin:

@@ -171,6 +171,22 @@ def test_what_was_measured_outranks_what_was_predicted():
     assert (plan.action, plan.reason) == (SPLIT, "split_better_before")
 
 
+def test_a_score_of_the_other_layout_alone_does_not_outrank_the_prediction():
+    """At a new rate the layout in place has no score of its own yet (a window finishing
+    one request, judged over the latest 10): colocated remembered at 0.8 is no reason to
+    merge where the models predict colocated 0.2 against the split's 0.5. Once the split
+    has a score of its own too, the two measured scores decide."""
+    cfg = PlannerConfig(1.0, 0.02, sustain=1, cooldown_s=0.0, host_cores=2, min_requests=10)
+    split = Pools(prefill=1, decode=1)
+    state = PlannerState(memory=(Remembered("colocated", 0.8, 20, 99.0),))
+    one = Snapshot(100.0, 1, 1.0, 0.5, 0, 0, 0.1, split, judged=10, predicted=(("colocated", 0.2), ("split", 0.5)))
+    plan, _ = decide(one, state, cfg)
+    assert (plan.action, plan.reason) == (NONE, "merge_predicted_worse")
+    both = PlannerState(memory=(*state.memory, Remembered("split", 0.5, 20, 99.0)))
+    plan, _ = decide(one, both, cfg)
+    assert (plan.action, plan.reason) == (MERGE, "colocated_better_before")
+
+
 def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse():
     from common.clock import ManualClock
     from router.planner_loop import Planner
