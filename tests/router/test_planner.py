@@ -214,8 +214,11 @@ def test_one_host_a_lull_of_poisson_arrivals_keeps_the_memory():
     again; without them the lull reads as another load and it splits (the served run's
     merge at load_rate=0.058)."""
     cfg = PlannerConfig(0.5, 0.05, sustain=2, cooldown_s=10.0, host_cores=2)
-    swings = lambda n: lambda t: Load(0.125 * (0.47 if 300 <= t < 330 else 1.0), 256.0, 64.0,  # noqa: E731
-                                      n and (7 if 300 <= t < 330 else 15))
+    def swings(counted: bool):
+        def load(t: int) -> Load:
+            lull = 300 <= t < 330
+            return Load(0.125 * (0.47 if lull else 1.0), 256.0, 64.0, ((7 if lull else 15) if counted else 0))
+        return load
     acted, *_ = bounce(swings(True), cfg, end=400)
     assert acted == [(5, SPLIT, "tpot_interference"), (20, MERGE, "colocated_better_before")], acted
     acted, *_ = bounce(swings(False), cfg, end=400)
