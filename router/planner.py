@@ -25,7 +25,8 @@ was in place, so none that lived through the change), averaged over the windows 
 layout held (each weighted by those requests), outside cooldowns, with the load it was
 measured under (`Load`: arrival rate, mean prompt and output length). A score applies
 once it counts `min_requests` requests, while the load is like it (each figure within
-`load_band` x of the remembered one) and for at most `memory_s` after the layout was last
+`load_band` x of the remembered one; the rates also within `RATE_Z` Poisson standard
+errors of each other) and for at most `memory_s` after the layout was last
 seen: under a steady load the choice stands, a load that moved makes the planner measure
 again, and a layout tried over a few requests is not judged by them. A
 layout remembered better than the current one
@@ -33,8 +34,8 @@ by more than `margin` and than `confidence_z` standard errors of the two scores'
 (a score of few requests is noisy) is a wish of its own (`split_better_before`, `colocated_better_before`),
 and a split or merge toward a layout remembered no better than the current one (beyond
 that same noise) is not made (`split_worse_before`, `merge_worse_before`): what a layout does at this load is
-measured, not guessed, once it has been tried. Before it has been, a prediction may stand
-in: where the window carries both layouts' predicted scores (`Snapshot.predicted`, the
+measured, not guessed, once both have been tried at this load. Until then a prediction may
+stand in: where the window carries both layouts' predicted scores (`Snapshot.predicted`, the
 latest requests simulated on each: router/planner_predict.py), a split or merge toward a
 layout predicted worse than the current one by more than `margin` is not made
 (`split_predicted_worse`, `merge_predicted_worse`), nor one while the first prediction is
