@@ -10,18 +10,24 @@ worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
 1. the deployment starts and stands idle;
 2. `pdserve profile` runs beside it with one worker's engine flags, threads included
    (the worker processes exist, as in the run): this moment's latency model;
-3. the Mooncake trace slice of benchmarks/conditional_disagg.py (`--requests` rows,
-   ties spread, compressed to `--rate` req/s) is served over HTTP with timelines;
+3. the router's idle CPU is measured (`IDLE_WINDOW_S`); the Mooncake trace slice of
+   benchmarks/conditional_disagg.py (`--requests` rows, ties spread, compressed to
+   `--rate` req/s) is served over HTTP with timelines, `--repeats` times (the same
+   lengths, prefix sharing and send times; token values from seed, seed+1, ...: no
+   prefix hits across repeats);
    then (unless --no-bracket) the deployment idles again and is profiled a second time:
    the latency model is the mean of the two (curves point by point, the decode step
    fitted to both sample sets), bracketing the run against a load that drifts;
 4. the same requests at the same send times go through `pdserve simulate`'s code with
    the same split, engine limits, threads per worker and host cores (os.cpu_count()):
-   once as it is, once with the CPU the router process and this client spent per
-   streamed token in the served run (`--host-cpu-per-token-ms`: a step whose workers'
-   threads fill the cores waits for it).
-Reported per deployment: that CPU per token (router, client); TTFT / TPOT p50 and p90
-simulated (both ways), measured and their ratio;
+   once as it is, once with the CPU the router process (net of its idle CPU, which
+   lands on a free core, not on a step) and this client spent per streamed token in the
+   served runs (`--host-cpu-per-token-ms`: a step whose workers' threads fill the cores
+   waits for it).
+Reported per deployment: that CPU per token (router raw and net, client); TTFT / TPOT
+p50 and p90 simulated (both ways), measured (the first run) and their ratio; with
+repeats, each later run's figures over the first's (the noise floor: the same load
+served again);
 attainment at each SLO pair; and the per-request components both timelines have
 (medians, ms): queue (arrival -> prefill start; a busy worker reads its socket only
 between steps, so in a served timeline the wait lands in router in (arrival -> prefill
@@ -62,6 +68,7 @@ from router.latency_model import Curve, DecodeFit, LatencyModel  # noqa: E402
 from router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 KV_BLOCKS = 2048  # benchmarks/servers.py's --num-kv-blocks
+IDLE_WINDOW_S = 10.0  # the router's idle CPU is measured over this long before serving
 LAYOUTS = {"colocated": (0, 0, 1, 2), "1p1d": (1, 1, 0, 1), "2p1d": (2, 1, 0, 1)}  # P, D, C, threads per worker
 SLOS = ((1000.0, 100.0), (2000.0, 15.0))  # (TTFT ms, TPOT ms)
 COMPONENTS = (("queue", "arrival", "prefill_start"), ("router_in", "arrival", "prefill_queued"),
@@ -148,35 +155,57 @@ def simulate(layout: tuple[int, int, int, int], model: LatencyModel, requests: l
     return [r.record for r in reqs]
 
 
+def _cpu_s(ps) -> float:
+    t = ps.cpu_times()
+    return t.user + t.system
+
+
 def _own_cpu_s() -> float:
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
 
 
-def measure(cfg: str, args: argparse.Namespace, plan: list, workdir: Path) \
-        -> tuple[list[RequestRecord], LatencyModel, dict[str, float]]:
-    """Start the deployment, profile beside it, serve the plan; also the CPU ms the router
-    process and this client spent per streamed token while serving."""
+def measure(cfg: str, args: argparse.Namespace, plans: list[list], workdir: Path) \
+        -> tuple[list[list[RequestRecord]], LatencyModel, dict[str, float]]:
+    """Start the deployment, profile beside it, serve each plan (one per repeat); also the
+    CPU ms the router process and this client spent per streamed token while serving. The
+    router's own CPU is net of what it spends idle (heartbeats, metrics: its rate over
+    `IDLE_WINDOW_S` before serving, times the serving time), which lands on whichever core
+    is free rather than on a step."""
     server = start_pdserve(cfg, args.model, workdir, device_flags(cfg, args.device), name=f"pdserve-{cfg}",
                            dtype=args.dtype)
     try:
         model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json", args.device, args.dtype)
         load = os.getloadavg()[0]
-        router0, client0 = sum(server.ps.cpu_times()[:2]), _own_cpu_s()
-        records, _ = asyncio.run(run_workload([r for r, _ in plan], "http", server.url, [t for _, t in plan],
-                                              temperature=0.0, ignore_eos=True, return_timeline=True, progress=False))
-        tokens = max(1, sum(r.output_len for r in records if r.success))
-        host = {"router_cpu_ms_per_token": (sum(server.ps.cpu_times()[:2]) - router0) / tokens * 1000,
-                "client_cpu_ms_per_token": (_own_cpu_s() - client0) / tokens * 1000}
-        log(f"{cfg}: served {len(records)} requests (load average {load:.1f} -> {os.getloadavg()[0]:.1f}); CPU a "
-            f"token: router {host['router_cpu_ms_per_token']:.2f} ms, client {host['client_cpu_ms_per_token']:.2f} ms")
+        idle0, t0 = _cpu_s(server.ps), time.monotonic()
+        time.sleep(IDLE_WINDOW_S)
+        idle_rate = (_cpu_s(server.ps) - idle0) / (time.monotonic() - t0)
+        runs, router_s, client_s, wall_s, tokens = [], 0.0, 0.0, 0.0, 0
+        for plan in plans:
+            router0, client0, t0 = _cpu_s(server.ps), _own_cpu_s(), time.monotonic()
+            records, _ = asyncio.run(run_workload([r for r, _ in plan], "http", server.url, [t for _, t in plan],
+                                                  temperature=0.0, ignore_eos=True, return_timeline=True,
+                                                  progress=False))
+            wall_s += time.monotonic() - t0
+            router_s += _cpu_s(server.ps) - router0
+            client_s += _own_cpu_s() - client0
+            tokens += sum(r.output_len for r in records if r.success)
+            runs.append(records)
+        tokens = max(1, tokens)
+        host = {"router_cpu_ms_per_token": router_s / tokens * 1000,
+                "router_idle_cpu_share": idle_rate,
+                "router_net_cpu_ms_per_token": max(0.0, router_s - idle_rate * wall_s) / tokens * 1000,
+                "client_cpu_ms_per_token": client_s / tokens * 1000}
+        log(f"{cfg}: served {len(plans)} x {len(plans[0])} requests (load average {load:.1f} -> "
+            f"{os.getloadavg()[0]:.1f}); CPU a token: router {host['router_cpu_ms_per_token']:.2f} ms "
+            f"(net of idle {host['router_net_cpu_ms_per_token']:.2f}), client {host['client_cpu_ms_per_token']:.2f} ms")
         if args.bracket:
             after = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}_after.json", args.device,
                             args.dtype)
             model = mean_model(model, after)
     finally:
         server.stop()
-    return records, model, host
+    return runs, model, host
 
 
 def device_flags(cfg: str, device: str) -> list[str]:
@@ -203,6 +232,8 @@ def main() -> int:
     ap.add_argument("--max-input", type=int, default=900)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="serve the load this many times on each deployment "
+                    "(token values from seed, seed+1, ...): the later runs against the first are the noise floor")
     ap.add_argument("--no-bracket", dest="bracket", action="store_false", help="profile before the run only")
     ap.add_argument("--device", default="cpu", help="where every worker runs and the profile is taken "
                     "(cuda:0: all on one GPU, which the simulator does not model as shared)")
@@ -211,23 +242,30 @@ def main() -> int:
     ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace")
     ap.add_argument("--out", default=str(REPO / "results/simulate_validate.json"))
     a = ap.parse_args()
-    plan = workload(a, ModelConfig.from_dir(a.model).vocab_size, Path(a.trace))
-    requests = [(t, r.prompt_token_ids, r.output_len) for r, t in plan]
+    vocab = ModelConfig.from_dir(a.model).vocab_size
+    # repeats: the same lengths, sharing and send times, other token values (no prefix hits across repeats)
+    plans = [workload(argparse.Namespace(**dict(vars(a), seed=a.seed + k)), vocab, Path(a.trace))
+             for k in range(a.repeats)]
+    requests = [(t, r.prompt_token_ids, r.output_len) for r, t in plans[0]]
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(a), "cores": os.cpu_count(),
                  "slos_ms": SLOS, "deployments": {}}
     with tempfile.TemporaryDirectory(prefix="simvalidate-") as tmp:
         for cfg in [c for c in a.configs.split(",") if c]:
             load = os.getloadavg()
-            measured, model, host = measure(cfg, a, plan, Path(tmp))
-            host_s = (host["router_cpu_ms_per_token"] + host["client_cpu_ms_per_token"]) / 1000
-            sim, meas = figures(simulate(LAYOUTS[cfg], model, requests)), figures(measured)
+            runs, model, host = measure(cfg, a, plans, Path(tmp))
+            host_s = (host["router_net_cpu_ms_per_token"] + host["client_cpu_ms_per_token"]) / 1000
+            sim, meas = figures(simulate(LAYOUTS[cfg], model, requests)), figures(runs[0])
             sim_host = figures(simulate(LAYOUTS[cfg], model, requests, host_s))
-            out["deployments"][cfg] = {"load_average_1_5_15": load, "latency_model": model.to_json(),
-                                       "host_cpu": host, "simulated": sim, "simulated_host_cpu": sim_host,
-                                       "measured": meas, "simulated_over_measured": _ratio(sim, meas),
-                                       "simulated_host_cpu_over_measured": _ratio(sim_host, meas)}
-            for k in ("simulated_over_measured", "simulated_host_cpu_over_measured"):
-                log(f"{cfg}: {k} {json.dumps(out['deployments'][cfg][k])}")
+            dep = out["deployments"][cfg] = {
+                "load_average_1_5_15": load, "latency_model": model.to_json(), "host_cpu": host,
+                "simulated": sim, "simulated_host_cpu": sim_host, "measured": meas,
+                "simulated_over_measured": _ratio(sim, meas), "simulated_host_cpu_over_measured": _ratio(sim_host, meas)}
+            if len(runs) > 1:  # the noise floor: how far the same load served again lands from the first run
+                dep["repeats"] = [figures(r) for r in runs[1:]]
+                dep["repeat_over_measured"] = [_ratio(f, meas) for f in dep["repeats"]]
+            for k in ("simulated_over_measured", "simulated_host_cpu_over_measured", "repeat_over_measured"):
+                if k in dep:
+                    log(f"{cfg}: {k} {json.dumps(dep[k])}")
     write_report(out, a.out)
     return 0
 
