@@ -7,13 +7,14 @@ A worker steps whenever its scheduler has work: the step's batch is the schedule
 its time is the prefill curve's price of each prompt chunk in it, the step's fixed cost
 counted once (`step_seconds`), plus decode_step_s(decoding sequences, their mean
 context) (less the decode fit's base where the step also has prompt chunks: one forward
-streams the weights once), stretched where the deployment's workers share a host's cores: with
-`host_cores` set, a step that starts while `busy` workers of `threads` threads each are
-stepping (itself included) takes max(1, busy * threads / host_cores) times as long (the
-rate is fixed when the step starts); and where those threads fill the cores, the host's
-other processes (the router, a client on the host: `host_cpu_per_token_s` of CPU for each
-token streamed) take their CPU from the step, which waits for its slowest thread: the step
-grows by that much per token it streams. A sequence whose tokens are all computed after a step samples a
+streams the weights once), stretched where the deployment's workers share a host's
+cores: with `host_cores` set, while `busy` workers of `threads` threads each are stepping,
+every step progresses at 1 / max(1, busy * threads / host_cores) of its speed (processor
+sharing: the rates change whenever a step starts or ends, as the OS shares the cores);
+and where those threads fill the cores when a step starts, the host's other processes
+(the router, a client on the host: `host_cpu_per_token_s` of CPU for each token streamed)
+take their CPU from the step, which waits for its slowest thread: the step grows by that
+much per token it streams. A sequence whose tokens are all computed after a step samples a
 token (its value is irrelevant; outputs run to their trace length, as with ignore_eos).
 A disaggregated request reserves its blocks on D when it arrives (FIFO, as the decode
 worker does), is prefilled on P, and its KV moves once both are done; its first token
@@ -111,6 +112,11 @@ class SimWorker:
         self.block_manager = BlockManager(dep.num_blocks, block_size, dep.scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(dep.scheduler, self.block_manager)
         self.busy = False
+        self.work = 0.0    # with host_cores: seconds of the step left at full speed, as of `since`
+        self.rate = 1.0    # the speed it progresses at now (1 / the host's stretch)
+        self.since = 0.0
+        self.version = 0   # its latest STEP_DONE event; older ones are stale
+        self.batch: ScheduledBatch | None = None
         self.pending: list[SimRequest] = []  # decode role: waiting for a reservation, FIFO
         self.reqs: dict[int, SimRequest] = {}  # seq id -> request
         self.steps = 0
@@ -214,9 +220,26 @@ class Simulation:
         w.busy, w.steps = True, w.steps + 1
         for seq in batch.seqs:
             w.reqs[seq.seq_id].timeline.setdefault("prefill_start", self.now)
-        threads = sum(w.busy for w in self.workers.values()) * self.dep.threads  # stepping now, this step's included
-        self._push(self.now + self.step_seconds(batch) * self.contention(threads) + self.host_share(batch, threads),
-                   STEP_DONE, (w, batch))
+        threads = self._threads()  # stepping now, this step's included
+        seconds = self.step_seconds(batch) + self.host_share(batch, threads)
+        if not self.dep.host_cores:
+            self._push(self.now + seconds, STEP_DONE, (w, batch, w.version))
+            return
+        w.work, w.since, w.batch, w.rate = seconds, self.now, batch, 0.0  # rate 0: no end event yet
+        self._rerate()
+
+    def _threads(self) -> int:
+        return sum(w.busy for w in self.workers.values()) * self.dep.threads
+
+    def _rerate(self) -> None:
+        """The busy set changed: a stepping worker whose rate changes banks its progress so
+        far and goes on at the new rate (processor sharing), its end event moved."""
+        rate = 1.0 / self.contention(self._threads())
+        for w in self.workers.values():
+            if w.busy and w.rate != rate:
+                w.work = max(0.0, w.work - (self.now - w.since) * w.rate)
+                w.since, w.rate, w.version = self.now, rate, w.version + 1
+                self._push(self.now + w.work / rate, STEP_DONE, (w, w.batch, w.version))
 
     def contention(self, threads: int) -> float:
         """How much slower a step runs while `threads` threads step on the host's cores."""
@@ -252,9 +275,13 @@ class Simulation:
         # beside prompt chunks the decode rows ride the same forward: the weights stream once
         return step + (max(0.0, decode - self.model.decode.base_s) if chunks else decode)
 
-    def _step_done(self, item: tuple[SimWorker, ScheduledBatch]) -> None:
-        w, batch = item
+    def _step_done(self, item: tuple[SimWorker, ScheduledBatch, int]) -> None:
+        w, batch, version = item
+        if version != w.version:  # the step's rate changed since this event was pushed
+            return
         w.busy = False
+        if self.dep.host_cores:
+            self._rerate()
         w.scheduler.advance(batch)
         for seq in batch.seqs:
             if seq.num_computed_tokens == len(seq.token_ids) and seq.status == SequenceStatus.RUNNING:
