@@ -295,17 +295,20 @@ def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, 
 
 
 def _swap(action: str, why: str, snap: Snapshot, memory: tuple, cfg: PlannerConfig) -> tuple[str, str]:
-    """A split or merge, unless the other layout was tried and did no better
-    (`*_worse_before`) or, where the two were not both measured under this load, is
+    """A split or merge, unless the other layout was tried under this load and scored no
+    better than this one beyond the noise of the two scores (`_beats`; `*_worse_before`:
+    over 10 requests each, 80% against 60% is two requests, not a reason to swap back, and
+    a swap costs a window) or, where the two were not both measured under this load, is
     predicted to do worse by more than `margin` (`*_predicted_worse`): a score of the
     other alone, with nothing of this layout's to set it against, does not outrank the
     prediction (at a new rate the layout in place has no score yet)."""
-    here, other = ("colocated", "split") if action == SPLIT else ("split", "colocated")
-    name = "split" if action == SPLIT else "merge"
-    if _tried_no_better(memory, other, snap, cfg):
+    here = "colocated" if action == SPLIT else "split"
+    other, name = _other(here), "split" if action == SPLIT else "merge"
+    theirs, ours = _entry(memory, other, snap, cfg), _entry(memory, here, snap, cfg)
+    if theirs is not None and ours is not None and not _beats(theirs, ours, cfg):
         return NONE, f"{name}_worse_before"
     predicted = dict(snap.predicted)
-    if _entry(memory, other, snap, cfg) is None or _entry(memory, here, snap, cfg) is None:
+    if theirs is None or ours is None:
         if snap.awaiting_prediction:
             return NONE, f"{name}_awaiting_prediction"
         if here in predicted and other in predicted and predicted[other] < predicted[here] - cfg.margin:
@@ -391,15 +394,6 @@ def _beats(a: Remembered, b: Remembered, cfg: PlannerConfig) -> bool:
     pooled = (a.score * a.requests + b.score * b.requests) / (a.requests + b.requests)
     se = (pooled * (1 - pooled) * (1 / a.requests + 1 / b.requests)) ** 0.5
     return a.score - b.score > max(cfg.margin, cfg.confidence_z * se)
-
-
-def _tried_no_better(memory: tuple, other: str, snap: Snapshot, cfg: PlannerConfig) -> bool:
-    """Whether `other` was tried (and still applies) and scored no better than the current
-    layout beyond the noise of the two scores (`_beats`): over 10 requests each, 80%
-    against 60% is two requests, not a reason to swap back (a swap costs a window)."""
-    here = _other(other)
-    theirs, ours = _entry(memory, other, snap, cfg), _entry(memory, here, snap, cfg)
-    return theirs is not None and ours is not None and not _beats(theirs, ours, cfg)
 
 
 def _better_elsewhere(memory: tuple, here: str, snap: Snapshot, cfg: PlannerConfig) -> tuple[str, str] | None:
