@@ -10,7 +10,7 @@ worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
 1. the deployment starts and stands idle;
 2. `pdserve profile` runs beside it with one worker's engine flags, threads included
    (the worker processes exist, as in the run): this moment's latency model;
-3. the router's idle CPU is measured (`IDLE_WINDOW_S`); the Mooncake trace slice of
+3. the router's idle CPU is measured (`IDLE_WINDOW_S`, before and after); the Mooncake trace slice of
    benchmarks/conditional_disagg.py (`--requests` rows, ties spread, compressed to
    `--rate` req/s) is served over HTTP with timelines, `--repeats` times (the same
    lengths, prefix sharing and send times; token values from seed, seed+1, ...: no
@@ -68,7 +68,7 @@ from router.latency_model import Curve, DecodeFit, LatencyModel  # noqa: E402
 from router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 KV_BLOCKS = 2048  # benchmarks/servers.py's --num-kv-blocks
-IDLE_WINDOW_S = 10.0  # the router's idle CPU is measured over this long before serving
+IDLE_WINDOW_S = 10.0  # the router's idle CPU is measured over this long before and after serving
 LAYOUTS = {"colocated": (0, 0, 1, 2), "1p1d": (1, 1, 0, 1), "2p1d": (2, 1, 0, 1)}  # P, D, C, threads per worker
 SLOS = ((1000.0, 100.0), (2000.0, 15.0))  # (TTFT ms, TPOT ms)
 COMPONENTS = (("queue", "arrival", "prefill_start"), ("router_in", "arrival", "prefill_queued"),
@@ -155,6 +155,13 @@ def simulate(layout: tuple[int, int, int, int], model: LatencyModel, requests: l
     return [r.record for r in reqs]
 
 
+def _idle_cpu_share(ps) -> float:
+    """The share of a core the process spends over `IDLE_WINDOW_S` with nothing to serve."""
+    cpu0, t0 = _cpu_s(ps), time.monotonic()
+    time.sleep(IDLE_WINDOW_S)
+    return (_cpu_s(ps) - cpu0) / (time.monotonic() - t0)
+
+
 def _cpu_s(ps) -> float:
     t = ps.cpu_times()
     return t.user + t.system
@@ -169,17 +176,15 @@ def measure(cfg: str, args: argparse.Namespace, plans: list[list], workdir: Path
         -> tuple[list[list[RequestRecord]], LatencyModel, dict[str, float]]:
     """Start the deployment, profile beside it, serve each plan (one per repeat); also the
     CPU ms the router process and this client spent per streamed token while serving. The
-    router's own CPU is net of what it spends idle (heartbeats, metrics: its rate over
-    `IDLE_WINDOW_S` before serving, times the serving time), which lands on whichever core
-    is free rather than on a step."""
+    router's own CPU is net of what it spends idle (heartbeats, metrics: the lower of its
+    rates over `IDLE_WINDOW_S` before and after serving, times the serving time), which
+    lands on whichever core is free rather than on a step."""
     server = start_pdserve(cfg, args.model, workdir, device_flags(cfg, args.device), name=f"pdserve-{cfg}",
                            dtype=args.dtype)
     try:
         model = profile(args.model, LAYOUTS[cfg][3], workdir / f"latency_model_{cfg}.json", args.device, args.dtype)
         load = os.getloadavg()[0]
-        idle0, t0 = _cpu_s(server.ps), time.monotonic()
-        time.sleep(IDLE_WINDOW_S)
-        idle_rate = (_cpu_s(server.ps) - idle0) / (time.monotonic() - t0)
+        idle_rate = _idle_cpu_share(server.ps)
         runs, router_s, client_s, wall_s, tokens = [], 0.0, 0.0, 0.0, 0
         for plan in plans:
             router0, client0, t0 = _cpu_s(server.ps), _own_cpu_s(), time.monotonic()
@@ -192,6 +197,7 @@ def measure(cfg: str, args: argparse.Namespace, plans: list[list], workdir: Path
             tokens += sum(r.output_len for r in records if r.success)
             runs.append(records)
         tokens = max(1, tokens)
+        idle_rate = min(idle_rate, _idle_cpu_share(server.ps))  # a transient in either window only adds
         host = {"router_cpu_ms_per_token": router_s / tokens * 1000,
                 "router_idle_cpu_share": idle_rate,
                 "router_net_cpu_ms_per_token": max(0.0, router_s - idle_rate * wall_s) / tokens * 1000,

@@ -12,9 +12,9 @@ cores: with `host_cores` set, while `busy` workers of `threads` threads each are
 every step progresses at 1 / max(1, busy * threads / host_cores) of its speed (processor
 sharing: the rates change whenever a step starts or ends, as the OS shares the cores);
 and where those threads fill the cores when a step starts, the host's other processes
-(the router, a client on the host: `host_cpu_per_token_s` of CPU for each token streamed)
-take their CPU from the step, which waits for its slowest thread: the step grows by that
-much per token it streams. A sequence whose tokens are all computed after a step samples a
+(the router, a client on the host: `host_cpu_per_token_s` of CPU for each token the step
+streams) take their CPU from the workers stepping then, in equal shares: each of their
+steps, which wait for their slowest thread, grows by its share. A sequence whose tokens are all computed after a step samples a
 token (its value is irrelevant; outputs run to their trace length, as with ignore_eos).
 A disaggregated request reserves its blocks on D when it arrives (FIFO, as the decode
 worker does), is prefilled on P, and its KV moves once both are done; its first token
@@ -220,34 +220,47 @@ class Simulation:
         w.busy, w.steps = True, w.steps + 1
         for seq in batch.seqs:
             w.reqs[seq.seq_id].timeline.setdefault("prefill_start", self.now)
-        threads = self._threads()  # stepping now, this step's included
-        seconds = self.step_seconds(batch) + self.host_share(batch, threads)
         if not self.dep.host_cores:
-            self._push(self.now + seconds, STEP_DONE, (w, batch, w.version))
+            self._push(self.now + self.step_seconds(batch), STEP_DONE, (w, batch, w.version))
             return
-        w.work, w.since, w.batch, w.rate = seconds, self.now, batch, 0.0  # rate 0: no end event yet
+        busy = [x for x in self.workers.values() if x.busy]  # this one included
+        host = self.host_share(batch, len(busy) * self.dep.threads) / len(busy)
+        w.work, w.since, w.batch, w.rate = self.step_seconds(batch) + host, self.now, batch, 0.0  # 0: no event yet
+        for x in busy:
+            if x is not w and host:
+                self._bank(x)
+                x.work += host
+                self._push_end(x)
         self._rerate()
 
-    def _threads(self) -> int:
-        return sum(w.busy for w in self.workers.values()) * self.dep.threads
+    def _bank(self, w: SimWorker) -> None:
+        """Count the progress of `w`'s step since `since` at its rate."""
+        w.work, w.since = max(0.0, w.work - (self.now - w.since) * w.rate), self.now
+
+    def _push_end(self, w: SimWorker) -> None:
+        w.version += 1
+        self._push(self.now + w.work / w.rate, STEP_DONE, (w, w.batch, w.version))
 
     def _rerate(self) -> None:
         """The busy set changed: a stepping worker whose rate changes banks its progress so
         far and goes on at the new rate (processor sharing), its end event moved."""
-        rate = 1.0 / self.contention(self._threads())
+        rate = 1.0 / self.contention(sum(w.busy for w in self.workers.values()) * self.dep.threads)
         for w in self.workers.values():
             if w.busy and w.rate != rate:
-                w.work = max(0.0, w.work - (self.now - w.since) * w.rate)
-                w.since, w.rate, w.version = self.now, rate, w.version + 1
-                self._push(self.now + w.work / rate, STEP_DONE, (w, w.batch, w.version))
+                self._bank(w)
+                w.rate = rate
+                self._push_end(w)
 
     def contention(self, threads: int) -> float:
         """How much slower a step runs while `threads` threads step on the host's cores."""
         return max(1.0, threads / self.dep.host_cores) if self.dep.host_cores else 1.0
 
     def host_share(self, batch: ScheduledBatch, threads: int) -> float:
-        """Seconds the host's other processes take from a step while `threads` stepping
-        threads fill the cores: their CPU for each token it streams (0 where a core is free)."""
+        """Seconds the host's other processes take from the stepping workers while
+        `threads` stepping threads fill the cores: their CPU for each token this step
+        streams (0 where a core is free). `_kick` spreads it over the workers stepping
+        then, in equal shares: the OS runs those processes on whichever busy core, and
+        each step waits for its slowest thread."""
         if not (self.dep.host_cores and self.dep.host_cpu_per_token_s) or threads < self.dep.host_cores:
             return 0.0
         tokens = sum(seq.num_computed_tokens + n >= len(seq.token_ids) for seq, n in zip(batch.seqs, batch.num_tokens))

@@ -197,6 +197,20 @@ def test_host_cpu_per_token_takes_from_steps_only_where_the_threads_fill_the_cor
         Deployment(1, 1, host_cpu_per_token_s=-0.001)
 
 
+def test_host_cpu_is_shared_by_the_workers_stepping_when_a_step_streams():
+    # 1P+1D, 1 thread each on 2 cores, the router's 10 ms a token. A (t=0, 1 block, 3 out)
+    # prefills alone (a core free: no charge), its KV lands .112 and D's first step
+    # [.112, .122] starts alone. B (t=.115, 1 out) starts its prefill beside it: the cores
+    # are full, and the token B's step samples costs 10 ms, 5 to each stepping worker:
+    # D's step ends .127, P's at .115 + .1 + .005. D's second step (.127, beside P) streams
+    # A's third token: 5 ms to D (ends .142) and 5 to P (ends .225); B's KV lands .237.
+    sim = _sim(Deployment(1, 1, threads=1, host_cores=2, host_cpu_per_token_s=0.01))
+    a, b = sim.run([(0.0, list(range(100, 116)), 3), (0.115, list(range(200, 216)), 1)])
+    assert a.record.token_times == pytest.approx([0.112, 0.127, 0.142], abs=1e-9)
+    assert b.timeline["prefill_end"] == pytest.approx(0.225, abs=1e-9)
+    assert b.record.token_times == pytest.approx([0.237], abs=1e-9)
+
+
 def test_cli_host_cores_stretch_the_run(tmp_path):
     _model(tmp_path)
     # 2 threads a worker on 1 core: every step takes at least twice its time, more while
