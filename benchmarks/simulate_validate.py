@@ -68,6 +68,7 @@ from router.latency_model import Curve, DecodeFit, LatencyModel  # noqa: E402
 from router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 KV_BLOCKS = 2048  # benchmarks/servers.py's --num-kv-blocks
+PLAN_KEYS = ("model", "requests", "rate", "trace_start", "max_input", "max_output", "seed", "trace")
 IDLE_WINDOW_S = 10.0  # the router's idle CPU is measured over this long before and after serving
 LAYOUTS = {"colocated": (0, 0, 1, 2), "1p1d": (1, 1, 0, 1), "2p1d": (2, 1, 0, 1)}  # P, D, C, threads per worker
 SLOS = ((1000.0, 100.0), (2000.0, 15.0))  # (TTFT ms, TPOT ms)
@@ -228,6 +229,37 @@ def _ratio(sim: dict, meas: dict) -> dict:
             for k in ("ttft_ms", "tpot_ms")}
 
 
+def add_simulated(dep: dict, cfg: str, requests: list) -> None:
+    """The deployment's simulated figures (with and without the host's CPU) and their
+    ratios to the measured ones, from its latency model and CPU figures in `dep`."""
+    model, host = LatencyModel.from_json(dep["latency_model"]), dep["host_cpu"]
+    router_ms = host.get("router_net_cpu_ms_per_token", host["router_cpu_ms_per_token"])  # older files: raw
+    host_s = (router_ms + host["client_cpu_ms_per_token"]) / 1000
+    sim, sim_host = figures(simulate(LAYOUTS[cfg], model, requests)), figures(simulate(LAYOUTS[cfg], model, requests, host_s))
+    dep.update(simulated=sim, simulated_host_cpu=sim_host, simulated_over_measured=_ratio(sim, dep["measured"]),
+               simulated_host_cpu_over_measured=_ratio(sim_host, dep["measured"]))
+    for k in ("simulated_over_measured", "simulated_host_cpu_over_measured", "repeat_over_measured"):
+        if k in dep:
+            log(f"{cfg}: {k} {json.dumps(dep[k])}")
+
+
+def resimulate(a: argparse.Namespace, requests: list) -> int:
+    """Simulate the runs stored in --resimulate's files again with this checkout's
+    simulator (a later file's deployment replaces an earlier one's); writes --out."""
+    out: dict | None = None
+    for path in a.resimulate.split(","):
+        stored = json.loads(Path(path).read_text())
+        if out is None:
+            out = dict(stored, resimulated=time.strftime("%Y-%m-%d %H:%M:%S"), sources=a.resimulate.split(","))
+        elif {k: stored["config"][k] for k in PLAN_KEYS} != {k: out["config"][k] for k in PLAN_KEYS}:
+            sys.exit(f"{path}: another workload than {a.resimulate.split(',')[0]}'s")
+        for cfg, dep in stored["deployments"].items():
+            add_simulated(dep, cfg, requests)
+            out["deployments"][cfg] = dep
+    write_report(out, a.out)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "results/models/qwen3-small"))
@@ -247,7 +279,13 @@ def main() -> int:
                     "checkpoint's; the default SmolLM2 then keeps its Q4_1 linears)")
     ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace")
     ap.add_argument("--out", default=str(REPO / "results/simulate_validate.json"))
+    ap.add_argument("--resimulate", default="", help="FILE[,FILE]: serve nothing; simulate the runs these "
+                    "earlier --out files hold again with this checkout's simulator (their workload's flags are "
+                    "read from the first)")
     a = ap.parse_args()
+    if a.resimulate:  # the stored run's workload, not this command line's
+        stored = json.loads(Path(a.resimulate.split(",")[0]).read_text())["config"]
+        a = argparse.Namespace(**dict(vars(a), **{k: stored[k] for k in PLAN_KEYS}, repeats=1))
     vocab = ModelConfig.from_dir(a.model).vocab_size
     # repeats: the same lengths, sharing and send times, other token values (no prefix hits across repeats)
     plans = [workload(argparse.Namespace(**dict(vars(a), seed=a.seed + k)), vocab, Path(a.trace))
@@ -255,23 +293,19 @@ def main() -> int:
     requests = [(t, r.prompt_token_ids, r.output_len) for r, t in plans[0]]
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(a), "cores": os.cpu_count(),
                  "slos_ms": SLOS, "deployments": {}}
+    if a.resimulate:
+        return resimulate(a, requests)
     with tempfile.TemporaryDirectory(prefix="simvalidate-") as tmp:
         for cfg in [c for c in a.configs.split(",") if c]:
             load = os.getloadavg()
             runs, model, host = measure(cfg, a, plans, Path(tmp))
-            host_s = (host["router_net_cpu_ms_per_token"] + host["client_cpu_ms_per_token"]) / 1000
-            sim, meas = figures(simulate(LAYOUTS[cfg], model, requests)), figures(runs[0])
-            sim_host = figures(simulate(LAYOUTS[cfg], model, requests, host_s))
-            dep = out["deployments"][cfg] = {
-                "load_average_1_5_15": load, "latency_model": model.to_json(), "host_cpu": host,
-                "simulated": sim, "simulated_host_cpu": sim_host, "measured": meas,
-                "simulated_over_measured": _ratio(sim, meas), "simulated_host_cpu_over_measured": _ratio(sim_host, meas)}
+            meas = figures(runs[0])
+            dep = out["deployments"][cfg] = {"load_average_1_5_15": load, "latency_model": model.to_json(),
+                                              "host_cpu": host, "measured": meas}
             if len(runs) > 1:  # the noise floor: how far the same load served again lands from the first run
                 dep["repeats"] = [figures(r) for r in runs[1:]]
                 dep["repeat_over_measured"] = [_ratio(f, meas) for f in dep["repeats"]]
-            for k in ("simulated_over_measured", "simulated_host_cpu_over_measured", "repeat_over_measured"):
-                if k in dep:
-                    log(f"{cfg}: {k} {json.dumps(dep[k])}")
+            add_simulated(dep, cfg, requests)
     write_report(out, a.out)
     return 0
 

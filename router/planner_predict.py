@@ -86,7 +86,7 @@ class Predictor:
                host_cpu_per_token_s: float = 0.0) -> tuple[tuple[str, float], ...]:
         """((layout, predicted score), ...) for colocated and split; () with nothing to replay.
         `host_cpu_per_token_s`: the router's own CPU a streamed token (the planner measures
-        it), which a step on all the host's cores pays (router/simulate/sim.py `host_share`)."""
+        it), which the steps on all the host's cores share (router/simulate/sim.py `host_share`)."""
         from router.simulate.sim import Deployment, Simulation  # the engine's scheduler: only when asked
         requests = self.requests(finished, now)
         if not requests:
