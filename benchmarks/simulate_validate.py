@@ -10,11 +10,11 @@ worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
 1. the deployment starts and stands idle;
 2. `pdserve profile` runs beside it with one worker's engine flags, threads included
    (the worker processes exist, as in the run): this moment's latency model;
-3. the router's idle CPU is measured (`IDLE_WINDOW_S`, before and after); the Mooncake trace slice of
-   benchmarks/conditional_disagg.py (`--requests` rows, ties spread, compressed to
-   `--rate` req/s) is served over HTTP with timelines, `--repeats` times (the same
-   lengths, prefix sharing and send times; token values from seed, seed+1, ...: no
-   prefix hits across repeats);
+3. the router's idle CPU is measured (`IDLE_WINDOW_S`, before and after serving); the
+   Mooncake trace slice of benchmarks/conditional_disagg.py (`--requests` rows, ties
+   spread, compressed to `--rate` req/s) is served over HTTP with timelines, `--repeats`
+   times (the same lengths, prefix sharing and send times; token values from seed,
+   seed+1, ...: no prefix hits across repeats);
    then (unless --no-bracket) the deployment idles again and is profiled a second time:
    the latency model is the mean of the two (curves point by point, the decode step
    fitted to both sample sets), bracketing the run against a load that drifts;
@@ -35,7 +35,8 @@ queued), in a simulated one in prefill queue), router in, prefill queue, prefill
 transfer, decode queue (KV ready -> first token), server TPOT ((finish - first token) /
 (tokens - 1)), and what the client sees beyond the server (TTFT and TPOT overheads:
 HTTP, router relay, detokenization); and per request, both runs' TTFT, TPOT, queue and
-prefill (s). Writes --out (JSON).
+prefill (s). Writes --out (JSON). `--resimulate FILE[,FILE]` serves nothing: it simulates
+the runs stored in earlier --out files again with this checkout's simulator.
 """
 from __future__ import annotations
 
@@ -235,7 +236,8 @@ def add_simulated(dep: dict, cfg: str, requests: list) -> None:
     model, host = LatencyModel.from_json(dep["latency_model"]), dep["host_cpu"]
     router_ms = host.get("router_net_cpu_ms_per_token", host["router_cpu_ms_per_token"])  # older files: raw
     host_s = (router_ms + host["client_cpu_ms_per_token"]) / 1000
-    sim, sim_host = figures(simulate(LAYOUTS[cfg], model, requests)), figures(simulate(LAYOUTS[cfg], model, requests, host_s))
+    sim = figures(simulate(LAYOUTS[cfg], model, requests))
+    sim_host = figures(simulate(LAYOUTS[cfg], model, requests, host_s))
     dep.update(simulated=sim, simulated_host_cpu=sim_host, simulated_over_measured=_ratio(sim, dep["measured"]),
                simulated_host_cpu_over_measured=_ratio(sim_host, dep["measured"]))
     for k in ("simulated_over_measured", "simulated_host_cpu_over_measured", "repeat_over_measured"):
