@@ -14,8 +14,9 @@ sharing: the rates change whenever a step starts or ends, as the OS shares the c
 and where those threads fill the cores when a step starts, the host's other processes
 (the router, a client on the host: `host_cpu_per_token_s` of CPU for each token the step
 streams) take their CPU from the workers stepping then, in equal shares: each of their
-steps, which wait for their slowest thread, grows by its share. A sequence whose tokens are all computed after a step samples a
-token (its value is irrelevant; outputs run to their trace length, as with ignore_eos).
+steps, which wait for their slowest thread, grows by its share. A sequence whose tokens
+are all computed after a step samples a token (its value is irrelevant; outputs run to
+their trace length, as with ignore_eos).
 A disaggregated request reserves its blocks on D when it arrives (FIFO, as the decode
 worker does), is prefilled on P, and its KV moves once both are done; its first token
 reaches the client when the KV lands on D. Heartbeats are instant: after every step the
@@ -226,8 +227,8 @@ class Simulation:
         busy = [x for x in self.workers.values() if x.busy]  # this one included
         host = self.host_share(batch, len(busy) * self.dep.threads) / len(busy)
         w.work, w.since, w.batch, w.rate = self.step_seconds(batch) + host, self.now, batch, 0.0  # 0: no event yet
-        for x in busy:
-            if x is not w and host:
+        for x in busy if host else ():
+            if x is not w:
                 self._bank(x)
                 x.work += host
                 self._push_end(x)
