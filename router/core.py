@@ -31,7 +31,7 @@ from common.wire.transport import Authenticator, bind_address, is_endpoint
 from router.config import RouterConfig
 from router.disagg_state import Decision, Disaggregation
 from router.metrics import RouterMetrics
-from router.policy import choose_decode, choose_prefill
+from router.policy import choose_decode, choose_prefill, prefix_overlap
 from router.prompts import check_request, prepare, tokenize
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
 from router.registry import WorkerEntry, WorkerRegistry, refusal
@@ -268,31 +268,48 @@ class Router:
         return await asyncio.get_running_loop().run_in_executor(self._pool, tokenize, self.tokenizer, sub)
 
     def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()
-              ) -> tuple[WorkerEntry, WorkerEntry | None, Decision | None]:
+              ) -> tuple[WorkerEntry, WorkerEntry | None, Decision | None, int]:
         """(decode-or-colocated worker, prefill worker or None, a P + D pair's disaggregation
-        decision); workers in `avoid` (that just failed this request) only when no other is live."""
+        decision, the prompt blocks the worker computing it lacks); workers in `avoid`
+        (that just failed this request) only when no other is live."""
         reg, policy = self.registry, self.config.routing
         hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
         prefills, decodes = reg.live_except("prefill", avoid), reg.live_except("decode", avoid)
         if prefills and decodes:
-            prefill = reg.workers[choose_prefill(reg.views(prefills, hashes), policy, self.rng, next(self._rr_prefill))]
+            queued = self._queued_blocks()
+            prefill = reg.workers[choose_prefill(reg.views(prefills, hashes, queued), policy, self.rng,
+                                                 next(self._rr_prefill))]
             decode = reg.workers[choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))]
             choice = self.disagg.decide(len(prep.token_ids), hashes, decode, prefill, self.inflight.values())
-            self._note_routed(prefill if choice.disaggregate else decode, hashes)
-            return decode, prefill if choice.disaggregate else None, choice
+            blocks = self._note_routed(prefill if choice.disaggregate else decode, hashes, len(prep.token_ids))
+            return decode, prefill if choice.disaggregate else None, choice, blocks
         colocated = reg.live_except("colocated", avoid)
         if colocated:
-            c_id = choose_prefill(reg.views(colocated, hashes), policy, self.rng, next(self._rr_prefill))
-            self._note_routed(reg.workers[c_id], hashes)
-            return reg.workers[c_id], None, None
+            views = reg.views(colocated, hashes, self._queued_blocks())
+            c_id = choose_prefill(views, policy, self.rng, next(self._rr_prefill))
+            return reg.workers[c_id], None, None, self._note_routed(reg.workers[c_id], hashes, len(prep.token_ids))
         raise RouteError("no live worker can serve this request (prefill+decode or colocated)", "unavailable")
 
-    def _note_routed(self, entry: WorkerEntry, hashes: list[int]) -> None:
-        """Count the routing hit, then assume the worker will cache this prompt's blocks:
-        the next request with the same prefix should follow it before the worker's
-        heartbeat confirms (evictions still arrive as events)."""
+    def _note_routed(self, entry: WorkerEntry, hashes: list[int], num_tokens: int) -> int:
+        """Count the routing hit and return the prompt blocks `entry` lacks (past its cached
+        prefix); then assume it will cache this prompt's blocks: the next request with the
+        same prefix should follow it before the worker's heartbeat confirms (evictions
+        still arrive as events)."""
         self.metrics.routed_prefix(hashes, entry.cached)
+        blocks = -(-num_tokens // self.config.block_size) - prefix_overlap(hashes, entry.cached)
         entry.cached.update(hashes)
+        return blocks
+
+    def _queued_blocks(self) -> dict[str, int]:
+        """Worker id -> prompt blocks it has been sent to compute and has not yet (requests
+        in flight without a first token), read from the requests themselves: no count to
+        keep in step with every way a request ends."""
+        queued: dict[str, int] = {}
+        for r in self.inflight.values():
+            if r.first_token_at is None:
+                wid = (r.prefill or r.decode).worker_id
+                queued[wid] = queued.get(wid, 0) + r.prompt_blocks
+        return queued
 
     async def generate(self, request: SubmitRequest | Prepared) -> AsyncIterator[TokenOutput | ErrorReply]:
         """Route one request and yield its outputs (text deltas filled), each for choice
@@ -301,7 +318,7 @@ class Router:
         A SubmitRequest is prepared here; the HTTP front end prepares before it answers."""
         try:
             prep = request if isinstance(request, Prepared) else await self.prepare_async(request)
-            decode, prefill, choice = self.route(prep)
+            decode, prefill, choice, blocks = self.route(prep)
         except RouteError as e:
             if e.code != "overloaded":  # admit() counted that one
                 self.metrics.request_done("error")
@@ -314,7 +331,7 @@ class Router:
             return
         choices = [Choice(IncrementalDetokenizer.for_request(self.tokenizer, prep.params)) for _ in range(prep.params.n)]
         req = InFlight(sub.request_id, asyncio.Queue(), decode, prefill, choices, len(prep.token_ids),
-                       self.clock.monotonic(), wire_id=sub.request_id, route=choice)
+                       self.clock.monotonic(), wire_id=sub.request_id, route=choice, prompt_blocks=blocks)
         self.inflight[req.request_id] = req
         self._by_wire[req.wire_id] = req
         self._take_load(req)
@@ -387,7 +404,8 @@ class Router:
         streamed = req.choices[0].output_ids if len(req.choices) == 1 else []  # n > 1 retries only unstreamed
         ids, hashes = resume_prompt(prep.token_ids, streamed, self.config.block_size)
         params = resume_params(prep.params, len(streamed))
-        decode, prefill, req.route = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival), frozenset(failed))
+        decode, prefill, req.route, req.prompt_blocks = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival),
+                                                                   frozenset(failed))
         self._give_load(req)
         req.attempts += 1
         req.decode, req.prefill, req.prefill_released = decode, prefill, False

@@ -1,7 +1,12 @@
 """Routing choices as pure functions over plain data (no sockets, no clocks).
 
-prefix_load (default): send the prompt where the most of its leading blocks are already
-cached, unless load is badly imbalanced, in which case the least loaded worker wins.
+prefix_load (default): send the prompt where it waits behind and computes the fewest
+blocks: the prompt blocks routed to the worker and not yet computed, less the prompt's
+leading blocks already in its cache (the rest of the prompt costs every worker alike);
+then the least loaded. A cached prefix thus draws a prompt for as many blocks as it
+saves, not outright: a system prompt of one block shared by every conversation no longer
+sends them all to one worker while another idles. Where load is badly imbalanced, the
+least loaded worker wins.
 round_robin and least_loaded exist for experiments. Ties are broken at random.
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ class WorkerView:
     free_blocks: int
     total_blocks: int
     prefix_blocks: int = 0  # leading prompt blocks found in its prefix cache
+    queued_blocks: int = 0  # prompt blocks routed to it to compute and not yet computed
 
     @property
     def free_ratio(self) -> float:
@@ -58,7 +64,7 @@ def choose_prefill(cands: list[WorkerView], policy: str, rng: random.Random, rr_
         return sorted(w.worker_id for w in cands)[rr_index % len(cands)]
     if policy == "least_loaded" or guard.imbalanced([w.load for w in cands]):
         return _pick(cands, lambda w: w.load, rng)
-    return _pick(cands, lambda w: (-w.prefix_blocks, w.load), rng)
+    return _pick(cands, lambda w: (w.queued_blocks - w.prefix_blocks, w.load), rng)
 
 
 def choose_decode(cands: list[WorkerView], policy: str, rng: random.Random, rr_index: int = 0) -> str:

@@ -185,11 +185,15 @@ class WorkerRegistry:
         entries = self.live((role,))
         return [e for e in entries if e.worker_id not in avoid] or entries
 
-    def views(self, entries: list[WorkerEntry], prompt_hashes: list[int] | None = None) -> list[WorkerView]:
+    def views(self, entries: list[WorkerEntry], prompt_hashes: list[int] | None = None,
+              queued_blocks: dict[str, int] | None = None) -> list[WorkerView]:
+        """What the routing policy sees of `entries`; `queued_blocks`: worker id -> prompt
+        blocks it has been sent to compute and has not (the router's count)."""
         out = []
         for e in entries:
             total = e.status.total_blocks if e.status else e.hello.total_blocks
             free = e.status.free_blocks if e.status else total
             overlap = prefix_overlap(prompt_hashes, e.cached) if prompt_hashes else 0
-            out.append(WorkerView(e.worker_id, e.inflight, free, total, overlap))
+            queued = queued_blocks.get(e.worker_id, 0) if queued_blocks else 0
+            out.append(WorkerView(e.worker_id, e.inflight, free, total, overlap, queued))
         return out

@@ -62,6 +62,7 @@ its workers, its queue of worker outputs, and its choices (`SamplingParams.n`)."
     timeline: dict[str, float] = field(default_factory=dict)
     first_token_at: float | None = None
     num_output_tokens: int = 0
+    prompt_blocks: int = 0  # blocks of its prompt the worker computing it (P, else D) lacks: its queue until the first token
     prefill_released: bool = False  # its prefill worker's share of load was given back
     wire_id: str = ""  # the id the current attempt travels under (router/recovery.py)
     attempts: int = 0  # attempts after the first (re-routed after a worker failed)

@@ -21,6 +21,7 @@ class SimRouter:
 
     route = Router.route
     _note_routed = Router._note_routed
+    _queued_blocks = Router._queued_blocks
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config

@@ -93,6 +93,7 @@ class SimRequest:
     decode: WorkerEntry | None = None
     prefill: WorkerEntry | None = None
     route: Decision | None = None
+    prompt_blocks: int = 0  # the blocks of its prompt the worker computing it lacks (the router's queue count)
     first_token_at: float | None = None
     num_output_tokens: int = 0
     p_seq: Sequence | None = None
@@ -169,8 +170,8 @@ class Simulation:
         if not self._fits(r):
             r.record.success, r.record.error = False, "prompt + output exceed a worker's KV cache"
             return
-        decode, prefill, choice = self.router.route(r)
-        r.decode, r.prefill, r.route = decode, prefill, choice
+        r.decode, r.prefill, r.route, r.prompt_blocks = self.router.route(r)
+        decode, prefill = r.decode, r.prefill
         self.router.inflight[r.request_id] = r
         decode.take()
         d = self.workers[decode.worker_id]

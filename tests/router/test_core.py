@@ -112,6 +112,7 @@ def test_request_goes_to_the_worker_and_tokens_come_back(model_dirs):
             identity, req = await w.next_request()
             assert isinstance(req, GenerateRequest)
             assert (req.request_id, req.prompt_token_ids, req.prefill_addr) == ("r1", [5, 6, 7], "")
+            assert h.router._queued_blocks() == {"c0": 1}  # its prompt's one block, not yet computed
             assert req.return_timeline and list(req.timeline) == ["arrival", "routed"]
             text_ids = h.router.tokenizer.encode("hello world")
             await w.reply(identity, step(RequestOutput("r1", text_ids[:1])))
@@ -124,6 +125,7 @@ def test_request_goes_to_the_worker_and_tokens_come_back(model_dirs):
             assert outs[-1].finished and outs[-1].num_prompt_tokens == 3
             assert list(outs[-1].timeline) == ["arrival", "routed", "finish", "router_done"]
             assert h.router.inflight == {} and h.router.registry.workers["c0"].inflight == 0
+            assert h.router._queued_blocks() == {}
         finally:
             await h.close()
 

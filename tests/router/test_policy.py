@@ -9,8 +9,8 @@ import pytest
 from router.policy import POLICIES, ImbalanceGuard, WorkerView, choose_decode, choose_prefill, prefix_overlap
 
 
-def view(wid: str, load: int = 0, prefix: int = 0, free: int = 100, total: int = 100) -> WorkerView:
-    return WorkerView(wid, load=load, free_blocks=free, total_blocks=total, prefix_blocks=prefix)
+def view(wid: str, load: int = 0, prefix: int = 0, free: int = 100, total: int = 100, queued: int = 0) -> WorkerView:
+    return WorkerView(wid, load=load, free_blocks=free, total_blocks=total, prefix_blocks=prefix, queued_blocks=queued)
 
 
 def picks(choose, cands, policy: str, seeds=range(200)) -> Counter:
@@ -32,6 +32,22 @@ def test_prefix_tie_goes_to_the_less_loaded():
 def test_no_overlap_anywhere_picks_least_loaded():
     cands = [view("a", load=2), view("b", load=1), view("c", load=3)]
     assert choose_prefill(cands, "prefix_load", random.Random(0)) == "b"
+
+
+def test_a_shared_first_block_does_not_outweigh_a_queue():
+    # every conversation starts with the same system-prompt block: the worker that cached it
+    # has a 45-block prompt queued, the other nothing -- the queue costs more than the block saves
+    cands = [view("hot", load=1, prefix=1, queued=45), view("cold", load=0)]
+    assert picks(choose_prefill, cands, "prefix_load") == {"cold": 200}
+
+
+def test_a_prefix_saving_more_than_the_queue_holds_wins():
+    # 10 cached blocks against 6 queued: 4 blocks less to wait for and compute than on "cold"
+    cands = [view("hot", load=1, prefix=10, queued=6), view("cold", load=0)]
+    assert picks(choose_prefill, cands, "prefix_load") == {"hot": 200}
+    # saving exactly what it queues: the same cost, so the less loaded
+    even = [view("hot", load=1, prefix=6, queued=6), view("cold", load=0)]
+    assert picks(choose_prefill, even, "prefix_load") == {"cold": 200}
 
 
 def test_imbalance_guard_overrides_prefix_affinity():

@@ -49,6 +49,21 @@ def test_hand_computed_schedule_1p1d():
         assert w.block_manager.num_free_blocks == w.block_manager.num_blocks
 
 
+def test_a_shared_first_block_spreads_prompts_over_the_prefill_workers():
+    # 2P+1D; three prompts of 5 blocks sharing only their first (a system prompt), sent 10 ms
+    # apart, each prefilled in 100 ms. A goes to either P. B: A's P has A's 5 blocks queued
+    # and saves B 1 block, the other P nothing queued, so B goes there and starts at once.
+    # C: both Ps cost 5 - 1 = 4 blocks and hold one request each; it waits for a P (.1).
+    sim = _sim(Deployment(2, 1))
+    system = list(range(1, 1 + BLOCK))
+    reqs = sim.run([(0.01 * k, system + list(range(100 * (k + 1), 100 * (k + 1) + 4 * BLOCK)), 2)
+                    for k in range(3)])
+    a, b, c = reqs
+    assert a.prefill.worker_id != b.prefill.worker_id
+    assert [r.timeline["prefill_start"] for r in reqs] == pytest.approx([0.0, 0.01, 0.1])
+    assert sim.router._queued_blocks() == {} and all(e.inflight == 0 for e in sim.router.registry.workers.values())
+
+
 def test_colocated_prefix_cache_hit_is_the_block_managers():
     # One colocated worker; the second prompt repeats the first's 2 full blocks. Both prefill
     # in 100 ms, but the block manager serves the repeat's cached blocks (seen in its seq).
