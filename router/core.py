@@ -16,33 +16,32 @@ import zmq
 import zmq.asyncio
 
 from common.clock import SYSTEM_CLOCK, Clock
-from common.wire import messages
-from common.wire.auth import AuthError, DeploymentKey, new_secret
+from common.wire.auth import DeploymentKey, new_secret
 from common.wire.curve import log_handshake_failures
 from common.engine.kv_layout import model_fingerprint
-from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, MessageError, RequestOutput,
-                                  StepOutputs, SubmitRequest, TokenOutput, WorkerHello, WorkerStatus)
-from common.wire.messages import ChangeRole, DrainWorker, PoolsRequest, ScalePool
+from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, RequestOutput,
+                                  SubmitRequest, TokenOutput)
 from common.sampling_params import SamplingParams
 from common.timeline import Stamp, mark
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
-from common.wire.transport import Authenticator, bind_address, is_endpoint
+from common.wire.transport import Authenticator, bind_address
 from router.config import RouterConfig
 from router.disagg_state import Decision, Disaggregation
 from router.metrics import RouterMetrics
 from router.policy import choose_decode, choose_prefill, prefix_overlap
 from router.prompts import check_request, prepare, tokenize
 from router.recovery import attempt_id, resume_params, resume_prompt, retryable
-from router.registry import WorkerEntry, WorkerRegistry, refusal
+from router.registry import WorkerEntry, WorkerRegistry
 from router.requests import Choice, InFlight, Prepared, RouteError, drain_outputs, last_timeline
+from router.worker_links import WorkerLinks
 
 
 ABORT_REPLY_WAIT_S = 2.0  # how long a stop-string finish waits for its worker's timeline (asked for only)
 FINISHED_LOG = 4096  # finished requests the router remembers for the SLO planner (router/planner_loop.py)
 
 
-class Router:
+class Router(WorkerLinks):
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
     (how many may be prepared or in flight at once, `config.max_inflight`) and the
     deployment's secret: the control socket and the worker sockets accept only messages
@@ -101,138 +100,6 @@ class Router:
         self.control.close(0)
         self.ctx.term()
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    # ---- workers ----------------------------------------------------------------------
-    async def _control_loop(self) -> None:
-        """Hellos and heartbeats. No message can end this loop: each is handled inside its
-        own try, and what fails is logged and dropped."""
-        while True:
-            parts = await self.control.recv_multipart()
-            try:
-                self._on_control(parts)
-            except Exception as e:  # a bug or an input nothing checked: log it, keep serving
-                print(f"router: control message dropped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-
-    def _on_control(self, parts: list[bytes]) -> None:
-        if len(parts) != 2:
-            print(f"router: dropped a control message of {len(parts)} frame(s), expected 2", file=sys.stderr, flush=True)
-            return
-        try:
-            msg = messages.decode(self._control_auth.open(parts[1]))
-        except AuthError:
-            return  # logged by the authenticator
-        except MessageError as e:
-            print(f"router: dropped a malformed control message: {e}", file=sys.stderr, flush=True)
-            return
-        now = self.clock.monotonic()
-        if isinstance(msg, WorkerHello):
-            why = refusal(msg, self.config.block_size, self.model_fingerprint)
-            if why is None and not is_endpoint(msg.address):  # connected to (D) or handed to D (P)
-                why = f"refused worker {msg.worker_id!r}: address {msg.address!r} is not a ZeroMQ endpoint"
-            if why is not None:
-                print(f"router: {why}", file=sys.stderr, flush=True)
-                return
-            if self.registry.ignores(msg, now):
-                return  # a retired worker's late hello
-            if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
-                self._connect_worker(msg)  # new, or restarted at a new address
-            self.registry.hello(msg, now)
-        elif isinstance(msg, WorkerStatus):
-            entry = self.registry.heartbeat(msg, now)
-            if entry:
-                self.metrics.worker_status(msg)
-        elif isinstance(msg, (PoolsRequest, ScalePool, DrainWorker, ChangeRole)) and self.control_api is not None:
-            self.control_api(parts[0], msg)
-        else:
-            print(f"router: dropped a {msg.TYPE!r} message on the control socket", file=sys.stderr, flush=True)
-
-    def _connect_worker(self, hello: WorkerHello) -> None:
-        """Connect to a decode/colocated worker; zmq.ZMQError (left as it was) if its
-        address cannot be connected to."""
-        wid = hello.worker_id
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.key.curve_client(sock)
-        try:
-            sock.connect(hello.address)
-        except zmq.ZMQError:
-            sock.close(0)
-            raise
-        self.disconnect_worker(wid)
-        self.worker_socks[wid] = sock
-        self._worker_addr[wid] = hello.address
-        self._worker_tasks[wid] = asyncio.create_task(self._worker_loop(wid, sock))
-
-    def disconnect_worker(self, worker_id: str) -> None:
-        """Close the socket to a decode/colocated worker (a retired or restarted one)."""
-        if (task := self._worker_tasks.pop(worker_id, None)) is not None:
-            task.cancel()
-            self.worker_socks.pop(worker_id).close(0)
-            self._worker_addr.pop(worker_id, None)
-
-    def reply_control(self, identity: bytes, msg: object) -> None:
-        """Answer a control-socket peer (signed with the deployment secret)."""
-        self.control.send_multipart([identity, self._control_auth.seal(msg)])
-
-    def seal(self, msg: object) -> bytes:
-        """`msg` as a frame for a worker's server socket."""
-        return self._worker_auth.seal(msg)
-
-    async def _worker_loop(self, worker_id: str, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            parts = await sock.recv_multipart()
-            try:
-                msg = messages.decode(self._worker_auth.open(parts[0], parts[1:]))
-            except AuthError:
-                continue  # logged by the authenticator
-            except MessageError as e:
-                print(f"[router] malformed message from worker {worker_id} dropped: {e}", file=sys.stderr, flush=True)
-                continue
-            if isinstance(msg, StepOutputs):
-                for entry in msg.outputs:
-                    req = self._by_wire.get(entry.request_id)
-                    if req is not None:  # else: a request already ended here (a stop string, an abort)
-                        req.queue.put_nowait(entry)
-            elif isinstance(msg, ErrorReply):
-                req = self._by_wire.get(msg.request_id)
-                if req is not None:
-                    req.queue.put_nowait(msg)
-            else:
-                print(f"[router] a {msg.TYPE!r} message from worker {worker_id} dropped", file=sys.stderr, flush=True)
-
-    async def _expire_loop(self) -> None:
-        while True:
-            await self.clock.sleep_async(self.config.stale_after_s / 4)
-            for dead in self.registry.expire(self.clock.monotonic()):
-                self._worker_dead(dead, "stopped responding", "silent")
-
-    def worker_exited(self, worker_id: str, why: str) -> None:
-        """The launcher saw the worker's process exit: out of rotation now, not after
-        `stale_after_s` of silence."""
-        entry = self.registry.workers.get(worker_id)
-        if entry is not None and self.registry.mark_dead(entry):
-            self._worker_dead(entry, why, "exited")
-
-    def _worker_dead(self, dead: WorkerEntry, why: str, how: str) -> None:
-        """Every request that still needs `dead` gets a worker_failed error on its queue;
-        `generate` re-routes it (router/recovery.py)."""
-        print(f"router: {dead.role} worker {dead.worker_id} {why}", file=sys.stderr, flush=True)
-        self.metrics.worker_deaths.labels(how).inc()
-        self.metrics.forget_worker(dead.worker_id, dead.role)
-        for req in list(self.inflight.values()):
-            if req.decode is dead or (req.prefill is dead and req.first_token_at is None):
-                req.queue.put_nowait(ErrorReply(req.wire_id, f"{dead.role} worker {dead.worker_id} {why}",
-                                                "worker_failed"))
-
-    async def wait_for_workers(self, prefill: int, decode: int, colocated: int, timeout: float = 120.0) -> None:
-        deadline = self.clock.monotonic() + timeout
-        while True:
-            have = {r: len(self.registry.live((r,))) for r in ("prefill", "decode", "colocated")}
-            if have["prefill"] >= prefill and have["decode"] >= decode and have["colocated"] >= colocated:
-                return
-            if self.clock.monotonic() > deadline:
-                raise TimeoutError(f"workers not registered after {timeout:.0f} s: have {have}")
-            await self.clock.sleep_async(0.05)
 
     # ---- requests -----------------------------------------------------------------------
     def admit(self) -> None:
