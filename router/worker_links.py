@@ -26,6 +26,7 @@ class WorkerLinks:
     """The worker side of the Router: registration, a socket and receive loop per decode or
     colocated worker, and the death of a worker (silent or exited) with what its requests
     are told. Mixed into `Router`, whose constructor makes every attribute used here."""
+
     async def _control_loop(self) -> None:
         """Hellos and heartbeats. No message can end this loop: each is handled inside its
         own try, and what fails is logged and dropped."""
