@@ -27,7 +27,9 @@ worker of 2 threads; 1p1d and 2p1d: one thread per worker), in order:
 Reported per deployment: that CPU per token (router raw and net, client); TTFT / TPOT
 p50 and p90 simulated (both ways), measured (the first run) and their ratio; with
 repeats, each later run's figures over the first's (the noise floor: the same load
-served again);
+served again); per TPOT SLO, how many requests missed it in the simulated run (and in
+each repeat), in the first served run, and in both (`over_tpot_slo`: whether the same
+requests stalled, which a p90 on the knee of bimodal TPOTs does not say);
 attainment at each SLO pair; and the per-request components both timelines have
 (medians, ms): queue (arrival -> prefill start; a busy worker reads its socket only
 between steps, so in a served timeline the wait lands in router in (arrival -> prefill
@@ -230,6 +232,20 @@ def _ratio(sim: dict, meas: dict) -> dict:
             for k in ("ttft_ms", "tpot_ms")}
 
 
+def over_tpot_slo(fig: dict, other: dict) -> dict[str, dict[str, int]]:
+    """Per TPOT SLO, the requests over it in `fig`, in `other` and in both (by position:
+    the same request in either run). Where the TPOTs are bimodal -- most requests ~one
+    step, a few stalled behind a long prompt -- a p90 sits on the knee between the two
+    and moves 2x when a few requests change sides; which requests stalled does not."""
+    def over(f: dict, ms: float) -> set[int]:
+        return {i for i, t in enumerate(f["per_request"]["tpot_s"]) if t is not None and t * 1000 > ms}
+    out = {}
+    for _, tpot_ms in SLOS:
+        a, b = over(fig, tpot_ms), over(other, tpot_ms)
+        out[f"tpot{tpot_ms:g}"] = {"this": len(a), "measured": len(b), "both": len(a & b)}
+    return out
+
+
 def add_simulated(dep: dict, cfg: str, requests: list) -> None:
     """The deployment's simulated figures (with and without the host's CPU) and their
     ratios to the measured ones, from its latency model and CPU figures in `dep`."""
@@ -238,9 +254,12 @@ def add_simulated(dep: dict, cfg: str, requests: list) -> None:
     host_s = (router_ms + host["client_cpu_ms_per_token"]) / 1000
     sim = figures(simulate(LAYOUTS[cfg], model, requests))
     sim_host = figures(simulate(LAYOUTS[cfg], model, requests, host_s))
-    dep.update(simulated=sim, simulated_host_cpu=sim_host, simulated_over_measured=_ratio(sim, dep["measured"]),
-               simulated_host_cpu_over_measured=_ratio(sim_host, dep["measured"]))
-    for k in ("simulated_over_measured", "simulated_host_cpu_over_measured", "repeat_over_measured"):
+    meas = dep["measured"]
+    dep.update(simulated=sim, simulated_host_cpu=sim_host, simulated_over_measured=_ratio(sim, meas),
+               simulated_host_cpu_over_measured=_ratio(sim_host, meas))
+    dep["over_tpot_slo"] = {"simulated": over_tpot_slo(sim, meas), "simulated_host_cpu": over_tpot_slo(sim_host, meas),
+                            "repeats": [over_tpot_slo(f, meas) for f in dep.get("repeats", [])]}
+    for k in ("simulated_over_measured", "simulated_host_cpu_over_measured", "repeat_over_measured", "over_tpot_slo"):
         if k in dep:
             log(f"{cfg}: {k} {json.dumps(dep[k])}")
 
