@@ -56,7 +56,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules (vs_vllm)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules (servers)
 
 from common.config import ModelConfig  # noqa: E402
 from common.gc_tuning import freeze_startup_heap  # noqa: E402

@@ -57,7 +57,6 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +77,7 @@ from router.bench.metrics import goodput_rate, summarize  # noqa: E402
 from router.bench.runner import run_workload  # noqa: E402
 from router.bench.workloads import random_workload  # noqa: E402
 from vs_vllm_plot import plot  # noqa: E402
+from point_report import BASELINE_SUFFIX, baseline_ratios, log_point, median_point  # noqa: E402
 from servers import (MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, PDSERVE_CONFIGS, VLLM_ENV, Server, emulate_avx2, log,  # noqa: E402
                      start_pdserve, start_vllm, tree_cpu_s, vllm_bench_serve, vllm_env, vllm_version)
 
@@ -184,9 +184,6 @@ def measure(server: Server, others: list[Server], reqs, times) -> dict:
     return res
 
 
-BASELINE_SUFFIX = "@baseline"
-
-
 def server_names(args: argparse.Namespace) -> list[str]:
     ours = [f"pdserve-{c}" for c in args.configs.split(",")]
     base = [n + BASELINE_SUFFIX for n in ours] if getattr(args, "baseline", None) else []
@@ -252,32 +249,6 @@ class Servers:
             s.stop()
 
 
-def log_point(name: str, res: dict, num_prompts: int) -> None:
-    if "error" in res:
-        log(f"  {name}: {res['error']}")
-        return
-    log(f"  {name:<18} done {res['completed']}/{num_prompts}  attain {res['slo_attainment']:4.0%}  "
-        f"TTFT mean {res['mean_ttft_ms']:7.0f} p99 {res['p99_ttft_ms']:7.0f} ms  TPOT mean "
-        f"{res['mean_tpot_ms']:6.1f} p99 {res['p99_tpot_ms']:6.1f} ms  goodput {res['request_goodput']:.2f} "
-        f"req/s  out {res['output_throughput']:.1f} tok/s  other cpu {res['other_cpu_s']} s"
-        + (f"  idle others cpu {res['idle_others_cpu_s']}" if res["idle_others_cpu_s"] else ""))
-
-
-MEDIAN_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "slo_attainment", "request_goodput",
-               "output_throughput")
-
-
-def median_point(rate: float, pts: list[dict]) -> dict:
-    """Per metric, the median over a rate's repeats (each repeat: fresh prompts and arrivals)."""
-    ok = [p for p in pts if "error" not in p]
-    if not ok:
-        return {"request_rate": rate, "error": pts[0]["error"] if pts else "no points"}
-    cpu = [p["top_cpu_ms_per_1k_tokens"] for p in ok if p.get("top_cpu_ms_per_1k_tokens")]
-    return {"request_rate": rate, "repeats": len(ok),
-            **{k: statistics.median(p[k] for p in ok) for k in MEDIAN_KEYS},
-            "top_cpu_ms_per_1k_tokens": statistics.median(cpu) if cpu else None}
-
-
 def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_ready=None) -> dict:
     names = server_names(args)
     rates = [float(r) for r in args.rates.split(",")]
@@ -320,35 +291,6 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
         ok = [p for p in sweep if "error" not in p]
         out[name] = {"command": commands.get(name), "sweep": sweep, "points": points[name],
                      "goodput_rate": goodput_rate([p["request_rate"] for p in ok], [p["slo_attainment"] for p in ok])}
-    return out
-
-
-# ---- report -------------------------------------------------------------------------------
-
-def baseline_ratios(serving: dict) -> dict:
-    """Per config and rate: this checkout's median figures over the baseline checkout's
-    (`--baseline`), and each one's over vLLM's where vLLM ran. Below 1 is faster."""
-    out: dict = {}
-    keys = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
-    for name, r in serving.items():
-        base = serving.get(name + BASELINE_SUFFIX)
-        if name.startswith("_") or name.endswith(BASELINE_SUFFIX) or base is None:
-            continue
-        vllm = {p["request_rate"]: p for p in serving.get("vllm", {}).get("sweep", []) if "error" not in p}
-        rows = []
-        for ours, theirs in zip(r["sweep"], base["sweep"]):
-            if "error" in ours or "error" in theirs:
-                continue
-            row = {"request_rate": ours["request_rate"], **{f"{k}_over_baseline": ours[k] / theirs[k] for k in keys}}
-            if ours.get("top_cpu_ms_per_1k_tokens") and theirs.get("top_cpu_ms_per_1k_tokens"):
-                row["top_cpu_ms_per_1k_tokens_over_baseline"] = \
-                    ours["top_cpu_ms_per_1k_tokens"] / theirs["top_cpu_ms_per_1k_tokens"]
-            v = vllm.get(ours["request_rate"])
-            if v is not None:
-                row.update({f"{k}_over_vllm": ours[k] / v[k] for k in keys},
-                           **{f"baseline_{k}_over_vllm": theirs[k] / v[k] for k in keys})
-            rows.append(row)
-        out[name] = rows
     return out
 
 

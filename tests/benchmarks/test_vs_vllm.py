@@ -1,6 +1,6 @@
-"""benchmarks/vs_vllm.py's bookkeeping, without servers: the median over a rate's repeats,
-and which servers are up when (`--servers-up one` starts one per rate and stops it after;
-`all` starts every server once)."""
+"""benchmarks/vs_vllm.py's bookkeeping, without servers: which servers are up when
+(`--servers-up one` starts one per rate and stops it after; `all` starts every server once),
+which servers a `--baseline` run adds, and the dtype the offline runs are given."""
 from __future__ import annotations
 
 import argparse
@@ -32,25 +32,6 @@ def vs():
             if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == ROOT / "benchmarks":
                 del sys.modules[name]
         sys.modules.pop(spec.name, None)
-
-
-def point(rate, ttft, tpot, attain):
-    return {"request_rate": rate, "mean_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": tpot,
-            "p99_tpot_ms": 2 * tpot, "slo_attainment": attain, "request_goodput": attain * rate,
-            "output_throughput": 60.0}
-
-
-def test_median_point_is_per_metric_and_skips_failed_points(vs):
-    pts = [point(1.0, 300, 20, 1.0), point(1.0, 200, 40, 0.5), {"request_rate": 1.0, "error": "timed out"},
-           point(1.0, 250, 10, 0.9)]
-    m = vs.median_point(1.0, pts)
-    assert (m["mean_ttft_ms"], m["mean_tpot_ms"], m["slo_attainment"], m["repeats"]) == (250, 20, 0.9, 3)
-    assert m["request_rate"] == 1.0
-
-
-def test_median_point_of_failures_names_the_error_and_rate(vs):
-    m = vs.median_point(3.0, [{"request_rate": 3.0, "error": "timed out after 600 s"}])
-    assert m == {"request_rate": 3.0, "error": "timed out after 600 s"}
 
 
 class FakeServer:
@@ -85,19 +66,6 @@ def test_all_servers_up_through_the_sweep(vs, monkeypatch):
     assert log[:3] == [("start", n) for n in names]
     assert log[3:6] == [("measure", n, sorted(set(names) - {n})) for n in names]
     assert sorted(log[6:]) == sorted(("stop", n) for n in names)
-
-
-
-def test_baseline_ratios_divide_this_checkout_by_the_baseline_and_by_vllm(vs):
-    serving = {"pdserve-colocated": {"sweep": [point(1.0, 100, 10, 1.0), point(3.0, 200, 20, 0.9)]},
-               "pdserve-colocated@baseline": {"sweep": [point(1.0, 50, 20, 1.0), point(3.0, 100, 10, 0.9)]},
-               "vllm": {"sweep": [point(1.0, 200, 40, 1.0), {"request_rate": 3.0, "error": "down"}]}}
-    rows = vs.baseline_ratios(serving)["pdserve-colocated"]
-    assert [r["request_rate"] for r in rows] == [1.0, 3.0]
-    assert rows[0]["mean_ttft_ms_over_baseline"] == 2.0 and rows[0]["mean_tpot_ms_over_baseline"] == 0.5
-    assert rows[0]["mean_tpot_ms_over_vllm"] == 0.25 and rows[0]["baseline_mean_tpot_ms_over_vllm"] == 0.5
-    assert "mean_tpot_ms_over_vllm" not in rows[1]  # vLLM failed at that rate
-    assert set(vs.baseline_ratios(serving)) == {"pdserve-colocated"}
 
 
 def test_baseline_servers_join_the_alternation_only_when_asked(vs):
