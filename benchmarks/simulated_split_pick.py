@@ -6,6 +6,12 @@ ranked by goodput then attainment, beside the measured ranking.
 
     python benchmarks/simulated_split_pick.py --measured DIR/planner_vs_fixed.json
         --models VALIDATE.json [--out DIR/simulated_split_pick.json]
+
+`--validation FILE[,FILE]` ranks the deployments of benchmarks/simulate_validate.py runs
+instead (a later file's deployment replaces an earlier one's): per SLO pair, by the
+attainment simulated with the host's CPU and by the attainment of each served run (one
+load at one rate, so goodput ranks as attainment does), and says how far the simulated
+pick's served attainment is from the best one's.
 """
 from __future__ import annotations
 
@@ -46,12 +52,45 @@ def best(figs: dict[str, dict]) -> str:
     return max(figs, key=lambda c: (figs[c]["goodput_req_s"], figs[c]["attainment"]))
 
 
+def validation_picks(paths: list[str]) -> dict:
+    """Per SLO pair of simulate_validate.py reports: the simulated pick, each served run's
+    best, and the pick's served attainment over the best's, run by run."""
+    deps: dict[str, dict] = {}
+    for path in paths:
+        deps.update(json.loads(Path(path).read_text())["deployments"])
+    runs = min(1 + len(d.get("repeats", [])) for d in deps.values())
+    out: dict = {"validation": paths, "regimes": {}}
+    for key in deps[next(iter(deps))]["measured"]["attainment"]:
+        sim = {c: d["simulated_host_cpu"]["attainment"][key] for c, d in deps.items()}
+        served = [{c: ([d["measured"]] + d.get("repeats", []))[k]["attainment"][key] for c, d in deps.items()}
+                  for k in range(runs)]
+        pick = max(sim, key=sim.get)
+        out["regimes"][key] = {"simulated": sim, "served": served, "simulated_pick": pick,
+                               "served_best": [max(s, key=s.get) for s in served],
+                               "pick_over_best": [s[pick] / max(s.values()) if max(s.values()) else None
+                                                  for s in served]}
+        r = out["regimes"][key]
+        print(f"{key}: simulated pick {pick}; served best {r['served_best']}; the pick's served attainment over "
+              f"the best's {[round(x, 3) if x is not None else None for x in r['pick_over_best']]}; "
+              + "; ".join(f"{c}: sim {sim[c]:.2f}, served {[round(s[c], 2) for s in served]}" for c in sim))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--measured", required=True, help="planner_vs_fixed.json")
-    ap.add_argument("--models", required=True, help="simulate_validate.json (its per-layout latency models)")
+    ap.add_argument("--measured", help="planner_vs_fixed.json")
+    ap.add_argument("--models", help="simulate_validate.json (its per-layout latency models)")
+    ap.add_argument("--validation", default="", help="FILE[,FILE]: rank simulate_validate.py reports' deployments")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.validation:
+        path = Path(a.out or "results/simulated_split_pick_validation.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(validation_picks(a.validation.split(",")), indent=2))
+        print(f"wrote {path}")
+        return 0
+    if not (a.measured and a.models):
+        ap.error("--measured and --models (or --validation)")
     measured = json.loads(Path(a.measured).read_text())
     models = json.loads(Path(a.models).read_text())["deployments"]
     cfg = measured["config"]
