@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ CHANGING = ("starting", "draining", "exiting")
 LOAD_S = 120.0  # the load is that of the requests sent in the last LOAD_S that have finished
 LOAD_MIN = 4    # ... at least this many of them, else it is not known
 CPU_MIN_TOKENS = 200  # the router's CPU a token is priced over at least this many streamed tokens, else not
+IDLE_SAMPLES = 8      # the router's idle CPU rate: the median of its last this many idle windows
 
 
 @dataclass
@@ -93,7 +95,8 @@ class Planner(Background):
         self._predicted: tuple[float, tuple] | None = None  # (when, scores) of the last prediction
         self._due: tuple[float, int, float] | None = None  # a replay the loop owes: (now, KV blocks a worker, CPU a token)
         self.cpu_seconds = cpu_seconds  # this process's CPU (every thread's): the router's own
-        self._cpu: collections.deque = collections.deque()  # (when, cpu_seconds()) at each window
+        self._cpu: collections.deque = collections.deque()  # (when, cpu_seconds(), serving) at each window
+        self._idle_rates: collections.deque = collections.deque(maxlen=IDLE_SAMPLES)  # CPU s / s, idle windows
         self.router_cpu_per_token_s: float | None = None  # what the last prediction priced (None: too few tokens)
         self._inline = True  # step() driven directly: a replay runs in it
 
@@ -175,22 +178,41 @@ class Planner(Background):
                     sum(r[5] for r in recent) / len(recent), len(recent))
 
     def _sample_cpu(self) -> None:
-        now = self.clock.monotonic()
-        self._cpu.append((now, self.cpu_seconds()))
+        now, cpu = self.clock.monotonic(), self.cpu_seconds()
+        serving = bool(self.router.inflight) or self.router.preparing > 0
+        if self._cpu:
+            t0, c0, was_serving = self._cpu[-1]
+            if now > t0 and not (was_serving or serving or self._finished_since(t0)):
+                self._idle_rates.append(max(0.0, cpu - c0) / (now - t0))
+        self._cpu.append((now, cpu, serving))
         while len(self._cpu) > 2 and self._cpu[1][0] <= now - PREDICT_S:
             self._cpu.popleft()
+
+    def _finished_since(self, t0: float) -> bool:
+        log = self.router.finished_log
+        return bool(log) and log[-1][0] > t0  # finish order: the latest is last
+
+    def idle_cpu_rate(self) -> float:
+        """The router's CPU seconds a second with nothing to serve (heartbeats, windows,
+        metrics): the median over its last IDLE_SAMPLES windows that had no request in
+        flight at either end and none finishing between; 0 before the first."""
+        return statistics.median(self._idle_rates) if self._idle_rates else 0.0
 
     def cpu_per_token(self) -> float | None:
         """The router's CPU seconds per token it streamed, over the last PREDICT_S (the
         requests a prediction replays): this process's CPU between the oldest and the
-        latest window sample, over the output tokens of the requests that finished between
-        them. It covers the per-token relay, each request's own work and the background
-        (windows, heartbeats, replays), spread over the tokens. None under CPU_MIN_TOKENS."""
+        latest window sample, less its idle rate over that time (which lands on whichever
+        core is free, not on a step: at a low rate it is most of the raw figure), over the
+        output tokens of the requests that finished between them. It covers the per-token
+        relay, each request's own work and what the busy router does beside (replays),
+        spread over the tokens. None under CPU_MIN_TOKENS."""
         if len(self._cpu) < 2:
             return None
-        (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
+        (t0, c0, _), (t1, c1, _) = self._cpu[0], self._cpu[-1]
         tokens = sum(r[5] for r in self.router.finished_log if len(r) >= 6 and t0 < r[0] <= t1)
-        return max(0.0, c1 - c0) / tokens if tokens >= CPU_MIN_TOKENS else None
+        if tokens < CPU_MIN_TOKENS:
+            return None
+        return max(0.0, c1 - c0 - self.idle_cpu_rate() * (t1 - t0)) / tokens
 
     def _predict(self, now: float, num_blocks: int) -> tuple:
         """Both layouts' predicted scores for the latest requests (the last replay's, for

@@ -136,6 +136,44 @@ def test_the_loop_measures_the_routers_cpu_a_token_and_prices_it():
     assert recording.replays[-1][1] == pytest.approx(0.005)
 
 
+def test_the_routers_idle_cpu_is_netted_out_of_its_cpu_a_token():
+    """Windows with nothing in flight at either end and nothing finishing between give
+    the idle rate (their median); a token is priced at the CPU beyond it. A window
+    with a request in flight at one end, or one finishing in it, is not idle."""
+    from common.clock import ManualClock
+    from router.planner_loop import Planner
+    from tests.router.test_planner_loop import INTERVAL, FakeControl
+
+    clock = ManualClock()
+    control = FakeControl(clock, {"colocated-0": "colocated"})
+    router, cpu = control.router, [0.0]
+    planner = Planner(control, PlannerConfig(1.0, 0.02, sustain=2, cooldown_s=0.0, host_cores=2), INTERVAL,
+                      cpu_seconds=lambda: cpu[0])
+    idle = 0.01  # CPU seconds a second, nothing to serve
+    for extra in (0.0, 0.0, 0.05, 0.0):  # one idle window with a transient: the median ignores it
+        planner._sample_cpu()
+        clock.advance(INTERVAL)
+        cpu[0] += idle * INTERVAL + extra
+    planner._sample_cpu()
+    assert planner.idle_cpu_rate() == pytest.approx(idle)
+    router.inflight["r1"] = object()  # a request in flight from here: no window is idle
+    planner._sample_cpu()
+    for _ in range(3):
+        clock.advance(INTERVAL)
+        cpu[0] += idle * INTERVAL + 0.004 * 100  # 4 ms of CPU a token beyond the idle rate
+        router.finished_log.append((clock.monotonic() - 0.5, 0.3, 0.03, clock.monotonic() - 3.0, 64, 100))
+        planner._sample_cpu()
+    del router.inflight["r1"]
+    clock.advance(INTERVAL)  # nothing in flight at either end, but a request finished between: not idle
+    cpu[0] += 1.0
+    router.finished_log.append((clock.monotonic() - 0.5, 0.3, 0.03, clock.monotonic() - 3.0, 64, 100))
+    planner._sample_cpu()
+    assert planner.idle_cpu_rate() == pytest.approx(idle)
+    raw = (cpu[0] - planner._cpu[0][1]) / 400
+    assert planner.cpu_per_token() == pytest.approx(raw - idle * (planner._cpu[-1][0] - planner._cpu[0][0]) / 400)
+    assert planner.cpu_per_token() < raw
+
+
 CFG = PlannerConfig(1.0, 0.02, sustain=1, cooldown_s=0.0, host_cores=2)
 
 
