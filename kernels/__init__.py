@@ -217,6 +217,33 @@ def decode_rows(on: bool = True):
         _DECODE_ROWS.reset(token)
 
 
+# A bf16 weight's product over at least this many prompt rows goes through torch's bf16
+# matmul where the CPU has bf16 dot-product hardware (`bf16_dot_cpu`)
+BF16_DOT_ROWS = 32
+
+
+def bf16_dot_cpu() -> bool:
+    """Whether torch's bf16 matmul runs on bf16 dot-product hardware here -- AMX tiles or
+    AVX512_BF16, as torch.cpu reports them -- where oneDNN multiplies a prompt chunk's bf16
+    rows several times faster than the native tile's float32 arithmetic over widened bf16
+    weights (an AMX Xeon, 2 threads, 2048^3: 631-1447 against 169 GFLOP/s). Not under
+    `--emulate-avx2` (PDSERVE_EMULATE_AVX2=1) or an AVX2 kernel build; PDSERVE_CPU_BF16_DOT=1
+    or 0 says yes or no whatever the CPU."""
+    forced = os.environ.get("PDSERVE_CPU_BF16_DOT", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if os.environ.get("PDSERVE_EMULATE_AVX2") == "1" or "-mno-avx512f" in os.environ.get("PDSERVE_KERNEL_CFLAGS", ""):
+        return False
+    return _bf16_dot_hardware()
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_dot_hardware() -> bool:
+    cpu = torch.cpu
+    return any(bool(getattr(cpu, probe, lambda: False)()) for probe in ("_is_amx_tile_supported",
+                                                                      "_is_avx512_bf16_supported"))
+
+
 class LinearPlan:
     """One weight (and bias) made ready for `F.linear`'s job once, so that a call costs one
     native call and no re-checking. On CPU float32 the weight is packed into panels of 16
@@ -226,8 +253,12 @@ class LinearPlan:
     packed copy (``PDSERVE_CPU_LINEAR=torch``: plain `F.linear`). Either packed copy is a
     second copy of the weight in memory. A bf16 weight on the CPU is packed in bf16 and
     multiplies float32 activations into float32 (widened in registers: half the bytes
-    streamed); off the native path its product is `F.linear` on the weight widened to the
-    activations' dtype. A plan is for the weight as it is now: re-plan after writing it
+    streamed); where the CPU has bf16 dot products (`bf16_dot_cpu`), a prompt chunk of
+    BF16_DOT_ROWS rows or more is instead rounded to bf16 and multiplied by torch's bf16
+    matmul (oneDNN: AMX or AVX512_BF16) on the weight as stored, its product widened to
+    float32 -- vLLM's CPU arithmetic in bf16, which compute-bound prefill rows gain from and
+    decode rows (bound by the weight stream) do not; off the native path its product is
+    `F.linear` on the weight widened to the activations' dtype. A plan is for the weight as it is now: re-plan after writing it
     (`common.models.layers.Linear` does, by the weight's version).
 
     `quant` (a `kernels.quant.QuantWeight`): the weight is that weight-only int8 / int4 one
@@ -242,6 +273,7 @@ class LinearPlan:
         self.native = False
         self.kind = 0  # PD_W_F32
         self._onednn: torch.Tensor | None = None
+        self._bf16_dot = False  # prompt chunks through torch's bf16 matmul (bf16_dot_cpu)
         native = _cpu_native()
         cpu = (weight.device.type == "cpu" and weight.dim() == 2 and (bias is None or bias.dtype == torch.float32)
                and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
@@ -261,6 +293,7 @@ class LinearPlan:
             self.native = True
             self.packed = native.pack_weight(weight)  # in the weight's own dtype
             self.kind = int(self.packed.dtype == torch.bfloat16)  # PD_W_BF16
+            self._bf16_dot = self.kind == 1 and bf16_dot_cpu()
             lib = native.library()
             self._fn = lib.pd_gemm_bf16 if self.kind else lib.pd_gemm
         elif cpu_f32 and torch.backends.mkldnn.is_available():
@@ -270,6 +303,8 @@ class LinearPlan:
         if (self.native and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k
                 and x.device.type == "cpu"):
             m, n = x.shape[0], self._n
+            if self._bf16_dot and m >= BF16_DOT_ROWS and not _DECODE_ROWS.get():
+                return self._bf16_matmul(x)
             y = torch.empty((m, n), dtype=torch.float32)
             args = (x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr())
             if self.kind > 1:  # quantized: int8 dot products for decode rows (any count) and short chunks
@@ -289,6 +324,11 @@ class LinearPlan:
             return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
+    def _bf16_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to bf16 @ the bf16 weight^T by torch (oneDNN), widened to float32, + bias."""
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
+        return y if self._b is None else y.add_(self._b)
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of `self(x)`, for a weight [gate; up] (SwiGLU's fused gate and up
         projections, no bias): on the native path, where the halves are whole panels, in
@@ -296,7 +336,8 @@ class LinearPlan:
         `silu_mul(self(x))`); else those two steps."""
         inter = self._n // 2 if self.native else 0
         if (self.native and self._b is None and self._n % (2 * _cpu_native().PANEL) == 0 and x.dim() == 2
-                and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"):
+                and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"
+                and not (self._bf16_dot and x.shape[0] >= BF16_DOT_ROWS and not _DECODE_ROWS.get())):
             if self.kind > 1:
                 from .quant import gemm_silu_q
                 return gemm_silu_q(x, self.quant, dequant=False if _DECODE_ROWS.get() else None)

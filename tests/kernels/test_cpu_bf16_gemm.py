@@ -145,3 +145,49 @@ def test_avx512_build_gives_the_avx2_builds_bits(tmp_path, monkeypatch):
         y = torch.empty(m, n)
         assert fn(x.data_ptr(), k, m, k, packed.data_ptr(), 0, y.data_ptr(), n, n, 1) == 0
         assert torch.equal(y, cpu_native.gemm(x, packed, n))
+
+
+def test_bf16_dot_cpu_follows_the_cpus_flags_and_the_overrides(monkeypatch):
+    """Yes where /proc/cpuinfo lists AMX tiles or AVX512_BF16 (as torch.cpu reports them),
+    no under --emulate-avx2 or an AVX2 kernel build; PDSERVE_CPU_BF16_DOT decides first."""
+    for var in ("PDSERVE_CPU_BF16_DOT", "PDSERVE_EMULATE_AVX2", "PDSERVE_KERNEL_CFLAGS"):
+        monkeypatch.delenv(var, raising=False)
+    assert kernels.bf16_dot_cpu() == bool({"amx_tile", "avx512_bf16"} & _cpu_flags())
+    monkeypatch.setenv("PDSERVE_EMULATE_AVX2", "1")
+    assert not kernels.bf16_dot_cpu()
+    monkeypatch.delenv("PDSERVE_EMULATE_AVX2")
+    monkeypatch.setenv("PDSERVE_KERNEL_CFLAGS", "-O2 -mno-avx512f")
+    assert not kernels.bf16_dot_cpu()
+    monkeypatch.setenv("PDSERVE_CPU_BF16_DOT", "1")
+    assert kernels.bf16_dot_cpu()
+    monkeypatch.setenv("PDSERVE_CPU_BF16_DOT", "0")
+    monkeypatch.delenv("PDSERVE_KERNEL_CFLAGS")
+    assert not kernels.bf16_dot_cpu()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prompt_rows_take_torchs_bf16_matmul_where_the_cpu_has_bf16_dot_products(monkeypatch, with_bias):
+    """With bf16 dot products (forced here, so the dispatch runs on every CPU): a chunk of
+    BF16_DOT_ROWS rows or more is torch's bf16 product of the bf16-rounded rows, widened,
+    plus the bias; fewer rows, and decode rows of any count, take the widened tile, the same
+    bits as on a CPU without them; the fused SwiGLU follows the same rule."""
+    torch.manual_seed(0)
+    k, n = 96, 64
+    w, b = torch.randn(n, k).to(torch.bfloat16), (torch.randn(n) if with_bias else None)
+    monkeypatch.setenv("PDSERVE_CPU_BF16_DOT", "0")
+    widened = kernels.LinearPlan(w, b)
+    monkeypatch.setenv("PDSERVE_CPU_BF16_DOT", "1")
+    plan = kernels.LinearPlan(w, b)
+    assert plan.native and plan.packed.dtype == torch.bfloat16
+    rows = kernels.BF16_DOT_ROWS
+    chunk, short = torch.randn(rows + 5, k), torch.randn(rows - 1, k)
+    want = F.linear(chunk.to(torch.bfloat16), w).float() + (0 if b is None else b)
+    assert torch.equal(plan(chunk), want)
+    # bf16-rounded inputs and output: within a few bf16 steps of the float64 product
+    torch.testing.assert_close(plan(chunk), expected(chunk, w, b), rtol=2 ** -6, atol=2 ** -6 * k ** 0.5)
+    assert torch.equal(plan(short), widened(short))
+    with kernels.decode_rows():
+        assert torch.equal(plan(chunk), widened(chunk))
+    if b is None:
+        assert torch.equal(plan.silu_mul(chunk), kernels.silu_mul(want))
+        assert torch.equal(plan.silu_mul(short), widened.silu_mul(short))
