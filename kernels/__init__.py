@@ -258,8 +258,9 @@ class LinearPlan:
     matmul (oneDNN: AMX or AVX512_BF16) on the weight as stored, its product widened to
     float32 -- vLLM's CPU arithmetic in bf16, which compute-bound prefill rows gain from and
     decode rows (bound by the weight stream) do not; off the native path its product is
-    `F.linear` on the weight widened to the activations' dtype. A plan is for the weight as it is now: re-plan after writing it
-    (`common.models.layers.Linear` does, by the weight's version).
+    `F.linear` on the weight widened to the activations' dtype. A plan is for the weight as
+    it is now: re-plan after writing it (`common.models.layers.Linear` does, by the
+    weight's version).
 
     `quant` (a `kernels.quant.QuantWeight`): the weight is that weight-only int8 / int4 one
     instead, multiplied natively (`kind` says which: PD_W_* of kernels/csrc/gemm_tile.h;
