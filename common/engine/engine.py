@@ -315,22 +315,26 @@ class LLMEngine:
               f"isolating the sequence(s) that cause it", file=sys.stderr, flush=True)
         sampled: dict[int, Sampled] = {}
         failed: dict[int, str] = {}
-        parts = [list(range(len(batch)))]
+
+        def fail(seq: Sequence, e: Exception) -> None:
+            failed[seq.seq_id] = f"the engine failed on this request: {type(e).__name__}: {e}"
+            print(f"[engine] sequence {seq.seq_id} fails the step alone ({type(e).__name__}: {e}); "
+                  f"failing it, the other {len(batch) - 1} go on", file=sys.stderr, flush=True)
+
+        if len(batch) == 1:  # the step was that sequence alone
+            fail(batch.seqs[0], error)
+            return sampled, failed
+        whole = list(range(len(batch)))  # it raised already: its halves next
+        parts = [whole[:len(whole) // 2], whole[len(whole) // 2:]]
         while parts:
             part = parts.pop()
-            if len(part) == len(batch):  # the whole batch raised already: split it
-                parts += [part[:len(part) // 2], part[len(part) // 2:]]
-                continue
             sub = ScheduledBatch([batch.seqs[i] for i in part], [batch.num_tokens[i] for i in part])
             self.runner.restore_generator_states([r for s in sub.seqs for r in (s, *s.forks)], generators)
             try:
                 sampled.update(self.runner.execute(sub))
             except Exception as e:
                 if len(part) == 1:
-                    seq = sub.seqs[0]
-                    failed[seq.seq_id] = f"the engine failed on this request: {type(e).__name__}: {e}"
-                    print(f"[engine] sequence {seq.seq_id} fails the step alone ({type(e).__name__}: {e}); "
-                          f"failing it, the other {len(batch) - 1} go on", file=sys.stderr, flush=True)
+                    fail(sub.seqs[0], e)
                 else:
                     parts += [part[:len(part) // 2], part[len(part) // 2:]]
         return sampled, failed

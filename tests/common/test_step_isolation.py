@@ -51,6 +51,21 @@ def test_culprit_fails_alone_rest_token_exact(llm, monkeypatch, params):
     assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]["token_ids"] == clean[0]["token_ids"]
 
 
+@pytest.mark.timeout(120)  # the bug this guards against looped forever
+def test_a_culprit_alone_in_its_step_fails_at_once(llm, monkeypatch):
+    """A step of the culprit alone (it arrived on its own, as under a light load) is its
+    failure: no re-run, the request ends with the error and the engine goes on."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    calls: list[int] = []
+    _poison_sampler(llm.engine.runner, monkeypatch, calls)
+    out = llm.generate([[POISON, 5, 6, 7]], params, use_tqdm=False)
+    assert out[0]["finish_reason"] == "error" and "poisoned sequence" in out[0]["error"]
+    assert calls == [1]  # the one step, not run again
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    monkeypatch.undo()
+    assert len(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]["token_ids"]) == 4
+
+
 def test_culprit_mid_decode(llm, monkeypatch):
     """The culprit turns bad only after some decode steps (its 3rd output token): the
     others' decode batch goes on untouched, the culprit's tokens so far stand."""
