@@ -3,23 +3,16 @@ a prefill's, and the phases' seconds fit in the wall time."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
+
+from tests.benchmarks.scripts import script
 
 
 @pytest.fixture(scope="module")
 def offline_phases():
-    """The script as a module. Its sibling imports put benchmarks/ on sys.path, where a
-    kv_transfer.py would shadow the package: the package is imported first, and the path
-    is put back after."""
-    import kv_transfer  # noqa: F401
-    saved = list(sys.path)
-    from benchmarks import offline_phases
-    try:
-        yield offline_phases
-    finally:
-        sys.path[:] = saved
+    with script("offline_phases") as module:
+        yield module
 
 
 def test_a_run_splits_each_dtype_into_prefill_and_decode_steps(offline_phases, model_dirs, tmp_path):

@@ -3,23 +3,17 @@ per regime, the planner's against the best fixed split and vLLM, and a sweep tha
 nothing (every system misses at the lowest rate) reported as undecided, not as met."""
 from __future__ import annotations
 
-import sys
-
 import pytest
+
+from tests.benchmarks.scripts import script
 
 TTFT_BOUND, TPOT_BOUND = "ttft1000_tpot100", "ttft2000_tpot15"
 
 
 @pytest.fixture(scope="module")
 def pt():
-    """The script as a module (benchmarks/ on sys.path while it loads, then put back)."""
-    import kv_transfer  # noqa: F401  (the package, before benchmarks/kv_transfer.py can shadow it)
-    saved = list(sys.path)
-    from benchmarks import planner_targets
-    try:
-        yield planner_targets
-    finally:
-        sys.path[:] = saved
+    with script("planner_targets") as module:
+        yield module
 
 
 def points(*attain: dict[str, float], rates=(1.0, 2.0, 3.0)) -> list[dict]:

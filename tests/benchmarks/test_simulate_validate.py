@@ -3,21 +3,15 @@ requests missed a TPOT SLO in a simulated (or repeated) run, in the first served
 and in both -- counted by position, None (a one-token output) never a miss."""
 from __future__ import annotations
 
-import sys
-
 import pytest
+
+from tests.benchmarks.scripts import script
 
 
 @pytest.fixture(scope="module")
 def sv():
-    """The script as a module (benchmarks/ on sys.path while it loads, then put back)."""
-    import kv_transfer  # noqa: F401  (the package, before benchmarks/kv_transfer.py can shadow it)
-    saved = list(sys.path)
-    from benchmarks import simulate_validate
-    try:
-        yield simulate_validate
-    finally:
-        sys.path[:] = saved
+    with script("simulate_validate") as module:
+        yield module
 
 
 def fig(*tpot_ms: float | None) -> dict:

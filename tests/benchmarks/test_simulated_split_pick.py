@@ -4,21 +4,16 @@ replacing an earlier one's."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
+
+from tests.benchmarks.scripts import script
 
 
 @pytest.fixture(scope="module")
 def ssp():
-    """The script as a module (benchmarks/ on sys.path while it loads, then put back)."""
-    import kv_transfer  # noqa: F401  (the package, before benchmarks/kv_transfer.py can shadow it)
-    saved = list(sys.path)
-    from benchmarks import simulated_split_pick
-    try:
-        yield simulated_split_pick
-    finally:
-        sys.path[:] = saved
+    with script("simulated_split_pick") as module:
+        yield module
 
 
 def dep(sim: float, *served: float) -> dict:
