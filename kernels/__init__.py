@@ -253,10 +253,11 @@ class LinearPlan:
     packed copy (``PDSERVE_CPU_LINEAR=torch``: plain `F.linear`). Either packed copy is a
     second copy of the weight in memory. A bf16 weight on the CPU is packed in bf16 and
     multiplies float32 activations into float32 (widened in registers: half the bytes
-    streamed); where the CPU has bf16 dot products (`bf16_dot_cpu`), a prompt chunk of
-    BF16_DOT_ROWS rows or more is instead rounded to bf16 and multiplied by torch's bf16
-    matmul (oneDNN: AMX or AVX512_BF16) on the weight as stored, its product widened to
-    float32 -- vLLM's CPU arithmetic in bf16, which compute-bound prefill rows gain from and
+    streamed); where the CPU has bf16 dot products (`bf16_dot_cpu`), BF16_DOT_ROWS rows
+    or more outside a pure decode step (`decode_rows`: a prompt chunk, and the decode rows
+    that share its step) are instead rounded to bf16 and multiplied by torch's bf16 matmul
+    (oneDNN: AMX or AVX512_BF16) on the weight as stored, the product widened to float32
+    -- vLLM's CPU arithmetic in bf16, which compute-bound prefill rows gain from and
     decode rows (bound by the weight stream) do not; off the native path its product is
     `F.linear` on the weight widened to the activations' dtype. A plan is for the weight as
     it is now: re-plan after writing it (`common.models.layers.Linear` does, by the
