@@ -305,7 +305,7 @@ class LinearPlan:
         if (self.native and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k
                 and x.device.type == "cpu"):
             m, n = x.shape[0], self._n
-            if self._bf16_dot and m >= BF16_DOT_ROWS and not _DECODE_ROWS.get():
+            if self._takes_bf16_dot(m):
                 return self._bf16_matmul(x)
             y = torch.empty((m, n), dtype=torch.float32)
             args = (x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr())
@@ -326,6 +326,10 @@ class LinearPlan:
             return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
+    def _takes_bf16_dot(self, rows: int) -> bool:
+        """Whether these rows go through torch's bf16 matmul (`_bf16_matmul`)."""
+        return self._bf16_dot and rows >= BF16_DOT_ROWS and not _DECODE_ROWS.get()
+
     def _bf16_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x rounded to bf16 @ the bf16 weight^T by torch (oneDNN), widened to float32, + bias."""
         y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
@@ -339,7 +343,7 @@ class LinearPlan:
         inter = self._n // 2 if self.native else 0
         if (self.native and self._b is None and self._n % (2 * _cpu_native().PANEL) == 0 and x.dim() == 2
                 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"
-                and not (self._bf16_dot and x.shape[0] >= BF16_DOT_ROWS and not _DECODE_ROWS.get())):
+                and not self._takes_bf16_dot(x.shape[0])):
             if self.kind > 1:
                 from .quant import gemm_silu_q
                 return gemm_silu_q(x, self.quant, dequant=False if _DECODE_ROWS.get() else None)

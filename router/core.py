@@ -102,10 +102,15 @@ class Router(WorkerLinks):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests -----------------------------------------------------------------------
+    @property
+    def busy(self) -> int:
+        """Requests being prepared (tokenized) or in flight."""
+        return len(self.inflight) + self.preparing
+
     def admit(self) -> None:
         """RouteError "overloaded" when `max_inflight` requests are already being prepared
         or in flight; the caller answers it at once (HTTP 429 + Retry-After)."""
-        busy = len(self.inflight) + self.preparing
+        busy = self.busy
         if busy >= self.config.max_inflight:
             self.metrics.request_done("overloaded")
             wait = self.config.retry_after_s

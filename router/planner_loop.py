@@ -179,7 +179,7 @@ class Planner(Background):
 
     def _sample_cpu(self) -> None:
         now, cpu = self.clock.monotonic(), self.cpu_seconds()
-        serving = bool(self.router.inflight) or self.router.preparing > 0
+        serving = self.router.busy > 0
         if self._cpu:
             t0, c0, was_serving = self._cpu[-1]
             if now > t0 and not (was_serving or serving or self._finished_since(t0)):

@@ -27,7 +27,7 @@ class FakeControl:
 
     def __init__(self, clock: ManualClock, roles: dict[str, str]) -> None:
         self.router = SimpleNamespace(clock=clock, registry=WorkerRegistry(stale_after_s=1e9), metrics=RouterMetrics(),
-                                      finished_log=collections.deque(), inflight={}, preparing=0)
+                                      finished_log=collections.deque(), busy=0)
         self.calls: list[tuple] = []
         self.starting: dict[str, tuple[str, float]] = {}
         for wid, role in roles.items():

@@ -156,14 +156,14 @@ def test_the_routers_idle_cpu_is_netted_out_of_its_cpu_a_token():
         cpu[0] += idle * INTERVAL + extra
     planner._sample_cpu()
     assert planner.idle_cpu_rate() == pytest.approx(idle)
-    router.inflight["r1"] = object()  # a request in flight from here: no window is idle
+    router.busy = 1  # a request in flight from here: no window is idle
     planner._sample_cpu()
     for _ in range(3):
         clock.advance(INTERVAL)
         cpu[0] += idle * INTERVAL + 0.004 * 100  # 4 ms of CPU a token beyond the idle rate
         router.finished_log.append((clock.monotonic() - 0.5, 0.3, 0.03, clock.monotonic() - 3.0, 64, 100))
         planner._sample_cpu()
-    del router.inflight["r1"]
+    router.busy = 0
     clock.advance(INTERVAL)  # nothing in flight at either end, but a request finished between: not idle
     cpu[0] += 1.0
     router.finished_log.append((clock.monotonic() - 0.5, 0.3, 0.03, clock.monotonic() - 3.0, 64, 100))
