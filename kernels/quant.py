@@ -147,7 +147,7 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantWeight:
     raise ValueError(f"quantize: no quantizer from float for {kind!r} (use {sorted(FROM_FLOAT.values())})")
 
 
-# GGUF block forms (ggml-common.h): bytes per 32 values, and the kinds kept quantized
+# GGUF block forms (ggml-common.h) that are our kinds: the kind, and bytes per 32 values
 GGUF_KINDS = {"Q8_0": ("q8_0", 34), "Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20)}
 
 

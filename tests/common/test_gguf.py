@@ -3,9 +3,10 @@ qwen2, qwen3; every quant type the package can produce offline) convert to folde
 weights equal the dequantized tensors, and on which greedy output equals transformers'.
 The one real GGUF here, SmolLM2's Q4_1, is covered by the default-model tests.
 
-Untested (no Python quantizer in `gguf`, so no fixture can be made offline): Q2_K, Q3_K,
-Q4_K, Q5_K, Q6_K and the IQ types; transformers' loader dequantizes them, so they are
-expected to work but are not checked here."""
+Q4_K / Q5_K / Q6_K, which `gguf` cannot write, are packed by tests/gguf_fixture.py and
+judged in tests/common/test_gguf_kquant.py. Untested: Q2_K, Q3_K and the IQ types;
+transformers' loader dequantizes them, so they are expected to work but are not checked
+here."""
 from __future__ import annotations
 
 import subprocess
