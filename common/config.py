@@ -217,7 +217,7 @@ class DeviceConfig:
                                 "CPU: bf16 weights and KV cache, float32 activations); float16")
     quantization: str = option("auto", "weight-only quantized linears on the CPU: none, int8, int4 (int8 lm_head), "
                                         "gguf (a GGUF model's Q8_0/Q4_0/Q4_1 linears kept as stored, Q4_K as int4, "
-                                        "Q5_K/Q6_K as int8), or auto: "
+                                        "Q5_K/Q6_K/Q5_0/Q5_1/Q2_K/Q3_K/IQ4 re-quantized to int8), or auto: "
                                         "gguf for a model converted from a GGUF file, else none")
     num_threads: int | None = option(None, "torch intra-op threads per process (default: torch's own; "
                                            "`serve`: the CPU cores shared among the workers)")

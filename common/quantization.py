@@ -8,8 +8,9 @@
     gguf  a folder converted from a GGUF file (`pdserve convert-gguf`, a .gguf MODEL, the
           default model): its Q8_0 / Q4_0 / Q4_1 linears kept as the file stores them (the
           same weights the float32 conversion holds, bit for bit), Q4_K as int4 with float16
-          scales and minimums, Q5_K / Q6_K and fused groups of mixed kinds re-quantized to
-          int8 (common/loading/gguf_quant.py), the rest float
+          scales and minimums, Q5_K / Q6_K / Q5_0 / Q5_1 / Q2_K / Q3_K / IQ4_NL / IQ4_XS
+          and fused groups of mixed kinds re-quantized to int8
+          (common/loading/gguf_quant.py), the rest float
     auto  gguf for such a folder on the CPU, else none
 Activations, norms, attention and the KV cache keep the engine dtype's policy
 (common.models.precision); the native GEMM multiplies a decode batch's rows by int8 dot

@@ -8,11 +8,15 @@ How each GGUF type is kept (`KEPT`):
                       weights bit for bit
     Q4_K              q4_1 with the file's codes, each 32 values' scale and minimum
                       rounded to float16 (`_q4_k`)
-    Q5_K, Q6_K        q8_0 re-quantized from gguf-py's dequantized values: per 32 values
+    Q5_K, Q6_K, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS
+                      q8_0 re-quantized from gguf-py's dequantized values: per 32 values
                       within half a q8_0 step (d / 2, d = max |w| / 127 in float16)
 A fused Linear whose parts keep different kinds (a Q4_K_M file's Q6_K attn_v beside Q4_K
 attn_q / attn_k) is q8_0, each part re-quantized from its dequantized values unless it is
-q8_0 already. Other types (F32, F16, BF16, Q5_0, Q5_1, Q2_K, Q3_K, IQ*) stay float."""
+q8_0 already. llama.cpp writes the Q5_0 / Q5_1 / Q8_0 / IQ4_NL fallbacks into a K-quant
+file for rows whose length is not a multiple of 256 (SmolLM2's 576: most of a Q4_K_M
+SmolLM2 is Q5_0), so those are kept too. Other types (F32, F16, BF16, the other IQ types)
+stay float."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +29,8 @@ from kernels import quant
 from kernels.quant import QuantWeight
 
 # GGUF type -> the kind its linears are kept in
-KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_1", "Q5_K": "q8_0", "Q6_K": "q8_0"}
+KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_1",
+        **dict.fromkeys(("Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"), "q8_0")}
 # our fused Linear -> the GGUF tensors (per layer) it is made of, in row order
 _LAYER_LINEARS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                   "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}

@@ -80,6 +80,30 @@ def test_k_quant_blocks_repack_within_the_stated_bound_of_gguf_py(qtype, kind):
     assert bool((err <= stated_bound(ours)).all()), float((err / stated_bound(ours)).max())
 
 
+# the float16 fields of each block (byte offsets: d, and dmin where there is one); the rest
+# of a block is codes and packed sub-scales, any bytes of which are valid
+F16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS))
+def test_other_kept_types_requantize_to_q8_0_within_half_a_step(qtype):
+    """llama.cpp's fallbacks in a K-quant file (Q5_0, Q5_1, IQ4_NL for rows not a multiple
+    of 256) and the low-bit K / IQ types: gguf-py's values re-quantized to q8_0."""
+    block, nbytes = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    n, k = 20, 512
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (n * k // block, nbytes), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        raw[:, at:at + 2] = (rng.uniform(0.5, 2.0, (len(raw), 1)) * 2.0 ** -8).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(n, -1)
+    want = gguf_values(qtype, raw)
+    assert want.shape == (n, k) and bool(want.abs().max() > 0)
+    ours = repack(qtype, raw, n, k)
+    assert ours.kind == "q8_0"
+    err = (quant.dequantize(ours) - want).abs()
+    assert bool((err <= stated_bound(ours)).all()), float((err / stated_bound(ours)).max())
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 9])  # by int8 dot products (a decode batch), by the dequantizing tile
 def test_gemm_on_repacked_k_quants_is_the_product_with_gguf_py_values(qtype, m):
