@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -118,8 +119,16 @@ def cpu_split(root: int, before: dict[int, float], after: dict[int, float]) -> d
 
 # ---- servers ------------------------------------------------------------------------------
 
+def exit_on_sigterm() -> None:
+    """SIGTERM to the benchmark ends it through its `finally` blocks, which stop its servers:
+    they run in sessions of their own, so neither SIGTERM nor Ctrl-C reaches them."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 class Server:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
+        exit_on_sigterm()
         self.name, self.log_path = name, log_path
         self.t0 = time.monotonic()
         with open(log_path, "wb") as f:
