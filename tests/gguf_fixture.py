@@ -59,7 +59,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str, types: dict[s
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_freq_base(cfg["rope_theta"] if "rope_theta" in cfg else cfg["rope_parameters"]["rope_theta"])
     w.add_rope_dimension_count(cfg["head_dim"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
@@ -77,7 +77,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str, types: dict[s
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(vocab[tok_cfg["eos_token"]])
     w.add_pad_token_id(cfg["pad_token_id"])
-    w.add_chat_template(tok_cfg["chat_template"])
+    template = model_dir / "chat_template.jinja"  # transformers' own file, or the tokenizer config's entry
+    w.add_chat_template(template.read_text() if template.is_file() else tok_cfg["chat_template"])
     weights = load_file(str(model_dir / "model.safetensors"))
     for hf, t in sorted(weights.items()):
         t = t.astype(np.float32)

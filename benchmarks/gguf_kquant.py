@@ -1,0 +1,116 @@
+"""A Q4_K_M SmolLM2, kept quantized, against its own float32 conversion: the kinds its
+linears run in, their bytes, perplexity and greedy top-5 agreement.
+
+    python benchmarks/gguf_kquant.py [--threads 1] [--out results/gguf_kquant.json]
+    python benchmarks/single_stream.py --model results/gguf_kquant/smollm2-q4_k_m.gguf \\
+        --dtype float32+gguf,float32 --threads 1            # its decode speed beside float32's
+
+The file is written here from the embedded model's float32 conversion with llama.cpp's
+Q4_K_M tensor types for this model (llama.cpp's `llama_tensor_get_type`): Q4_K, with Q6_K
+for attn_v and ffn_down in the layers `use_more_bits` picks (the first and last eighth,
+every third between) and for the tied embedding / output; where a row's length is not a
+multiple of 256 (SmolLM2's hidden size 576: every matrix but ffn_down) llama.cpp's
+fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K. The blocks come from tests/gguf_fixture.py
+(llama.cpp's layout; K-quant scales by plain rounding, not llama.cpp's search, so the
+file's quality is a little below a real llama-quantize file's). Both engines load the same
+file's conversion: `--quantization gguf` (common/loading/gguf_quant.py: Q4_K as int4, the
+rest int8) and `--quantization none` (its float32 values).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.report import run_facts, write_report  # noqa: E402
+from common import LLM  # noqa: E402
+from common.engine.scoring import divergence, perplexity, sequence_logits  # noqa: E402
+from common.loading.default_model import resolve_model_dir  # noqa: E402
+from common.loading.gguf_convert import convert_gguf  # noqa: E402
+from common.models.layers import Linear  # noqa: E402
+from tests.common.test_bf16_precision import TEXT  # noqa: E402
+from tests.common.test_quantization import greedy  # noqa: E402
+from tests.gguf_fixture import QK_K, write_gguf  # noqa: E402
+
+PROMPTS = ("The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
+           "The three primary colors are", "Water boils at", "My favourite book is")
+FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama.cpp's, for a row length not a multiple of 256
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down Q4_K_M keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_types(layers: int, hidden: int, intermediate: int) -> dict[str, str]:
+    """GGUF tensor name (without ".weight") -> type, for a tied llama of this shape."""
+    def fit(qtype: str, row: int) -> str:
+        return qtype if row % QK_K == 0 else FALLBACK[qtype]
+    types = {"token_embd": fit("Q6_K", hidden)}  # tied: the embedding is the output layer
+    for i in range(layers):
+        more = use_more_bits(i, layers)
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            types[f"blk.{i}.{name}"] = fit("Q4_K", hidden)
+        types[f"blk.{i}.attn_v"] = fit("Q6_K" if more else "Q4_K", hidden)
+        types[f"blk.{i}.ffn_down"] = fit("Q6_K" if more else "Q4_K", intermediate)
+    return types
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    ap.add_argument("--out", default=str(REPO / "results" / "gguf_kquant.json"))
+    args = ap.parse_args()
+    src = Path(resolve_model_dir(None))
+    cfg = json.loads((src / "config.json").read_text())
+    if not cfg.get("tie_word_embeddings"):
+        raise SystemExit("gguf_kquant: the Q4_K_M rules here are a tied llama's")
+    types = q4_k_m_types(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
+    work = REPO / "results" / "gguf_kquant"
+    work.mkdir(parents=True, exist_ok=True)
+    path = write_gguf(src, work / "smollm2-q4_k_m.gguf", "Q4_K", types)
+    folder = convert_gguf(path, work / "smollm2-q4_k_m", quiet=True)
+    file_types = collections.Counter(types.values())
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.0f} MB): tensor types {dict(file_types)}")
+
+    llms = {q: LLM(str(folder), dtype="float32", num_threads=args.threads, num_kv_blocks=64, max_model_len=512,
+                   quantization=q, enable_prefix_caching=False, max_num_batched_tokens=512) for q in ("none", "gguf")}
+    kept = collections.Counter()
+    kept_bytes = 0
+    for mod in llms["gguf"].engine.runner.model.modules():
+        if isinstance(mod, Linear) and mod.quant is not None:
+            kept[mod.quant.kind] += 1
+            kept_bytes += mod.quant.nbytes
+    print(f"kept linears by kind {dict(kept)}: {kept_bytes / 1e6:.1f} MB")
+    f32, tok = llms["none"], llms["none"].tokenizer
+    ids = tok.encode(TEXT)[:200]
+    ppl = {q: perplexity(sequence_logits(llm.engine, ids), ids) for q, llm in llms.items()}
+    prompts = []
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        ref, ours = greedy(f32, prompt, args.tokens), greedy(llms["gguf"], prompt, args.tokens)
+        d = divergence(prompt, ref, ours, f32.engine, llms["gguf"].engine)
+        prompts.append({"prompt": text, "first_divergence": d.position, "within_top5": d.within_top(5),
+                        "ranks": [d.a_rank_in_b, d.b_rank_in_a]})
+    identical = sum(p["first_divergence"] is None for p in prompts)
+    print(f"perplexity of the fixed text: float32 {ppl['none']:.3f}, kept {ppl['gguf']:.3f} "
+          f"({ppl['gguf'] / ppl['none'] - 1:+.2%})")
+    print(f"greedy {args.tokens} tokens: {identical} of {len(prompts)} prompts identical; first divergences "
+          f"{[p['first_divergence'] for p in prompts]}; all within the top 5: {all(p['within_top5'] for p in prompts)}")
+    write_report({**run_facts(), "file": str(path), "file_types": dict(file_types), "kept_kinds": dict(kept),
+                  "kept_linear_bytes": kept_bytes, "perplexity": ppl, "prompts": prompts,
+                  "identical": identical, "threads": args.threads}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
