@@ -1,9 +1,11 @@
-"""A Q4_K_M SmolLM2, kept quantized, against its own float32 conversion: the kinds its
-linears run in, their bytes, perplexity and greedy top-5 agreement.
+"""A Q4_K_M (or Q4_0) SmolLM2, kept quantized, against its own float32 conversion: the
+kinds its linears run in, their bytes, perplexity and greedy top-5 agreement.
 
-    python benchmarks/gguf_kquant.py [--threads 1] [--out results/gguf_kquant.json]
+    python benchmarks/gguf_kquant.py [--scheme q4_k_m|q4_0] [--threads 1] [--out results/gguf_kquant.json]
     python benchmarks/single_stream.py --model results/gguf_kquant/smollm2-q4_k_m.gguf \\
         --dtype float32+gguf,float32 --threads 1            # its decode speed beside float32's
+    python benchmarks/vs_llamacpp.py --llama-python /work/llama-venv/bin/python \\
+        --gguf results/gguf_kquant/smollm2-q4_k_m.gguf      # beside llama.cpp on the same file
 
 The file is written here from the embedded model's float32 conversion with llama.cpp's
 Q4_K_M tensor types for this model (llama.cpp's `llama_tensor_get_type`): Q4_K, with Q6_K
@@ -14,7 +16,9 @@ fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K. The blocks come from tests/gguf_fixt
 (llama.cpp's layout; K-quant scales by plain rounding, not llama.cpp's search, so the
 file's quality is a little below a real llama-quantize file's). Both engines load the same
 file's conversion: `--quantization gguf` (common/loading/gguf_quant.py: Q4_K as int4, the
-rest int8) and `--quantization none` (its float32 values).
+rest int8) and `--quantization none` (its float32 values). `--scheme q4_0` writes llama.cpp's
+Q4_0 instead: every linear Q4_0, the tied embedding / output Q8_0 (Q6_K's fallback), the
+type llama.cpp repacks for AVX2.
 """
 from __future__ import annotations
 
@@ -64,8 +68,20 @@ def q4_k_m_types(layers: int, hidden: int, intermediate: int) -> dict[str, str]:
     return types
 
 
+def q4_0_types(layers: int, hidden: int) -> dict[str, str]:
+    """llama.cpp's Q4_0 file of a tied llama: Q4_0 but the embedding / output (Q6_K, or its
+    fallback Q8_0)."""
+    return {"token_embd": "Q6_K" if hidden % QK_K == 0 else FALLBACK["Q6_K"]}
+
+
+SCHEMES = {"q4_k_m": ("Q4_K", lambda cfg: q4_k_m_types(cfg["num_hidden_layers"], cfg["hidden_size"],
+                                                       cfg["intermediate_size"])),
+           "q4_0": ("Q4_0", lambda cfg: q4_0_types(cfg["num_hidden_layers"], cfg["hidden_size"]))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scheme", choices=sorted(SCHEMES), default="q4_k_m", help="llama.cpp file type to write")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--out", default=str(REPO / "results" / "gguf_kquant.json"))
@@ -74,12 +90,14 @@ def main() -> int:
     cfg = json.loads((src / "config.json").read_text())
     if not cfg.get("tie_word_embeddings"):
         raise SystemExit("gguf_kquant: the Q4_K_M rules here are a tied llama's")
-    types = q4_k_m_types(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
+    qtype, rules = SCHEMES[args.scheme]
+    types = rules(cfg)
     work = REPO / "results" / "gguf_kquant"
     work.mkdir(parents=True, exist_ok=True)
-    path = write_gguf(src, work / "smollm2-q4_k_m.gguf", "Q4_K", types)
-    folder = convert_gguf(path, work / "smollm2-q4_k_m", quiet=True)
-    file_types = collections.Counter(types.values())
+    path = write_gguf(src, work / f"smollm2-{args.scheme}.gguf", qtype, types)
+    folder = convert_gguf(path, work / f"smollm2-{args.scheme}", quiet=True)
+    matrices = 1 + 7 * cfg["num_hidden_layers"]  # the embedding, and per layer q, k, v, o, gate, up, down
+    file_types = collections.Counter({qtype: matrices - len(types)}) + collections.Counter(types.values())
     print(f"wrote {path} ({path.stat().st_size / 1e6:.0f} MB): tensor types {dict(file_types)}")
 
     llms = {q: LLM(str(folder), dtype="float32", num_threads=args.threads, num_kv_blocks=64, max_model_len=512,
@@ -106,7 +124,7 @@ def main() -> int:
           f"({ppl['gguf'] / ppl['none'] - 1:+.2%})")
     print(f"greedy {args.tokens} tokens: {identical} of {len(prompts)} prompts identical; first divergences "
           f"{[p['first_divergence'] for p in prompts]}; all within the top 5: {all(p['within_top5'] for p in prompts)}")
-    write_report({**run_facts(), "file": str(path), "file_types": dict(file_types), "kept_kinds": dict(kept),
+    write_report({**run_facts(), "scheme": args.scheme, "file": str(path), "file_types": dict(file_types), "kept_kinds": dict(kept),
                   "kept_linear_bytes": kept_bytes, "perplexity": ppl, "prompts": prompts,
                   "identical": identical, "threads": args.threads}, args.out)
     return 0
