@@ -125,9 +125,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
     dev = llm.engine.config.device  # the precision it ran in: `auto` resolved
-    print(f"model {model} ({dev.dtype}, quantization {dev.quantization}): {len(outs)} prompts, {ntok} tokens "
-          f"in {dt:.2f} s", file=sys.stderr)
+    print(f"model {model} ({dev.dtype}, quantization {dev.quantization}{_kept_kinds(llm)}): {len(outs)} prompts, "
+          f"{ntok} tokens in {dt:.2f} s", file=sys.stderr)
     return 0
+
+
+def _kept_kinds(llm: Any) -> str:
+    """How many linears run in each quantized kind (a GGUF's Q4_K_M: mostly q8_0, some
+    q4_1), as ": 105 q8_0 + 16 q4_1 linears"; empty where none is quantized."""
+    kinds: dict[str, int] = {}
+    for module in llm.engine.runner.model.modules():
+        if (quant := getattr(module, "quant", None)) is not None:
+            kinds[quant.kind] = kinds.get(quant.kind, 0) + 1
+    return f": {' + '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} linears" if kinds else ""
 
 
 def _devices(spec: str | None, count: int, flag: str, default: str = "cpu") -> tuple[str, ...]:

