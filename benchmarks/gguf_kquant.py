@@ -26,6 +26,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from common import LLM  # noqa: E402
 from common.engine.scoring import divergence, perplexity, sequence_logits  # noqa: E402
 from common.loading.default_model import resolve_model_dir  # noqa: E402
 from common.loading.gguf_convert import convert_gguf  # noqa: E402
-from common.models.layers import Linear  # noqa: E402
+from common.quantization import kept_linears  # noqa: E402
 from tests.common.test_bf16_precision import TEXT  # noqa: E402
 from tests.common.test_quantization import greedy  # noqa: E402
 from tests.gguf_fixture import QK_K, write_gguf  # noqa: E402
@@ -68,7 +69,7 @@ def q4_k_m_types(layers: int, hidden: int, intermediate: int) -> dict[str, str]:
     return types
 
 
-def q4_0_types(layers: int, hidden: int) -> dict[str, str]:
+def q4_0_types(hidden: int) -> dict[str, str]:
     """llama.cpp's Q4_0 file of a tied llama: Q4_0 but the embedding / output (Q6_K, or its
     fallback Q8_0)."""
     return {"token_embd": "Q6_K" if hidden % QK_K == 0 else FALLBACK["Q6_K"]}
@@ -76,7 +77,7 @@ def q4_0_types(layers: int, hidden: int) -> dict[str, str]:
 
 SCHEMES = {"q4_k_m": ("Q4_K", lambda cfg: q4_k_m_types(cfg["num_hidden_layers"], cfg["hidden_size"],
                                                        cfg["intermediate_size"])),
-           "q4_0": ("Q4_0", lambda cfg: q4_0_types(cfg["num_hidden_layers"], cfg["hidden_size"]))}
+           "q4_0": ("Q4_0", lambda cfg: q4_0_types(cfg["hidden_size"]))}
 
 
 def main() -> int:
@@ -95,19 +96,18 @@ def main() -> int:
     work = REPO / "results" / "gguf_kquant"
     work.mkdir(parents=True, exist_ok=True)
     path = write_gguf(src, work / f"smollm2-{args.scheme}.gguf", qtype, types)
-    folder = convert_gguf(path, work / f"smollm2-{args.scheme}", quiet=True)
+    folder = work / f"smollm2-{args.scheme}"
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's conversion of the file just rewritten
+    folder = convert_gguf(path, folder, quiet=True)
     matrices = 1 + 7 * cfg["num_hidden_layers"]  # the embedding, and per layer q, k, v, o, gate, up, down
     file_types = collections.Counter({qtype: matrices - len(types)}) + collections.Counter(types.values())
     print(f"wrote {path} ({path.stat().st_size / 1e6:.0f} MB): tensor types {dict(file_types)}")
 
     llms = {q: LLM(str(folder), dtype="float32", num_threads=args.threads, num_kv_blocks=64, max_model_len=512,
                    quantization=q, enable_prefix_caching=False, max_num_batched_tokens=512) for q in ("none", "gguf")}
-    kept = collections.Counter()
-    kept_bytes = 0
-    for mod in llms["gguf"].engine.runner.model.modules():
-        if isinstance(mod, Linear) and mod.quant is not None:
-            kept[mod.quant.kind] += 1
-            kept_bytes += mod.quant.nbytes
+    by_kind = kept_linears(llms["gguf"].engine.runner.model)
+    kept = {kind: len(ws) for kind, ws in by_kind.items()}
+    kept_bytes = sum(w.nbytes for ws in by_kind.values() for w in ws)
     print(f"kept linears by kind {dict(kept)}: {kept_bytes / 1e6:.1f} MB")
     f32, tok = llms["none"], llms["none"].tokenizer
     ids = tok.encode(TEXT)[:200]
@@ -124,7 +124,7 @@ def main() -> int:
           f"({ppl['gguf'] / ppl['none'] - 1:+.2%})")
     print(f"greedy {args.tokens} tokens: {identical} of {len(prompts)} prompts identical; first divergences "
           f"{[p['first_divergence'] for p in prompts]}; all within the top 5: {all(p['within_top5'] for p in prompts)}")
-    write_report({**run_facts(), "scheme": args.scheme, "file": str(path), "file_types": dict(file_types), "kept_kinds": dict(kept),
+    write_report({**run_facts(), "scheme": args.scheme, "file": str(path), "file_types": dict(file_types), "kept_kinds": kept,
                   "kept_linear_bytes": kept_bytes, "perplexity": ppl, "prompts": prompts,
                   "identical": identical, "threads": args.threads}, args.out)
     return 0

@@ -70,3 +70,13 @@ def precision(dtype: str, quantization: str = "none") -> str:
     """What a fingerprint says an engine computes in: the dtype, "+" the quantization
     when there is one ("float32+int4")."""
     return dtype if quantization in ("none", "") else f"{dtype}+{quantization}"
+
+
+def kept_linears(model) -> dict[str, list]:
+    """A loaded model's quantized linears' weights (kernels.quant.QuantWeight) by kind:
+    {"q8_0": [...], "q4_1": [...]}; empty where none is quantized."""
+    kinds: dict[str, list] = {}
+    for module in model.modules():
+        if (quant := getattr(module, "quant", None)) is not None:
+            kinds.setdefault(quant.kind, []).append(quant)
+    return dict(sorted(kinds.items()))

@@ -14,6 +14,7 @@ from typing import Any
 from common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, EngineOptions, Option, WorkerConfig,
                            options_of)
 from common.loading.default_model import resolve_model
+from common.quantization import kept_linears
 from router.config import RouterConfig
 from router.ray_cli import add_ray_flags, add_ray_stop_parser, ray_placement, serve_with_ray
 
@@ -124,20 +125,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out['text']!r}  [{len(out['token_ids'])} tokens, {out['finish_reason']}]")
     ntok = sum(len(o["token_ids"]) for o in outs)
-    dev = llm.engine.config.device  # the precision it ran in: `auto` resolved
-    print(f"model {model} ({dev.dtype}, quantization {dev.quantization}{_kept_kinds(llm)}): {len(outs)} prompts, "
-          f"{ntok} tokens in {dt:.2f} s", file=sys.stderr)
+    dev = llm.engine.config.device  # the precision it ran in: `auto` resolved, and how many linears each kind
+    kept = " + ".join(f"{len(ws)} {kind}" for kind, ws in kept_linears(llm.engine.runner.model).items())
+    print(f"model {model} ({dev.dtype}, quantization {dev.quantization}{f': {kept} linears' if kept else ''}): "
+          f"{len(outs)} prompts, {ntok} tokens in {dt:.2f} s", file=sys.stderr)
     return 0
-
-
-def _kept_kinds(llm: Any) -> str:
-    """How many linears run in each quantized kind (a GGUF's Q4_K_M: mostly q8_0, some
-    q4_1), as ": 105 q8_0 + 16 q4_1 linears"; empty where none is quantized."""
-    kinds: dict[str, int] = {}
-    for module in llm.engine.runner.model.modules():
-        if (quant := getattr(module, "quant", None)) is not None:
-            kinds[quant.kind] = kinds.get(quant.kind, 0) + 1
-    return f": {' + '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} linears" if kinds else ""
 
 
 def _devices(spec: str | None, count: int, flag: str, default: str = "cpu") -> tuple[str, ...]:

@@ -18,4 +18,4 @@ def test_q4_k_m_types_follow_llama_cpps_rules_and_fallbacks():
         assert [i for i in range(30) if smol[f"blk.{i}.attn_v"] == "Q8_0"] == more
         wide = g.q4_k_m_types(8, 1024, 2816)  # every row a multiple of 256: no fallbacks
         assert wide["token_embd"] == "Q6_K" and wide["blk.0.attn_q"] == "Q4_K" and wide["blk.0.attn_v"] == "Q6_K"
-        assert wide["blk.2.attn_v"] == "Q4_K" and wide["blk.3.attn_v"] == "Q6_K" and g.q4_0_types(8, 576) == {"token_embd": "Q8_0"}
+        assert wide["blk.2.attn_v"] == "Q4_K" and wide["blk.3.attn_v"] == "Q6_K" and g.q4_0_types(576) == {"token_embd": "Q8_0"}
