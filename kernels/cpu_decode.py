@@ -35,6 +35,10 @@ _KINDS = ("qkv_kind", "o_kind", "gate_up_kind", "down_kind")  # each matrix's PD
 _ERRORS = {1: "bad arguments (a token id or position outside its table, a context longer than its block table, "
               "or a slot or block id outside the cache)", 2: "out of memory"}
 _KIND_DTYPES = {0: torch.float32, 1: torch.bfloat16, **{c: torch.uint8 for c in quant.KIND_CODES.values()}}
+# The parts of a step `DecodeStack.parts` times (decode_layers_cpu.c's PD_PART_*, in order),
+# then the calls' whole time and their count: benchmarks/decode_parts.py
+PARTS = ("embed", "norms", "qkv", "rope_store", "attention", "o", "gate_up", "down", "lm_head", "argmax")
+PART_TOTAL, PART_CALLS = len(PARTS), len(PARTS) + 1
 
 
 class _LayerStruct(ctypes.Structure):
@@ -191,6 +195,9 @@ class DecodeStack:
             model = replace(model, head_p=None, head_b=None, head_n=0, head_kind=0)
         self.layers, self.dims, self.model = layers, dims, model
         self.has_head = model.head_p is not None  # `logits` applies
+        # float64 [len(PARTS) + 2] or None: each call adds its seconds by part, its whole
+        # time and 1 (at PART_TOTAL, PART_CALLS); None, the default, times nothing
+        self.parts: torch.Tensor | None = None
         self._fn = cpu_native.library().pd_decode_layers
         self._model = _ModelStruct(model.embed.data_ptr(), model.embed.shape[0],
                                    int(model.embed.dtype == torch.bfloat16), model.cos.data_ptr(),
@@ -241,6 +248,15 @@ class DecodeStack:
         _, logits, top = self._run(ids, positions, slots, tables, lens, True)
         return logits, top.tolist()
 
+    def _parts_ptr(self) -> int | None:
+        parts = self.parts
+        if parts is None:
+            return None
+        if not (parts.dtype == torch.float64 and parts.device.type == "cpu" and parts.is_contiguous()
+                and tuple(parts.shape) == (len(PARTS) + 2,)):
+            raise ValueError(f"DecodeStack.parts must be a contiguous CPU float64 tensor of {len(PARTS) + 2}")
+        return parts.data_ptr()
+
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
              lens: torch.Tensor, head: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         d = self.dims
@@ -261,7 +277,7 @@ class DecodeStack:
                           ctypes.addressof(self._model), ids.data_ptr(), positions.data_ptr(), out.data_ptr(),
                           slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
                           torch.get_num_threads(), logits.data_ptr() if head else None,
-                          top.data_ptr() if head else None)
+                          top.data_ptr() if head else None, self._parts_ptr())
         if status:
             raise cpu_native.NativeKernelError(f"native decode layers: {_ERRORS.get(status, f'error {status}')}")
         return out, logits, top

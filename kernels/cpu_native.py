@@ -176,7 +176,7 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_decode_layers
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 7
-                   + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
+                   + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 3)
     return lib
 
 

@@ -30,6 +30,11 @@
  *             (the first NaN where a row has one: numpy's and torch's argmax)
  *   slots     [m] int64: cache slot (block * block_size + offset) of each token; < 0 skips the store
  *   tables    [m, max_blocks] int32, lens [m] int32: as pd_paged_decode_attention
+ *   parts     [PD_DECODE_PARTS] float64 in/out, or NULL: where the time goes, for
+ *             benchmarks/decode_parts.py -- seconds added to each part (the order of
+ *             kernels.cpu_decode.PARTS), the call's whole time to parts[PD_PART_TOTAL] and
+ *             1 to parts[PD_PART_CALLS]. The laps are back to back, so the parts sum to
+ *             the total; a lap is one clock read (~20 ns), ~300 a step, none when NULL.
  * Returns 0, 1 (bad arguments: a token id or position outside its table, a slot or block
  * id outside the cache, a length past its table), or 2 (out of memory). Built by
  * kernels/cpu_native.py with the rest.
@@ -38,6 +43,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bf16.h"
 #include "gemm_tile.h"
@@ -129,6 +135,26 @@ static void embed_rows(const pd_model_t *M, const int64_t *ids, int64_t m, int64
     }
 }
 
+/* The parts of a step `parts` times, in kernels.cpu_decode.PARTS's order */
+enum {
+    PD_PART_EMBED, PD_PART_NORMS, PD_PART_QKV, PD_PART_ROPE_STORE, PD_PART_ATTENTION, PD_PART_O, PD_PART_GATE_UP,
+    PD_PART_DOWN, PD_PART_LM_HEAD, PD_PART_ARGMAX, PD_PART_TOTAL, PD_PART_CALLS, PD_DECODE_PARTS
+};
+
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* parts[part] += the time since *t, and *t = now (nothing when parts is NULL) */
+static inline void lap(double *parts, int part, double *t) {
+    if (!parts) return;
+    const double now = now_s();
+    parts[part] += now - *t;
+    *t = now;
+}
+
 /* Whether v is a NaN, by its bits: -ffast-math (the build's) lets isnan() fold to 0 */
 static inline int nan_bits(float v) {
     uint32_t u;
@@ -163,7 +189,7 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
                      int64_t hkv, int64_t d, int64_t inter, int64_t block_size, int64_t num_blocks, float norm_eps,
                      float qk_eps, float scale, const pd_model_t *M, const int64_t *ids, const int64_t *positions,
                      float *out, const int64_t *slots, const int32_t *tables, const int32_t *lens, int64_t max_blocks,
-                     int num_threads, float *logits, int64_t *top) {
+                     int num_threads, float *logits, int64_t *top, double *parts) {
     if ((logits || top) && (!M->head || M->head_n <= 0 || !logits))
         return 1;
     if (m <= 0 || num_layers < 0 || hidden <= 0 || hkv <= 0 || hq % hkv != 0 || d <= 0 || d % 2 || d > 4096 || inter <= 0
@@ -182,15 +208,20 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
     float *h = buf, *residual = h + m * hidden, *x = residual + m * hidden, *qkv = x + m * hidden;
     float *q = qkv + m * nqkv, *att = q + m * hq * d, *gu = att + m * hq * d;
     float *act = gu + m * 2 * inter;
+    const double t0 = parts ? now_s() : 0.0;
+    double t = t0;
     embed_rows(M, ids, m, hidden, h);
+    lap(parts, PD_PART_EMBED, &t);
     int status = 0;
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const pd_layer_t *L = &layers[l];
         /* the first layer starts the stream: residual = h */
         status = pd_add_rms_norm(h, l ? residual : NULL, L->input_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                  num_threads);
+        lap(parts, PD_PART_NORMS, &t);
         if (!status)
             status = gemm_w(L->qkv_kind, x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
+        lap(parts, PD_PART_QKV, &t);
         if (status) break;
         /* rows apart: each writes its own q rows and cache slot */
 #pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
@@ -216,13 +247,17 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
                 }
             }
         }
+        lap(parts, PD_PART_ROPE_STORE, &t);
         status = attention_w(L, q, tables, lens, att, m, hq, hkv, d, block_size, max_blocks, num_blocks, scale,
                              num_threads);
+        lap(parts, PD_PART_ATTENTION, &t);
         if (!status)
             status = gemm_w(L->o_kind, att, hq * d, m, hq * d, L->o_p, NULL, h, hidden, hidden, num_threads);
+        lap(parts, PD_PART_O, &t);
         if (!status)
             status = pd_add_rms_norm(h, residual, L->post_norm, norm_eps, x, residual, m, hidden, hidden, hidden,
                                      num_threads);
+        lap(parts, PD_PART_NORMS, &t);
         if (!status && inter % PD_NR == 0) /* whole panels: gate and up in one pass */
             status = (pd_quant_block_bytes((int)L->gate_up_kind) > 0 ? pd_gemm_silu_qdot : pd_gemm_silu_q)(
                 x, hidden, m, hidden, L->gate_up_p, (int)L->gate_up_kind, act, inter, inter, num_threads);
@@ -231,16 +266,25 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
                             num_threads);
             if (!status) status = pd_silu_mul(gu, act, m, inter, 2 * inter, num_threads);
         }
+        lap(parts, PD_PART_GATE_UP, &t);
         if (!status)
             status = gemm_w(L->down_kind, act, inter, m, inter, L->down_p, NULL, h, hidden, hidden, num_threads);
+        lap(parts, PD_PART_DOWN, &t);
     }
     if (!status) /* no layers: the embeddings are the stream */
         status = pd_add_rms_norm(h, num_layers ? residual : NULL, M->final_norm, norm_eps, out, residual, m, hidden,
                                  hidden, hidden, num_threads);
+    lap(parts, PD_PART_NORMS, &t);
     if (!status && logits)
         status = gemm_w(M->head_kind, out, hidden, m, hidden, M->head, M->head_b, logits, M->head_n, M->head_n,
                         num_threads);
+    lap(parts, PD_PART_LM_HEAD, &t);
     if (!status && top) argmax_rows(logits, m, M->head_n, top);
     free(buf);
+    lap(parts, PD_PART_ARGMAX, &t);
+    if (parts) {
+        parts[PD_PART_TOTAL] += t - t0;
+        parts[PD_PART_CALLS] += 1.0;
+    }
     return status;
 }

@@ -12,7 +12,7 @@ import torch
 from common import LLM, SamplingParams
 from common.models.layers import Linear
 from kernels import cpu_native
-from kernels.cpu_decode import DecodeStack
+from kernels.cpu_decode import PART_CALLS, PART_TOTAL, PARTS, DecodeStack
 
 ARCHS = ("qwen3", "qwen2", "llama")  # q/k norm; qkv bias; neither (GQA in all three)
 
@@ -260,3 +260,32 @@ def test_no_stack_for_a_wrong_length_vector(engines):
         layers[1] = dataclasses.replace(layers[1], **{field: getattr(layers[1], field)[:-1]})
         assert DecodeStack.build(layers, stack.dims, stack.model) is None, field
     assert DecodeStack.build(list(stack.layers), stack.dims, stack.model) is not None
+
+
+def test_parts_time_a_step_without_changing_it(engines):
+    """`DecodeStack.parts`: the same logits and argmax with the step timed as without; one
+    call counted; every part that runs has time, the laps sum to the call's whole time;
+    a tensor of the wrong kind is refused before the call."""
+    engine = engines["qwen3"]
+    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 3)
+    model = engine.runner.model
+    stack = model.decode_stack()
+    try:
+        with torch.inference_mode():
+            plain, plain_top = model.decode_logits(ids, positions, meta)
+            stack.parts = torch.zeros(len(PARTS) + 2, dtype=torch.float64)
+            timed, timed_top = model.decode_logits(ids, positions, meta)
+            parts = stack.parts.clone()
+            assert torch.equal(plain, timed) and plain_top == timed_top
+            assert parts[PART_CALLS] == 1
+            by_name = dict(zip(PARTS, parts.tolist()))
+            assert all(by_name[p] > 0 for p in ("norms", "qkv", "rope_store", "attention", "o", "gate_up", "down",
+                                                "lm_head")), by_name
+            assert float(parts[:len(PARTS)].sum()) == pytest.approx(float(parts[PART_TOTAL]), rel=1e-9)
+            stack.parts = torch.zeros(len(PARTS) + 2, dtype=torch.float32)
+            with pytest.raises(ValueError, match="float64"):
+                model.decode_logits(ids, positions, meta)
+    finally:
+        stack.parts = None
+        for s in seqs:
+            engine.abort(s)
