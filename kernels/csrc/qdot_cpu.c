@@ -18,7 +18,14 @@
  * code is shaped for the memory stream: a pass over a panel runs up to 4 rows of x (each
  * weight load serves them all), and on AVX2 each group's lines are prefetched
  * PD_QPREFETCH bytes ahead, across panel (and matrix) ends, so that the prefetcher is not
- * left to find the stream again at each 4 KB page.
+ * left to find the stream again at each 4 KB page. One row (a decode step of one
+ * sequence) has no other rows' work to overlap with a line's arrival, so it takes two
+ * panels per pass (qdot_pair1), each from a sequential stream of its own: a thread's
+ * first and second halves of panels side by side, or SwiGLU's gate panel beside its up
+ * panel (two panels from one stream, j beside j + 1, were ~20% slower than one at a
+ * time). At one row of SmolLM2 on one Zen 3 core the products take 1/1.18 (int4) and
+ * 1/1.12 (int8) of the time one panel per pass took, the two builds alternated in one
+ * process (benchmarks/decode_parts.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -203,6 +210,108 @@ static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t 
     }
 }
 
+/* One row's products with two panels in one pass (pa -> oa, pb -> ob): each panel's
+ * arithmetic is qdot_panel's for one row (the same bits), the two interleaved quad by quad,
+ * so that two streams of blocks are in flight and two independent chains of integer
+ * products fill the pipes while lines arrive -- one decode row reads each weight once and
+ * does little with it, and one panel at a time left the memory idle between its steps. */
+static AI void qdot_pair1(const int KIND, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r,
+                          int64_t r0, float oa[NR], float ob[NR]) {
+    const int64_t nb = k / QG, bb = pd_quant_block_size(KIND), qb = pd_quant_quad_bytes(KIND);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const int8_t *xq = r->q + r0 * k;
+    const float *xd = r->d + r0 * nb, *xds = r->ds + r0 * nb;
+    const int32_t *xs = r->s + r0 * nb;
+    const uint8_t *panel[2] = {pa, pb};
+    __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *blk[2] = {panel[0] + g * bb, panel[1] + g * bb};
+#if PD_QPREFETCH > 0
+        for (int p = 0; p < 2; p++)
+            for (int64_t b = 0; b < bb; b += 64) _mm_prefetch((const char *)blk[p] + PD_QPREFETCH + b, PD_QPREFETCH_HINT);
+#endif
+        __m256i is[2][2];
+        for (int p = 0; p < 2; p++) is[p][0] = is[p][1] = _mm256_setzero_si256();
+        for (int t = 0; t < PD_QUADS; t++) {
+            int32_t x4;
+            memcpy(&x4, xq + g * QG + 4 * t, 4);
+            const __m256i xb = _mm256_set1_epi32(x4);
+            for (int p = 0; p < 2; p++) {
+                const uint8_t *qd = blk[p] + pd_quant_header_bytes(KIND) + t * qb;
+                if (KIND == PD_W_Q8) {
+                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
+                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
+                    const __m256i p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1));
+                    is[p][0] = _mm256_add_epi32(is[p][0], _mm256_madd_epi16(p0, ones));
+                    is[p][1] = _mm256_add_epi32(is[p][1], _mm256_madd_epi16(p1, ones));
+                } else {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
+                    const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    is[p][0] = _mm256_add_epi16(is[p][0], _mm256_maddubs_epi16(w0, xb));
+                    is[p][1] = _mm256_add_epi16(is[p][1], _mm256_maddubs_epi16(w1, xb));
+                }
+                PIN(is[p][0]);
+                PIN(is[p][1]);
+            }
+        }
+        const __m256 dx = _mm256_set1_ps(xd[g]);
+        for (int p = 0; p < 2; p++) {
+            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[p]));
+            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 16)));
+            __m256i s0 = is[p][0], s1 = is[p][1];
+            if (KIND != PD_W_Q8) {
+                s0 = _mm256_madd_epi16(s0, ones);
+                s1 = _mm256_madd_epi16(s1, ones);
+            }
+            if (KIND == PD_W_Q4) {
+                const __m256i eight_s = _mm256_set1_epi32(8 * xs[g]);
+                s0 = _mm256_sub_epi32(s0, eight_s);
+                s1 = _mm256_sub_epi32(s1, eight_s);
+            }
+            if (KIND == PD_W_Q4M) {
+                const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 32)));
+                const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 48)));
+                const __m256 mds = _mm256_set1_ps(xds[g]);
+                __m256 t0 = _mm256_mul_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0));
+                __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1));
+                PIN(t0);
+                PIN(t1);
+                t0 = _mm256_fmadd_ps(m0, mds, t0);
+                t1 = _mm256_fmadd_ps(m1, mds, t1);
+                PIN(t0);
+                PIN(t1);
+                acc[p][0] = _mm256_add_ps(acc[p][0], t0);
+                acc[p][1] = _mm256_add_ps(acc[p][1], t1);
+            } else {
+                acc[p][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0), acc[p][0]);
+                acc[p][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1), acc[p][1]);
+            }
+        }
+    }
+    _mm256_storeu_ps(oa, acc[0][0]);
+    _mm256_storeu_ps(oa + 8, acc[0][1]);
+    _mm256_storeu_ps(ob, acc[1][0]);
+    _mm256_storeu_ps(ob + 8, acc[1][1]);
+}
+
+#define QDOT_PAIR_COPY(KIND)                                                                                          \
+    static void qdot_pair1_##KIND(int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r, int64_t r0,      \
+                                  float *oa, float *ob) {                                                              \
+        qdot_pair1(KIND, k, pa, pb, r, r0, oa, ob);                                                                    \
+    }
+QDOT_PAIR_COPY(2)
+QDOT_PAIR_COPY(3)
+QDOT_PAIR_COPY(4)
+typedef void (*qdot_pair_fn)(int64_t, const uint8_t *, const uint8_t *, const qrows_t *, int64_t, float *, float *);
+static const qdot_pair_fn qdot_pairs[3] = {qdot_pair1_2, qdot_pair1_3, qdot_pair1_4};
+
+/* One row's products with panels pa and pb (qdot_pair1) */
+static void qdot_pair_row(int kind, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r, int64_t r0,
+                          float *oa, float *ob) {
+    qdot_pairs[kind - PD_W_Q8](k, pa, pb, r, r0, oa, ob);
+}
+
 #define QDOT_COPY(R, KIND)                                                                                             \
     static void qdot_##R##_##KIND(int64_t k, const uint8_t *p, const qrows_t *r, int64_t r0, float out[][NR]) {      \
         qdot_panel(R, KIND, k, p, r, r0, out);                                                                         \
@@ -251,6 +360,16 @@ static void qdot_rows(int kind, int rows, int64_t k, const uint8_t *panel, const
             out[i][c] = acc;
         }
 }
+
+/* One row's products with panels pa and pb: the two one after the other */
+static void qdot_pair_row(int kind, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r, int64_t r0,
+                          float *oa, float *ob) {
+    float out[1][NR];
+    qdot_rows(kind, 1, k, pa, r, r0, out);
+    memcpy(oa, out[0], sizeof out[0]);
+    qdot_rows(kind, 1, k, pb, r, r0, out);
+    memcpy(ob, out[0], sizeof out[0]);
+}
 #endif
 
 /* Quantized x's rows for m rows of k, one allocation (freed with free(r->q)): 0 when out
@@ -287,6 +406,26 @@ int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         float out[ROW_TILE][NR];
+        const int64_t j0 = panels * t / threads, j1 = panels * (t + 1) / threads;
+        if (m == 1) { /* a decode step of one sequence: the thread's panels as two streams, its first half's
+                         panel i with its second half's panel i in one pass (the odd one out alone, last) */
+            const int64_t h = (j1 - j0 + 1) / 2;
+            for (int64_t i = 0; i < h; i++) {
+                const int64_t js[2] = {j0 + i, j0 + h + i};
+                const int two = js[1] < j1;
+                if (two)
+                    qdot_pair_row(kind, k, (const uint8_t *)p + js[0] * pbytes, (const uint8_t *)p + js[1] * pbytes,
+                                  &r, 0, out[0], out[1]);
+                else
+                    qdot_rows(kind, 1, k, (const uint8_t *)p + js[0] * pbytes, &r, 0, out);
+                for (int e = 0; e <= two; e++) {
+                    const int64_t j = js[e];
+                    const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
+                    for (int c = 0; c < ncols; c++) y[j * NR + c] = out[e][c] + (bias ? bias[j * NR + c] : 0.0f);
+                }
+            }
+            continue;
+        }
         for (int64_t r0 = 0; r0 < m; r0 += QMC) {
             const int64_t re = m - r0 < QMC ? m : r0 + QMC;
             for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++) {
@@ -321,6 +460,14 @@ int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const v
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         float g[ROW_TILE][NR], u[ROW_TILE][NR];
+        if (m == 1) { /* one sequence: each gate panel with its up panel in one pass */
+            for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++) {
+                qdot_pair_row(kind, k, (const uint8_t *)p + j * pbytes, (const uint8_t *)p + (panels + j) * pbytes, &r,
+                              0, g[0], u[0]);
+                pd_silu_mul_row(g[0], u[0], act + j * NR, NR);
+            }
+            continue;
+        }
         for (int64_t r0 = 0; r0 < m; r0 += QMC) {
             const int64_t re = m - r0 < QMC ? m : r0 + QMC;
             for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++)
