@@ -97,11 +97,45 @@ static inline int kind_fits(int kind, int64_t k) {
 /* MKL's split of k (see the top): two equal halves up to 2 KC, KC at a time past it. */
 static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 : KC; }
 
+#if defined(PD_BF16_PAIRS)
+/* run_panels for the one or two rows of a decode step on bf16 panels (AVX2): panels
+ * [pb, pe) as two streams, the first half's panel i beside the second half's panel i in
+ * one pair tile (the odd one out alone, last). Each stream reads its panels in order, as
+ * SwiGLU's gate and up panels are read side by side (gemm_silu); pairs of neighbouring
+ * panels (j, j + 1) leave the prefetcher two streams that jump at every pair. Every
+ * output's chain is unchanged: the same bits. */
+static void run_panels_apart_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *p,
+                                  const float *bias, float *y, int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
+    const int64_t kstep = k_step(k), h = (pe - pb + 1) / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const int64_t ja = pb + i, jb = pb + h + i;
+        const int na = (ja + 1) * NR <= n ? NR : (int)(n - ja * NR), nb = (jb + 1) * NR <= n ? NR : (int)(n - jb * NR);
+        for (int64_t k0 = 0; k0 < k; k0 += kstep) {
+            const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
+            const uint16_t *wa = p + (ja * k + k0) * NR;
+            if (jb < pe)
+                pd_gemm_tile2_apart_bf16((int)m, kc, x + k0, ldx, 1, wa, p + (jb * k + k0) * NR, y + ja * NR,
+                                         y + jb * NR, ldy, k0 > 0, bias ? bias + ja * NR : 0, bias ? bias + jb * NR : 0,
+                                         na, nb);
+            else
+                pd_gemm_tile_bf16((int)m, kc, x + k0, ldx, 1, wa, y + ja * NR, ldy, k0 > 0, bias ? bias + ja * NR : 0,
+                                  na);
+        }
+    }
+}
+#endif
+
 /* Panels [pb, pe) of y for m <= MC rows of x, each read where it lies, two panels at a
  * time where the tile takes them. A panel's k slices follow each other, so w streams in
  * its own order. */
 static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
                        float *y, int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
+#if defined(PD_BF16_PAIRS)
+    if (kind == PD_W_BF16 && m <= 2) {
+        run_panels_apart_bf16(x, ldx, m, k, (const uint16_t *)p, bias, y, ldy, n, pb, pe);
+        return;
+    }
+#endif
     const int64_t kstep = k_step(k);
     const int pairs = panel_pairs(kind), tkind = tile_kind(kind);
     float scratch[2][KC * NR]; /* a quantized weight's dequantized slices */

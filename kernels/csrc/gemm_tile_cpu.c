@@ -223,12 +223,13 @@ TILE(1)
     }
 #define UNZIP_P(i) unzip(&c##i##0, &c##i##1); unzip(&e##i##0, &e##i##1);
 #define STORE_P(i)                                                                                                     \
-    store_row(y + (i)*ldy, c##i##0, c##i##1, accumulate, bias, NR);                                                    \
-    store_row(y + (i)*ldy + NR, e##i##0, e##i##1, accumulate, bias ? bias + NR : 0, ncols1);
+    store_row(y0 + (i)*ldy, c##i##0, c##i##1, accumulate, bias0, ncols0);                                              \
+    store_row(y1 + (i)*ldy, e##i##0, e##i##1, accumulate, bias1, ncols1);
+/* p0's columns to y0 (bias0, ncols0), p1's to y1 (bias1, ncols1), wherever they lie */
 #define PAIR_BF16(R)                                                                                                   \
     static void tile_pair##R##_bf16(int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,            \
-                                    const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias,      \
-                                    int ncols1) {                                                                      \
+                                    const uint16_t *p1, float *y0, float *y1, int64_t ldy, int accumulate,             \
+                                    const float *bias0, const float *bias1, int ncols0, int ncols1) {                  \
         ROWS##R(DECL_P) for (int64_t kk = 0; kk < kc; kk++) {                                                          \
             LOAD2_BF16(p0 + kk * NR, b0, b1)                                                                           \
             LOAD2_BF16(p1 + kk * NR, f0, f1)                                                                           \
@@ -263,16 +264,23 @@ void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t
     }
 }
 
+void pd_gemm_tile2_apart_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
+                              const uint16_t *p1, float *y0, float *y1, int64_t ldy, int accumulate,
+                              const float *bias0, const float *bias1, int ncols0, int ncols1) {
+    if (rows <= 1)
+        tile_pair1_bf16(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
+    else if (rows == 2)
+        tile_pair2_bf16(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
+    else {
+        pd_gemm_tile_bf16(rows, kc, x, rs, ks, p0, y0, ldy, accumulate, bias0, ncols0);
+        pd_gemm_tile_bf16(rows, kc, x, rs, ks, p1, y1, ldy, accumulate, bias1, ncols1);
+    }
+}
+
 void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
                         const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
-    if (rows <= 1)
-        tile_pair1_bf16(kc, x, rs, ks, p0, p1, y, ldy, accumulate, bias, ncols1);
-    else if (rows == 2)
-        tile_pair2_bf16(kc, x, rs, ks, p0, p1, y, ldy, accumulate, bias, ncols1);
-    else {
-        pd_gemm_tile_bf16(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
-        pd_gemm_tile_bf16(rows, kc, x, rs, ks, p1, y + NR, ldy, accumulate, bias ? bias + NR : 0, ncols1);
-    }
+    pd_gemm_tile2_apart_bf16(rows, kc, x, rs, ks, p0, p1, y, y + NR, ldy, accumulate, bias, bias ? bias + NR : 0, NR,
+                             ncols1);
 }
 #else
 /* Without AVX2 (a build on another CPU): the same loops in plain C. */
