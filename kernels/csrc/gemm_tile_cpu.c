@@ -239,6 +239,21 @@ TILE(1)
     }
 PAIR_BF16(1)
 PAIR_BF16(2) /* 8 accumulators; 3 rows would spill */
+/* The same for float32 panels (no unzip): two streams for a decode row where one panel
+   at a time leaves the memory idle between its loads */
+#define PAIR_F32(R)                                                                                                    \
+    static void tile_pair##R##_f32(int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0,                \
+                                   const float *p1, float *y0, float *y1, int64_t ldy, int accumulate,                 \
+                                   const float *bias0, const float *bias1, int ncols0, int ncols1) {                   \
+        ROWS##R(DECL_P) for (int64_t kk = 0; kk < kc; kk++) {                                                          \
+            LOAD2_F32(p0 + kk * NR, b0, b1)                                                                            \
+            LOAD2_F32(p1 + kk * NR, f0, f1)                                                                            \
+            ROWS##R(STEP_P)                                                                                            \
+        }                                                                                                              \
+        ROWS##R(STORE_P)                                                                                               \
+    }
+PAIR_F32(1)
+PAIR_F32(2)
 
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols) {
@@ -277,6 +292,19 @@ void pd_gemm_tile2_apart_bf16(int rows, int64_t kc, const float *x, int64_t rs, 
     }
 }
 
+void pd_gemm_tile2_apart(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0,
+                         const float *p1, float *y0, float *y1, int64_t ldy, int accumulate, const float *bias0,
+                         const float *bias1, int ncols0, int ncols1) {
+    if (rows <= 1)
+        tile_pair1_f32(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
+    else if (rows == 2)
+        tile_pair2_f32(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
+    else {
+        pd_gemm_tile(rows, kc, x, rs, ks, p0, y0, ldy, accumulate, bias0, ncols0);
+        pd_gemm_tile(rows, kc, x, rs, ks, p1, y1, ldy, accumulate, bias1, ncols1);
+    }
+}
+
 void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,
                         const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
     pd_gemm_tile2_apart_bf16(rows, kc, x, rs, ks, p0, p1, y, y + NR, ldy, accumulate, bias, bias ? bias + NR : 0, NR,
@@ -306,7 +334,15 @@ void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t
 }
 #endif
 
-#ifndef PD_PANEL_PAIRS
+#if defined(PD_BF16_PAIRS)
+/* AVX2: one pair tile for one or two rows (SwiGLU's gate and up panels of a decode row),
+   two one-panel tiles for more */
+void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
+                   float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
+    pd_gemm_tile2_apart(rows, kc, x, rs, ks, p0, p1, y, y + NR, ldy, accumulate, bias, bias ? bias + NR : 0, NR,
+                        ncols1);
+}
+#elif !defined(PD_PANEL_PAIRS)
 void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
     pd_gemm_tile(rows, kc, x, rs, ks, p0, y, ldy, accumulate, bias, NR);
