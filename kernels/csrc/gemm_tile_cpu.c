@@ -225,35 +225,25 @@ TILE(1)
 #define STORE_P(i)                                                                                                     \
     store_row(y0 + (i)*ldy, c##i##0, c##i##1, accumulate, bias0, ncols0);                                              \
     store_row(y1 + (i)*ldy, e##i##0, e##i##1, accumulate, bias1, ncols1);
-/* p0's columns to y0 (bias0, ncols0), p1's to y1 (bias1, ncols1), wherever they lie */
-#define PAIR_BF16(R)                                                                                                   \
-    static void tile_pair##R##_bf16(int64_t kc, const float *x, int64_t rs, int64_t ks, const uint16_t *p0,            \
-                                    const uint16_t *p1, float *y0, float *y1, int64_t ldy, int accumulate,             \
-                                    const float *bias0, const float *bias1, int ncols0, int ncols1) {                  \
+/* p0's columns to y0 (bias0, ncols0), p1's to y1 (bias1, ncols1), wherever they lie; bf16
+   panels unzipped as TILE_T's, float32 ones kept. float32 by two panels too: a decode row
+   has two streams in flight where one panel at a time leaves the memory idle between its
+   loads. */
+#define PAIR_T(R, SUF, WT, LOAD2, FIX)                                                                                 \
+    static void tile_pair##R##SUF(int64_t kc, const float *x, int64_t rs, int64_t ks, const WT *p0, const WT *p1,     \
+                                  float *y0, float *y1, int64_t ldy, int accumulate, const float *bias0,               \
+                                  const float *bias1, int ncols0, int ncols1) {                                        \
         ROWS##R(DECL_P) for (int64_t kk = 0; kk < kc; kk++) {                                                          \
-            LOAD2_BF16(p0 + kk * NR, b0, b1)                                                                           \
-            LOAD2_BF16(p1 + kk * NR, f0, f1)                                                                           \
+            LOAD2(p0 + kk * NR, b0, b1)                                                                                \
+            LOAD2(p1 + kk * NR, f0, f1)                                                                                \
             ROWS##R(STEP_P)                                                                                            \
         }                                                                                                              \
-        ROWS##R(UNZIP_P) ROWS##R(STORE_P)                                                                              \
+        ROWS##R(FIX) ROWS##R(STORE_P)                                                                                  \
     }
-PAIR_BF16(1)
-PAIR_BF16(2) /* 8 accumulators; 3 rows would spill */
-/* The same for float32 panels (no unzip): two streams for a decode row where one panel
-   at a time leaves the memory idle between its loads */
-#define PAIR_F32(R)                                                                                                    \
-    static void tile_pair##R##_f32(int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0,                \
-                                   const float *p1, float *y0, float *y1, int64_t ldy, int accumulate,                 \
-                                   const float *bias0, const float *bias1, int ncols0, int ncols1) {                   \
-        ROWS##R(DECL_P) for (int64_t kk = 0; kk < kc; kk++) {                                                          \
-            LOAD2_F32(p0 + kk * NR, b0, b1)                                                                            \
-            LOAD2_F32(p1 + kk * NR, f0, f1)                                                                            \
-            ROWS##R(STEP_P)                                                                                            \
-        }                                                                                                              \
-        ROWS##R(STORE_P)                                                                                               \
-    }
-PAIR_F32(1)
-PAIR_F32(2)
+PAIR_T(1, _bf16, uint16_t, LOAD2_BF16, UNZIP_P)
+PAIR_T(2, _bf16, uint16_t, LOAD2_BF16, UNZIP_P) /* 8 accumulators; 3 rows would spill */
+PAIR_T(1, _f32, float, LOAD2_F32, KEEP)
+PAIR_T(2, _f32, float, LOAD2_F32, KEEP)
 
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols) {

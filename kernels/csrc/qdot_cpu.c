@@ -112,6 +112,39 @@ int pd_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k, int8_
 #ifdef PD_QAVX2
 #define PIN(v) __asm__("" : "+x"(v))
 
+/* A group's integer sums s0, s1 (columns 0-7, 8-15; int16 pairs for the int4 kinds) into
+ * the accumulators a0, a1: the header's float steps, d0 d1 (and m0 m1) the block's scales
+ * (and minimums) widened, dx the row's scale, xs its code sum, xds its d s */
+static AI void group_into(const int KIND, __m256i s0, __m256i s1, __m256 d0, __m256 d1, __m256 m0, __m256 m1,
+                          __m256 dx, int32_t xs, float xds, __m256 *a0, __m256 *a1) {
+    if (KIND != PD_W_Q8) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        s0 = _mm256_madd_epi16(s0, ones);
+        s1 = _mm256_madd_epi16(s1, ones);
+    }
+    if (KIND == PD_W_Q4) {
+        const __m256i eight_s = _mm256_set1_epi32(8 * xs);
+        s0 = _mm256_sub_epi32(s0, eight_s);
+        s1 = _mm256_sub_epi32(s1, eight_s);
+    }
+    if (KIND == PD_W_Q4M) {
+        const __m256 mds = _mm256_set1_ps(xds);
+        __m256 t0 = _mm256_mul_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0));
+        __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1));
+        PIN(t0);
+        PIN(t1);
+        t0 = _mm256_fmadd_ps(m0, mds, t0);
+        t1 = _mm256_fmadd_ps(m1, mds, t1);
+        PIN(t0);
+        PIN(t1);
+        *a0 = _mm256_add_ps(*a0, t0);
+        *a1 = _mm256_add_ps(*a1, t1);
+    } else {
+        *a0 = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0), *a0);
+        *a1 = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1), *a1);
+    }
+}
+
 /* out[i][0:16] = row i's products with one panel (nb blocks at `panel`), rows i < R of r
  * from row r0. R and KIND are constants in each copy. */
 static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
@@ -174,35 +207,9 @@ static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t 
             m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
             m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
         }
-        for (int i = 0; i < R; i++) {
-            const __m256 dx = _mm256_set1_ps(xd[i][g]);
-            __m256i s0 = is[i][0], s1 = is[i][1];
-            if (KIND != PD_W_Q8) {
-                s0 = _mm256_madd_epi16(s0, ones);
-                s1 = _mm256_madd_epi16(s1, ones);
-            }
-            if (KIND == PD_W_Q4) {
-                const __m256i eight_s = _mm256_set1_epi32(8 * xs[i][g]);
-                s0 = _mm256_sub_epi32(s0, eight_s);
-                s1 = _mm256_sub_epi32(s1, eight_s);
-            }
-            if (KIND == PD_W_Q4M) {
-                const __m256 mds = _mm256_set1_ps(xds[i][g]);
-                __m256 t0 = _mm256_mul_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0));
-                __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1));
-                PIN(t0);
-                PIN(t1);
-                t0 = _mm256_fmadd_ps(m0, mds, t0);
-                t1 = _mm256_fmadd_ps(m1, mds, t1);
-                PIN(t0);
-                PIN(t1);
-                acc[i][0] = _mm256_add_ps(acc[i][0], t0);
-                acc[i][1] = _mm256_add_ps(acc[i][1], t1);
-            } else {
-                acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0), acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1), acc[i][1]);
-            }
-        }
+        for (int i = 0; i < R; i++)
+            group_into(KIND, is[i][0], is[i][1], d0, d1, m0, m1, _mm256_set1_ps(xd[i][g]), xs[i][g], xds[i][g],
+                       &acc[i][0], &acc[i][1]);
     }
     for (int i = 0; i < R; i++) {
         _mm256_storeu_ps(out[i], acc[i][0]);
@@ -259,34 +266,12 @@ static AI void qdot_pair1(const int KIND, int64_t k, const uint8_t *pa, const ui
         for (int p = 0; p < 2; p++) {
             const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[p]));
             const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 16)));
-            __m256i s0 = is[p][0], s1 = is[p][1];
-            if (KIND != PD_W_Q8) {
-                s0 = _mm256_madd_epi16(s0, ones);
-                s1 = _mm256_madd_epi16(s1, ones);
-            }
-            if (KIND == PD_W_Q4) {
-                const __m256i eight_s = _mm256_set1_epi32(8 * xs[g]);
-                s0 = _mm256_sub_epi32(s0, eight_s);
-                s1 = _mm256_sub_epi32(s1, eight_s);
-            }
+            __m256 m0 = d0, m1 = d1;
             if (KIND == PD_W_Q4M) {
-                const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 32)));
-                const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 48)));
-                const __m256 mds = _mm256_set1_ps(xds[g]);
-                __m256 t0 = _mm256_mul_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0));
-                __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1));
-                PIN(t0);
-                PIN(t1);
-                t0 = _mm256_fmadd_ps(m0, mds, t0);
-                t1 = _mm256_fmadd_ps(m1, mds, t1);
-                PIN(t0);
-                PIN(t1);
-                acc[p][0] = _mm256_add_ps(acc[p][0], t0);
-                acc[p][1] = _mm256_add_ps(acc[p][1], t1);
-            } else {
-                acc[p][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0), acc[p][0]);
-                acc[p][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1), acc[p][1]);
+                m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 32)));
+                m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 48)));
             }
+            group_into(KIND, is[p][0], is[p][1], d0, d1, m0, m1, dx, xs[g], xds[g], &acc[p][0], &acc[p][1]);
         }
     }
     _mm256_storeu_ps(oa, acc[0][0]);
