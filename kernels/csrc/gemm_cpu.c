@@ -27,13 +27,15 @@
  * AVX512_BF16's vdpbf16ps: that instruction needs bf16 activations (one more rounding of
  * every input) and k-pair-interleaved panels (a second layout), and it sums pairs in its
  * own order, so the two ISA builds would stop agreeing; decode, the case bf16 is for, is
- * bound by the weight stream, which widening halves just the same. On AVX2 the one or two
- * rows of a decode step take float32 or bf16 panels two at a time, one from each half of
- * the thread's panels (run_panels_apart; bf16 prefetched ahead, see tile_pair1_bf16 in
- * gemm_tile_cpu.c), or a row's few multiply-add chains, not the memory, would set the
- * pace: at one row of SmolLM2 on one Zen 3 core the float32 products take 1/1.37 and the
- * bf16 ones 1/1.07 of the time of neighbouring pairs (bf16) or one panel at a time
- * (float32), the builds alternated in one process (benchmarks/decode_parts.py).
+ * bound by the weight stream, which widening halves just the same. On AVX2 the few rows
+ * of a decode step (float32 up to 5, bf16 up to 2) take panels two at a time, one from
+ * each half of the thread's panels (run_panels_apart; bf16 prefetched ahead, see
+ * tile_pair1_bf16 in gemm_tile_cpu.c), or the rows' few multiply-add chains, not the
+ * memory, would set the pace. On one Zen 3 core, the builds alternated in one process:
+ * SmolLM2's products at one row take 1/1.37 (float32) and 1/1.07 (bf16) of the time of
+ * one panel at a time (float32) or neighbouring pairs (bf16) (benchmarks/decode_parts.py);
+ * the small qwen3's linears at 3 / 4 / 5 float32 rows 1/1.27-1.34, 1/1.20-1.28 and
+ * 1/1.10-1.16 (benchmarks/native_ab.py --what gemm).
  *
  * Summation order: each output is summed over k in slices, each slice a chain of fused
  * multiply-adds from zero, and the slices' sums added into y in order (the bias first)
@@ -52,6 +54,13 @@
 #define KC 192     /* k per panel slice (12 KB, in L1); MKL's own, see the top */
 #define MC 96      /* rows of x per block */
 #define PARALLEL_MIN_MACS 65536 /* below this one thread is faster than waking two */
+#define PAIR_ROWS 3 /* rows of x per two-panel tile on AVX2 (12 accumulators) */
+/* Decode rows up to which AVX2 pairs panels from two streams (run_panels_apart): float32
+   in row chunks of PAIR_ROWS, the slices reread from L1 (past 5 rows the 6-row one-panel
+   tile is as fast); bf16 one or two rows (a 3-row bf16 pair tile gained nothing steady,
+   and chunks would widen every weight again) */
+#define APART_ROWS_F32 5
+#define APART_ROWS_BF16 2
 
 /* One or two panels' tile on slices w0 (and w1) of k from the slice's start: float32 or
    bf16 panels ([kc][16] elements) as `kind` says. */
@@ -102,7 +111,7 @@ static inline int kind_fits(int kind, int64_t k) {
 static inline int64_t k_step(int64_t k) { return k > KC && k <= 2 * KC ? k / 2 : KC; }
 
 #if defined(PD_BF16_PAIRS)
-/* run_panels for the one or two rows of a decode step on float32 or bf16 panels (AVX2):
+/* run_panels for the few rows of a decode step on float32 or bf16 panels (AVX2):
  * panels [pb, pe) as two streams, the first half's panel i beside the second half's panel
  * i in one pair tile (the odd one out alone, last). Each stream reads its panels in order,
  * as SwiGLU's gate and up panels are read side by side (gemm_silu); neighbouring panels
@@ -118,20 +127,24 @@ static void run_panels_apart(const float *x, int64_t ldx, int64_t m, int64_t k, 
         for (int64_t k0 = 0; k0 < k; k0 += kstep) {
             const int64_t kc = k - k0 < kstep ? k - k0 : kstep;
             const float *ba = bias ? bias + ja * NR : 0, *bb = bias ? bias + jb * NR : 0;
-            if (kind == PD_W_BF16) {
-                const uint16_t *wa = (const uint16_t *)p + (ja * k + k0) * NR, *wb = (const uint16_t *)p + (jb * k + k0) * NR;
-                if (jb < pe)
-                    pd_gemm_tile2_apart_bf16((int)m, kc, x + k0, ldx, 1, wa, wb, y + ja * NR, y + jb * NR, ldy, k0 > 0,
-                                             ba, bb, na, nb);
-                else
-                    pd_gemm_tile_bf16((int)m, kc, x + k0, ldx, 1, wa, y + ja * NR, ldy, k0 > 0, ba, na);
-            } else {
-                const float *wa = (const float *)p + (ja * k + k0) * NR, *wb = (const float *)p + (jb * k + k0) * NR;
-                if (jb < pe)
-                    pd_gemm_tile2_apart((int)m, kc, x + k0, ldx, 1, wa, wb, y + ja * NR, y + jb * NR, ldy, k0 > 0, ba,
-                                        bb, na, nb);
-                else
-                    pd_gemm_tile((int)m, kc, x + k0, ldx, 1, wa, y + ja * NR, ldy, k0 > 0, ba, na);
+            for (int64_t r = 0; r < m; r += PAIR_ROWS) { /* the slices stay in L1 for the next rows */
+                const int rows = m - r < PAIR_ROWS ? (int)(m - r) : PAIR_ROWS;
+                const float *xr = x + r * ldx + k0;
+                float *ya = y + r * ldy + ja * NR, *yb = y + r * ldy + jb * NR;
+                if (kind == PD_W_BF16) {
+                    const uint16_t *wa = (const uint16_t *)p + (ja * k + k0) * NR;
+                    const uint16_t *wb = (const uint16_t *)p + (jb * k + k0) * NR;
+                    if (jb < pe)
+                        pd_gemm_tile2_apart_bf16(rows, kc, xr, ldx, 1, wa, wb, ya, yb, ldy, k0 > 0, ba, bb, na, nb);
+                    else
+                        pd_gemm_tile_bf16(rows, kc, xr, ldx, 1, wa, ya, ldy, k0 > 0, ba, na);
+                } else {
+                    const float *wa = (const float *)p + (ja * k + k0) * NR, *wb = (const float *)p + (jb * k + k0) * NR;
+                    if (jb < pe)
+                        pd_gemm_tile2_apart(rows, kc, xr, ldx, 1, wa, wb, ya, yb, ldy, k0 > 0, ba, bb, na, nb);
+                    else
+                        pd_gemm_tile(rows, kc, xr, ldx, 1, wa, ya, ldy, k0 > 0, ba, na);
+                }
             }
         }
     }
@@ -144,7 +157,7 @@ static void run_panels_apart(const float *x, int64_t ldx, int64_t m, int64_t k, 
 static void run_panels(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias,
                        float *y, int64_t ldy, int64_t n, int64_t pb, int64_t pe) {
 #if defined(PD_BF16_PAIRS)
-    if ((kind == PD_W_BF16 || kind == PD_W_F32) && m <= 2) {
+    if ((kind == PD_W_F32 && m <= APART_ROWS_F32) || (kind == PD_W_BF16 && m <= APART_ROWS_BF16)) {
         run_panels_apart(x, ldx, m, k, p, kind, bias, y, ldy, n, pb, pe);
         return;
     }

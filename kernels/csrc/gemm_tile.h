@@ -19,7 +19,7 @@
 #define PD_MR 6 /* rows per tile: by one panel, 12 accumulators of 8 lanes */
 #endif
 /* Which kinds' two-panel tiles (pd_gemm_tile2*) are one tile in this build, not two
- * one-panel tiles: every kind's on AVX-512, bf16's on AVX2 (for the one or two rows of a
+ * one-panel tiles: every kind's on AVX-512, bf16's on AVX2 (for the few rows of a
  * decode step). gemm_cpu.c's run_panels takes panels of those kinds two at a time. */
 #if defined(__AVX512F__)
 #define PD_PANEL_PAIRS 1
@@ -35,7 +35,8 @@ void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, 
                   int accumulate, const float *bias, int ncols);
 
 /* The same over two panels at once, p0 then p1 (columns 0..15 and 16..16 + ncols1 - 1 of
- * y; bias, when given, covers both): one tile on AVX-512, two one-panel tiles otherwise. */
+ * y; bias, when given, covers both): one tile on AVX-512, pair tiles up to 5 rows on AVX2,
+ * two one-panel tiles otherwise. */
 void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
 

@@ -1,7 +1,7 @@
 /* The register tiles of the packed GEMM (gemm_cpu.c, whose top explains the panel layout
  * and the summation order): y[0:rows, 0:ncols] (+)= x @ one or two packed panels, one
  * build per instruction set -- AVX-512 (up to 8 rows by two panels), AVX2 + FMA (up to 6
- * rows by one panel; bf16 also by two panels for the one or two rows of a decode step),
+ * rows by one panel; float32 and bf16 also by two panels for the few rows of a decode step),
  * plain C otherwise. Each output is one chain of fused multiply-adds, so the AVX-512 and
  * AVX2 builds give the same bits. Declared in gemm_tile.h, where PD_PANEL_PAIRS and
  * PD_BF16_PAIRS say which kinds have a real two-panel tile in this build.
@@ -206,7 +206,7 @@ TILE(3)
 TILE(2)
 TILE(1)
 
-/* bf16 by two panels at once, for the one or two rows of a decode step. A row's chains
+/* bf16 by two panels at once, for the few rows of a decode step. A row's chains
    of fused multiply-adds (two per panel) each wait a multiply-add's latency per step of
    k, so one row by one bf16 panel consumes 32 bytes of w per latency: about 20 GB/s on
    Zen 3, near the memory's own rate, which it then does not reach; float32 panels carry
@@ -241,9 +241,10 @@ TILE(1)
         ROWS##R(FIX) ROWS##R(STORE_P)                                                                                  \
     }
 PAIR_T(1, _bf16, uint16_t, LOAD2_BF16, UNZIP_P)
-PAIR_T(2, _bf16, uint16_t, LOAD2_BF16, UNZIP_P) /* 8 accumulators; 3 rows would spill */
+PAIR_T(2, _bf16, uint16_t, LOAD2_BF16, UNZIP_P) /* 8 accumulators; 3 rows measured no faster */
 PAIR_T(1, _f32, float, LOAD2_F32, KEEP)
 PAIR_T(2, _f32, float, LOAD2_F32, KEEP)
+PAIR_T(3, _f32, float, LOAD2_F32, KEEP)
 
 void pd_gemm_tile(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p, float *y, int64_t ldy,
                   int accumulate, const float *bias, int ncols) {
@@ -289,7 +290,13 @@ void pd_gemm_tile2_apart(int rows, int64_t kc, const float *x, int64_t rs, int64
         tile_pair1_f32(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
     else if (rows == 2)
         tile_pair2_f32(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
-    else {
+    else if (rows == 3)
+        tile_pair3_f32(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
+    else if (rows <= 5) { /* three rows, then the rest on the same slices (in L1 now) */
+        tile_pair3_f32(kc, x, rs, ks, p0, p1, y0, y1, ldy, accumulate, bias0, bias1, ncols0, ncols1);
+        pd_gemm_tile2_apart(rows - 3, kc, x + 3 * rs, rs, ks, p0, p1, y0 + 3 * ldy, y1 + 3 * ldy, ldy, accumulate,
+                            bias0, bias1, ncols0, ncols1);
+    } else {
         pd_gemm_tile(rows, kc, x, rs, ks, p0, y0, ldy, accumulate, bias0, ncols0);
         pd_gemm_tile(rows, kc, x, rs, ks, p1, y1, ldy, accumulate, bias1, ncols1);
     }
@@ -325,8 +332,8 @@ void pd_gemm_tile_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_t
 #endif
 
 #if defined(PD_BF16_PAIRS)
-/* AVX2: one pair tile for one or two rows (SwiGLU's gate and up panels of a decode row),
-   two one-panel tiles for more */
+/* AVX2: pair tiles for up to 5 rows (SwiGLU's gate and up panels of a decode batch), two
+   one-panel tiles for more */
 void pd_gemm_tile2(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0, const float *p1,
                    float *y, int64_t ldy, int accumulate, const float *bias, int ncols1) {
     pd_gemm_tile2_apart(rows, kc, x, rs, ks, p0, p1, y, y + NR, ldy, accumulate, bias, bias ? bias + NR : 0, NR,

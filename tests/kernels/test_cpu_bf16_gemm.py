@@ -45,7 +45,7 @@ def test_bf16_gemm_vs_float64(threads, m, n, k, with_bias):
     torch.testing.assert_close(got, expected(x, w, b), rtol=1e-4, atol=1e-4 * k ** 0.5)
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 200])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 200])
 @pytest.mark.parametrize("k", [77, 300, 1100])
 @pytest.mark.parametrize("n", [70, 90])  # an odd panel count, and a last pair of panels the second one partial
 def test_bf16_gemm_is_the_float32_gemm_of_the_widened_weight_bit_for_bit(m, k, n):

@@ -56,7 +56,8 @@ def test_gemm_row_does_not_depend_on_its_batch(k):
         torch.set_num_threads(2)
         whole = cpu_native.gemm(x, packed, 77, b)
         torch.set_num_threads(1)
-        for lo, hi in [(0, 1), (5, 6), (20, 22), (7, 16), (100, 203), (96, 97)]:  # 1 and 2 rows: pair tiles
+        # 1 to 5 rows: pair tiles from two streams (float32, AVX2)
+        for lo, hi in [(0, 1), (5, 6), (20, 22), (30, 33), (40, 44), (50, 55), (7, 16), (100, 203), (96, 97)]:
             assert torch.equal(cpu_native.gemm(x[lo:hi], packed, 77, b), whole[lo:hi])
     finally:
         torch.set_num_threads(before)
@@ -178,7 +179,7 @@ def test_silu_mul_vs_float64(rows):
 @pytest.mark.parametrize("threads", [1, 2])
 # rows under, at and past the register tile and the 96-row block; k under, in and past
 # the two-halves split of the 192-long slice; inter of one and of many panels
-@pytest.mark.parametrize("m", [1, 7, 8, 9, 97, 200])
+@pytest.mark.parametrize("m", [1, 4, 5, 7, 8, 9, 97, 200])
 @pytest.mark.parametrize("k,inter", [(64, 16), (300, 48), (512, 1536), (1100, 32)])
 def test_gemm_silu_is_silu_mul_of_gemm_bit_for_bit(threads, m, k, inter):
     """The fused gate/up product and activation equals the two steps it replaces exactly
