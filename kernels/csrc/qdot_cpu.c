@@ -18,14 +18,16 @@
  * code is shaped for the memory stream: a pass over a panel runs up to 4 rows of x (each
  * weight load serves them all), and on AVX2 each group's lines are prefetched
  * PD_QPREFETCH bytes ahead, across panel (and matrix) ends, so that the prefetcher is not
- * left to find the stream again at each 4 KB page. One row (a decode step of one
- * sequence) has no other rows' work to overlap with a line's arrival, so it takes two
- * panels per pass (qdot_pair1), each from a sequential stream of its own: a thread's
- * first and second halves of panels side by side, or SwiGLU's gate panel beside its up
- * panel (two panels from one stream, j beside j + 1, were ~20% slower than one at a
- * time). At one row of SmolLM2 on one Zen 3 core the products take 1/1.18 (int4) and
- * 1/1.12 (int8) of the time one panel per pass took, the two builds alternated in one
- * process (benchmarks/decode_parts.py).
+ * left to find the stream again at each 4 KB page. A decode step of up to 4 rows takes
+ * two panels per pass, each from a sequential stream of its own: a thread's first and
+ * second halves of panels side by side, or SwiGLU's gate panel beside its up panel (two
+ * panels from one stream, j beside j + 1, were ~20% slower than one at a time) -- one row
+ * interleaved quad by quad (qdot_pair1: it has no other rows' work to overlap with a
+ * line's arrival), more a group of each panel in turn (qdot_two). On one Zen 3 core, the
+ * builds alternated in one process: SmolLM2's products at one row take 1/1.18 (int4) and
+ * 1/1.12 (int8) of the time one panel per pass took (benchmarks/decode_parts.py); its
+ * layers' matrices at 2 / 3 / 4 rows 1/1.10, 1/1.07, 1/1.07 (int4) and 1/1.00, 1/1.17,
+ * 1/1.09 (int8).
  */
 #include <math.h>
 #include <stdint.h>
@@ -145,76 +147,115 @@ static AI void group_into(const int KIND, __m256i s0, __m256i s1, __m256 d0, __m
     }
 }
 
-/* out[i][0:16] = row i's products with one panel (nb blocks at `panel`), rows i < R of r
- * from row r0. R and KIND are constants in each copy. */
-static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
-                          float out[][NR]) {
-    const int64_t nb = k / QG, bb = pd_quant_block_size(KIND), qb = pd_quant_quad_bytes(KIND);
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
-    const int8_t *xq[ROW_TILE];
-    const float *xd[ROW_TILE], *xds[ROW_TILE];
-    const int32_t *xs[ROW_TILE];
-    __m256 acc[ROW_TILE][2];
+/* x's rows r0 .. r0 + R - 1 as qdot_group reads them */
+typedef struct {
+    const int8_t *q[ROW_TILE];
+    const float *d[ROW_TILE], *ds[ROW_TILE];
+    const int32_t *s[ROW_TILE];
+} qtile_t;
+
+static AI void tile_rows(const int R, qtile_t *x, const qrows_t *r, int64_t r0, int64_t k) {
+    const int64_t nb = k / QG;
     for (int i = 0; i < R; i++) {
-        xq[i] = r->q + (r0 + i) * k;
-        xd[i] = r->d + (r0 + i) * nb;
-        xs[i] = r->s + (r0 + i) * nb;
-        xds[i] = r->ds + (r0 + i) * nb;
-        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        x->q[i] = r->q + (r0 + i) * k;
+        x->d[i] = r->d + (r0 + i) * nb;
+        x->s[i] = r->s + (r0 + i) * nb;
+        x->ds[i] = r->ds + (r0 + i) * nb;
     }
-    for (int64_t g = 0; g < nb; g++) {
-        const uint8_t *blk = panel + g * bb, *data = blk + pd_quant_header_bytes(KIND);
+}
+
+/* Group g of one panel (its block at blk) for R rows of x, into acc[i][0:2] */
+static AI void qdot_group(const int R, const int KIND, const uint8_t *blk, const qtile_t *x, int64_t g,
+                          __m256 acc[][2]) {
+    const int64_t qb = pd_quant_quad_bytes(KIND);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const uint8_t *data = blk + pd_quant_header_bytes(KIND);
 #if PD_QPREFETCH > 0
-        for (int64_t b = 0; b < bb; b += 64) _mm_prefetch((const char *)blk + PD_QPREFETCH + b, PD_QPREFETCH_HINT);
+    for (int64_t b = 0; b < pd_quant_block_size(KIND); b += 64)
+        _mm_prefetch((const char *)blk + PD_QPREFETCH + b, PD_QPREFETCH_HINT);
 #endif
-        __m256i is[ROW_TILE][2];
-        for (int i = 0; i < R; i++) is[i][0] = is[i][1] = _mm256_setzero_si256();
-        for (int t = 0; t < PD_QUADS; t++) {
-            const uint8_t *qd = data + t * qb;
-            if (KIND == PD_W_Q8) { /* |w| by sign(x, w): signed x signed in maddubs' unsigned x signed */
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
-                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-                for (int i = 0; i < R; i++) {
-                    int32_t x4;
-                    memcpy(&x4, xq[i] + g * QG + 4 * t, 4);
-                    const __m256i xb = _mm256_set1_epi32(x4);
-                    const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
-                    const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
-                    is[i][0] = _mm256_add_epi32(is[i][0], _mm256_madd_epi16(p0, ones));
-                    is[i][1] = _mm256_add_epi32(is[i][1], _mm256_madd_epi16(p1, ones));
-                    PIN(is[i][0]);
-                    PIN(is[i][1]);
-                }
-            } else { /* codes 0..15 unsigned: maddubs directly; 8 quads' int16 sums stay under 2^15 */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
-                const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                for (int i = 0; i < R; i++) {
-                    int32_t x4;
-                    memcpy(&x4, xq[i] + g * QG + 4 * t, 4);
-                    const __m256i xb = _mm256_set1_epi32(x4);
-                    is[i][0] = _mm256_add_epi16(is[i][0], _mm256_maddubs_epi16(w0, xb));
-                    is[i][1] = _mm256_add_epi16(is[i][1], _mm256_maddubs_epi16(w1, xb));
-                    PIN(is[i][0]);
-                    PIN(is[i][1]);
-                }
+    __m256i is[ROW_TILE][2];
+    for (int i = 0; i < R; i++) is[i][0] = is[i][1] = _mm256_setzero_si256();
+    for (int t = 0; t < PD_QUADS; t++) {
+        const uint8_t *qd = data + t * qb;
+        if (KIND == PD_W_Q8) { /* |w| by sign(x, w): signed x signed in maddubs' unsigned x signed */
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
+            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            for (int i = 0; i < R; i++) {
+                int32_t x4;
+                memcpy(&x4, x->q[i] + g * QG + 4 * t, 4);
+                const __m256i xb = _mm256_set1_epi32(x4);
+                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+                const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+                is[i][0] = _mm256_add_epi32(is[i][0], _mm256_madd_epi16(p0, ones));
+                is[i][1] = _mm256_add_epi32(is[i][1], _mm256_madd_epi16(p1, ones));
+                PIN(is[i][0]);
+                PIN(is[i][1]);
+            }
+        } else { /* codes 0..15 unsigned: maddubs directly; 8 quads' int16 sums stay under 2^15 */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
+            const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int i = 0; i < R; i++) {
+                int32_t x4;
+                memcpy(&x4, x->q[i] + g * QG + 4 * t, 4);
+                const __m256i xb = _mm256_set1_epi32(x4);
+                is[i][0] = _mm256_add_epi16(is[i][0], _mm256_maddubs_epi16(w0, xb));
+                is[i][1] = _mm256_add_epi16(is[i][1], _mm256_maddubs_epi16(w1, xb));
+                PIN(is[i][0]);
+                PIN(is[i][1]);
             }
         }
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        __m256 m0 = d0, m1 = d1;
-        if (KIND == PD_W_Q4M) {
-            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
-            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
-        }
-        for (int i = 0; i < R; i++)
-            group_into(KIND, is[i][0], is[i][1], d0, d1, m0, m1, _mm256_set1_ps(xd[i][g]), xs[i][g], xds[i][g],
-                       &acc[i][0], &acc[i][1]);
     }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+    __m256 m0 = d0, m1 = d1;
+    if (KIND == PD_W_Q4M) {
+        m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+    }
+    for (int i = 0; i < R; i++)
+        group_into(KIND, is[i][0], is[i][1], d0, d1, m0, m1, _mm256_set1_ps(x->d[i][g]), x->s[i][g], x->ds[i][g],
+                   &acc[i][0], &acc[i][1]);
+}
+
+static AI void store_tile(const int R, __m256 acc[][2], float out[][NR]) {
     for (int i = 0; i < R; i++) {
         _mm256_storeu_ps(out[i], acc[i][0]);
         _mm256_storeu_ps(out[i] + 8, acc[i][1]);
     }
+}
+
+/* out[i][0:16] = row i's products with one panel (nb blocks at `panel`), rows i < R of r
+ * from row r0. R and KIND are constants in each copy. */
+static AI void qdot_panel(const int R, const int KIND, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
+                          float out[][NR]) {
+    const int64_t nb = k / QG, bb = pd_quant_block_size(KIND);
+    qtile_t x;
+    tile_rows(R, &x, r, r0, k);
+    __m256 acc[ROW_TILE][2];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g++) qdot_group(R, KIND, panel + g * bb, &x, g, acc);
+    store_tile(R, acc, out);
+}
+
+/* The same for two panels (pa -> oa, pb -> ob) in one pass, a group of each in turn: two
+ * streams of blocks in flight for a decode batch of a few rows (qdot_pair1 interleaves
+ * one row's two panels quad by quad instead). Each panel's arithmetic is qdot_panel's. */
+static AI void qdot_two(const int R, const int KIND, int64_t k, const uint8_t *pa, const uint8_t *pb,
+                        const qrows_t *r, int64_t r0, float oa[][NR], float ob[][NR]) {
+    const int64_t nb = k / QG, bb = pd_quant_block_size(KIND);
+    qtile_t x;
+    tile_rows(R, &x, r, r0, k);
+    __m256 acc[2][ROW_TILE][2];
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < R; i++) acc[p][i][0] = acc[p][i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g++) {
+        qdot_group(R, KIND, pa + g * bb, &x, g, acc[0]);
+        qdot_group(R, KIND, pb + g * bb, &x, g, acc[1]);
+    }
+    store_tile(R, acc[0], oa);
+    store_tile(R, acc[1], ob);
 }
 
 /* One row's products with two panels in one pass (pa -> oa, pb -> ob): each panel's
@@ -291,11 +332,10 @@ QDOT_PAIR_COPY(4)
 typedef void (*qdot_pair_fn)(int64_t, const uint8_t *, const uint8_t *, const qrows_t *, int64_t, float *, float *);
 static const qdot_pair_fn qdot_pairs[3] = {qdot_pair1_2, qdot_pair1_3, qdot_pair1_4};
 
-/* One row's products with panels pa and pb (qdot_pair1) */
-static void qdot_pair_row(int kind, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r, int64_t r0,
-                          float *oa, float *ob) {
-    qdot_pairs[kind - PD_W_Q8](k, pa, pb, r, r0, oa, ob);
-}
+/* Rows r0 .. r0 + rows - 1's products with panels pa (-> oa) and pb (-> ob) in one pass:
+   qdot_pair1 for one row, qdot_two for more */
+static void qdot_pair_rows(int kind, int rows, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r,
+                           int64_t r0, float oa[][NR], float ob[][NR]);
 
 #define QDOT_COPY(R, KIND)                                                                                             \
     static void qdot_##R##_##KIND(int64_t k, const uint8_t *p, const qrows_t *r, int64_t r0, float out[][NR]) {      \
@@ -305,6 +345,20 @@ static void qdot_pair_row(int kind, int64_t k, const uint8_t *pa, const uint8_t 
 QDOT_COPIES(2)
 QDOT_COPIES(3)
 QDOT_COPIES(4)
+#define QDOT_TWO_COPY(R, KIND)                                                                                         \
+    static void qdot_two_##R##_##KIND(int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r, int64_t r0,  \
+                                      float oa[][NR], float ob[][NR]) {                                                \
+        qdot_two(R, KIND, k, pa, pb, r, r0, oa, ob);                                                                   \
+    }
+#define QDOT_TWO_COPIES(KIND) QDOT_TWO_COPY(2, KIND) QDOT_TWO_COPY(3, KIND) QDOT_TWO_COPY(4, KIND)
+QDOT_TWO_COPIES(2)
+QDOT_TWO_COPIES(3)
+QDOT_TWO_COPIES(4)
+typedef void (*qdot_two_fn)(int64_t, const uint8_t *, const uint8_t *, const qrows_t *, int64_t, float (*)[NR],
+                            float (*)[NR]);
+static const qdot_two_fn qdot_twos[3][ROW_TILE + 1] = {{0, 0, qdot_two_2_2, qdot_two_3_2, qdot_two_4_2},
+                                                       {0, 0, qdot_two_2_3, qdot_two_3_3, qdot_two_4_3},
+                                                       {0, 0, qdot_two_2_4, qdot_two_3_4, qdot_two_4_4}};
 typedef void (*qdot_fn)(int64_t, const uint8_t *, const qrows_t *, int64_t, float (*)[NR]);
 static const qdot_fn qdots[3][ROW_TILE + 1] = {{0, qdot_1_2, qdot_2_2, qdot_3_2, qdot_4_2},
                                                {0, qdot_1_3, qdot_2_3, qdot_3_3, qdot_4_3},
@@ -313,6 +367,14 @@ static const qdot_fn qdots[3][ROW_TILE + 1] = {{0, qdot_1_2, qdot_2_2, qdot_3_2,
 static void qdot_rows(int kind, int rows, int64_t k, const uint8_t *panel, const qrows_t *r, int64_t r0,
                       float out[][NR]) {
     qdots[kind - PD_W_Q8][rows](k, panel, r, r0, out);
+}
+
+static void qdot_pair_rows(int kind, int rows, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r,
+                           int64_t r0, float oa[][NR], float ob[][NR]) {
+    if (rows == 1)
+        qdot_pairs[kind - PD_W_Q8](k, pa, pb, r, r0, oa[0], ob[0]);
+    else
+        qdot_twos[kind - PD_W_Q8][rows](k, pa, pb, r, r0, oa, ob);
 }
 #else
 /* The plain C reading of the same sums (no AVX2) */
@@ -346,14 +408,11 @@ static void qdot_rows(int kind, int rows, int64_t k, const uint8_t *panel, const
         }
 }
 
-/* One row's products with panels pa and pb: the two one after the other */
-static void qdot_pair_row(int kind, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r, int64_t r0,
-                          float *oa, float *ob) {
-    float out[1][NR];
-    qdot_rows(kind, 1, k, pa, r, r0, out);
-    memcpy(oa, out[0], sizeof out[0]);
-    qdot_rows(kind, 1, k, pb, r, r0, out);
-    memcpy(ob, out[0], sizeof out[0]);
+/* Rows' products with panels pa and pb: the two one after the other */
+static void qdot_pair_rows(int kind, int rows, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r,
+                           int64_t r0, float oa[][NR], float ob[][NR]) {
+    qdot_rows(kind, rows, k, pa, r, r0, oa);
+    qdot_rows(kind, rows, k, pb, r, r0, ob);
 }
 #endif
 
@@ -390,23 +449,25 @@ int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *
     const int threads = threads_for(m * n * k, panels, num_threads);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
-        float out[ROW_TILE][NR];
+        float out[ROW_TILE][NR], out2[ROW_TILE][NR];
         const int64_t j0 = panels * t / threads, j1 = panels * (t + 1) / threads;
-        if (m == 1) { /* a decode step of one sequence: the thread's panels as two streams, its first half's
-                         panel i with its second half's panel i in one pass (the odd one out alone, last) */
+        if (m <= ROW_TILE) { /* a decode step of a few sequences: the thread's panels as two streams, its first
+                                half's panel i with its second half's panel i in one pass (the odd one out alone) */
             const int64_t h = (j1 - j0 + 1) / 2;
             for (int64_t i = 0; i < h; i++) {
                 const int64_t js[2] = {j0 + i, j0 + h + i};
                 const int two = js[1] < j1;
                 if (two)
-                    qdot_pair_row(kind, k, (const uint8_t *)p + js[0] * pbytes, (const uint8_t *)p + js[1] * pbytes,
-                                  &r, 0, out[0], out[1]);
+                    qdot_pair_rows(kind, (int)m, k, (const uint8_t *)p + js[0] * pbytes,
+                                   (const uint8_t *)p + js[1] * pbytes, &r, 0, out, out2);
                 else
-                    qdot_rows(kind, 1, k, (const uint8_t *)p + js[0] * pbytes, &r, 0, out);
+                    qdot_rows(kind, (int)m, k, (const uint8_t *)p + js[0] * pbytes, &r, 0, out);
                 for (int e = 0; e <= two; e++) {
                     const int64_t j = js[e];
                     const int ncols = (j + 1) * NR <= n ? NR : (int)(n - j * NR);
-                    for (int c = 0; c < ncols; c++) y[j * NR + c] = out[e][c] + (bias ? bias[j * NR + c] : 0.0f);
+                    for (int64_t ii = 0; ii < m; ii++)
+                        for (int c = 0; c < ncols; c++)
+                            y[ii * ldy + j * NR + c] = (e ? out2 : out)[ii][c] + (bias ? bias[j * NR + c] : 0.0f);
                 }
             }
             continue;
@@ -445,11 +506,11 @@ int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const v
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         float g[ROW_TILE][NR], u[ROW_TILE][NR];
-        if (m == 1) { /* one sequence: each gate panel with its up panel in one pass */
+        if (m <= ROW_TILE) { /* a few sequences: each gate panel with its up panel in one pass */
             for (int64_t j = panels * t / threads; j < panels * (t + 1) / threads; j++) {
-                qdot_pair_row(kind, k, (const uint8_t *)p + j * pbytes, (const uint8_t *)p + (panels + j) * pbytes, &r,
-                              0, g[0], u[0]);
-                pd_silu_mul_row(g[0], u[0], act + j * NR, NR);
+                qdot_pair_rows(kind, (int)m, k, (const uint8_t *)p + j * pbytes,
+                               (const uint8_t *)p + (panels + j) * pbytes, &r, 0, g, u);
+                for (int64_t ii = 0; ii < m; ii++) pd_silu_mul_row(g[ii], u[ii], act + ii * lda + j * NR, NR);
             }
             continue;
         }

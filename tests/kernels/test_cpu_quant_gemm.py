@@ -119,13 +119,16 @@ def test_product_is_the_integer_dot_products(threads, kind, m, n, k):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_dot_products_do_not_depend_on_its_batch(kind):
     """By int8 dot products each row of a 200-row product (two 128-row blocks, on two
-    threads) equals that row's product alone, and the same for SwiGLU's fused pair."""
+    threads) equals that row's product alone or among a decode batch of up to 4 rows (two
+    panels per pass), on one thread or two, and the same for SwiGLU's fused pair."""
     w, x = random_weight(kind, 2 * 48, 96, 7), torch.randn(200, 96)
     whole = with_threads(2, lambda: quant.gemm_q(x, w, dequant=False))
     act = with_threads(2, lambda: quant.gemm_silu_q(x, w, dequant=False))
-    for i in (0, 3, 127, 128, 199):
-        assert torch.equal(whole[i:i + 1], quant.gemm_q(x[i:i + 1], w, dequant=False)), i
-        assert torch.equal(act[i:i + 1], quant.gemm_silu_q(x[i:i + 1], w, dequant=False)), i
+    for lo, hi in ((0, 1), (3, 4), (127, 128), (128, 129), (199, 200), (10, 12), (20, 23), (30, 34), (40, 45)):
+        rows = x[lo:hi]
+        for threads in (1, 2):
+            assert torch.equal(whole[lo:hi], with_threads(threads, lambda r=rows: quant.gemm_q(r, w, dequant=False)))
+            assert torch.equal(act[lo:hi], with_threads(threads, lambda r=rows: quant.gemm_silu_q(r, w, dequant=False)))
 
 
 def test_integer_reference_catches_a_wrong_kernel():
