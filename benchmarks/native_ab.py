@@ -2,12 +2,13 @@
 tree's, in one process, alternating pass by pass, on the same inputs; bits compared.
 
     python benchmarks/native_ab.py --baseline /work/main [--what gemm,attention] [--rows 4,8,16]
-        [--dtype bfloat16,float32] [--threads 1] [--passes 15]
+        [--dtype bfloat16,float32,q8_0,q4_1] [--threads 1] [--passes 15]
 
 Both libraries are built by their own `kernels/cpu_native.py` (each source set hashes to
 its own cached build). gemm: every linear of the small qwen3's 12 layers (qkv, o,
 gate_up, down: hidden 512, intermediate 1536), `--rows` rows of x, weights packed in the
-dtype. attention: paged decode attention over the 12 layers' caches (8 query / 4 KV heads
+dtype (q8_0 / q4_1: weight-only int8 / int4 blocks, `kernels.quant`, by the int8 dot
+products of pd_gemm_qdot). attention (float32 and bf16 caches): paged decode attention over the 12 layers' caches (8 query / 4 KV heads
 of 64, blocks of 16 in a random order), 4 and 16 sequences of up to 100 and 400 tokens.
 Per case: the median pass of each and the median of the per-pass ratios baseline / this
 (> 1: this tree is faster), and whether the two outputs are equal bit for bit.
@@ -27,10 +28,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels import cpu_native  # noqa: E402
+from kernels import cpu_native, quant  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HQ, HKV, D, BS = 512, 1536, 12, 8, 4, 64, 16
 SHAPES = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+QUANT_KINDS = ("q8_0", "q4_1")  # weight-only int8 / int4 (kernels.quant), multiplied by int8 dot products
 
 
 def baseline_module(checkout: str) -> types.ModuleType:
@@ -80,19 +82,39 @@ def run_attention(fn, caches: list, q: torch.Tensor, tables: torch.Tensor, lens:
             raise RuntimeError("the attention kernel refused the call")
 
 
-def gemm_cases(libs: dict, rows: list[int], dtype: torch.dtype, passes: int) -> list[dict]:
+def run_gemms_q(fn, packed: list[list[quant.QuantWeight]], xs: dict, ys: dict) -> None:
+    """`run_gemms` for quantized matrices, by a library's int8 dot products (pd_gemm_qdot)."""
+    for layer in packed:
+        for (n, k), w in zip(SHAPES, layer):
+            x = xs[k]
+            fn(x.data_ptr(), k, x.shape[0], k, w.data.data_ptr(), w.code, None, ys[n].data_ptr(), n, n,
+               torch.get_num_threads())
+
+
+def gemm_cases(libs: dict, rows: list[int], dtype: str, passes: int) -> list[dict]:
+    """dtype: float32 or bfloat16 (packed panels, pd_gemm / pd_gemm_bf16), or q8_0 / q4_1
+    (kernels.quant blocks, pd_gemm_qdot)."""
     g = torch.Generator().manual_seed(0)
-    packed = [[cpu_native.pack_weight(torch.randn(n, k, generator=g) / k ** 0.5, dtype) for n, k in SHAPES]
-              for _ in range(LAYERS)]
+    quantized = dtype in QUANT_KINDS
+    make = ((lambda w: quant.quantize(w, dtype)) if quantized
+            else (lambda w: cpu_native.pack_weight(w, getattr(torch, dtype))))
+    packed = [[make(torch.randn(n, k, generator=g) / k ** 0.5) for n, k in SHAPES] for _ in range(LAYERS)]
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for _, k in SHAPES}
         ys = {name: {n: torch.empty(m, n) for n, _ in SHAPES} for name in libs}
-        fns = {name: functools.partial(run_gemms, lib.pd_gemm_bf16 if dtype == torch.bfloat16 else lib.pd_gemm,
-                                       packed, xs, ys[name]) for name, lib in libs.items()}
+        fns = {}
+        for name, lib in libs.items():
+            if quantized:
+                fn = lib.pd_gemm_qdot
+                fn.restype, fn.argtypes = lib.pd_gemm_q.restype, lib.pd_gemm_q.argtypes
+                fns[name] = functools.partial(run_gemms_q, fn, packed, xs, ys[name])
+            else:
+                fn = lib.pd_gemm_bf16 if dtype == "bfloat16" else lib.pd_gemm
+                fns[name] = functools.partial(run_gemms, fn, packed, xs, ys[name])
         times = alternate(fns, passes)
         same = all(torch.equal(ys["baseline"][n], ys["this"][n]) for n, _ in SHAPES)
-        out.append(report(f"gemm {str(dtype)[6:]} {m} rows", times, same))
+        out.append(report(f"gemm {dtype} {m} rows", times, same))
     return out
 
 
@@ -121,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", required=True, help="another checkout of pdserve (its kernels/ are built and loaded)")
     ap.add_argument("--what", default="gemm,attention")
     ap.add_argument("--rows", default="4,8,16")
-    ap.add_argument("--dtype", default="bfloat16,float32")
+    ap.add_argument("--dtype", default="bfloat16,float32", help="float32, bfloat16, q8_0, q4_1 (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--passes", type=int, default=15)
     args = ap.parse_args(argv)
@@ -129,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     libs = {"baseline": baseline_module(args.baseline).library(), "this": cpu_native.library()}
     if None in libs.values():
         sys.exit("a native library did not build (see the warning above)")
-    for dtype in (getattr(torch, d) for d in args.dtype.split(",")):
+    for dtype in args.dtype.split(","):
+        if dtype not in ("float32", "bfloat16", *QUANT_KINDS):
+            ap.error(f"--dtype {dtype!r}: one of float32, bfloat16, {', '.join(QUANT_KINDS)}")
         if "gemm" in args.what:
             gemm_cases(libs, [int(r) for r in args.rows.split(",")], dtype, args.passes)
-        if "attention" in args.what:
-            attention_cases(libs, dtype, args.passes)
+        if "attention" in args.what and dtype not in QUANT_KINDS:  # the caches are float32 or bf16
+            attention_cases(libs, getattr(torch, dtype), args.passes)
     return 0
 
 
