@@ -34,8 +34,8 @@
  * memory, would set the pace. On one Zen 3 core, the builds alternated in one process:
  * SmolLM2's products at one row take 1/1.37 (float32) and 1/1.07 (bf16) of the time of
  * one panel at a time (float32) or neighbouring pairs (bf16) (benchmarks/decode_parts.py);
- * the small qwen3's linears at 3 / 4 / 5 float32 rows 1/1.27-1.34, 1/1.20-1.28 and
- * 1/1.10-1.16 (benchmarks/native_ab.py --what gemm).
+ * the small qwen3's linears at 3 / 4 / 5 float32 rows 1/1.32-1.39, 1/1.23-1.28 and
+ * 1/1.07-1.16 in three runs (benchmarks/native_ab.py --what gemm).
  *
  * Summation order: each output is summed over k in slices, each slice a chain of fused
  * multiply-adds from zero, and the slices' sums added into y in order (the bias first)
