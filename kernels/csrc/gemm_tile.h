@@ -48,8 +48,9 @@ void pd_gemm_tile2_bf16(int rows, int64_t kc, const float *x, int64_t rs, int64_
                         const uint16_t *p1, float *y, int64_t ldy, int accumulate, const float *bias, int ncols1);
 #if defined(PD_BF16_PAIRS)
 /* pd_gemm_tile2(_bf16) with each panel's columns where they lie: p0's to y0 (bias0,
- * ncols0), p1's to y1 (bias1, ncols1), so that a decode row can pair panels from two
- * streams; one tile up to 2 rows (AVX2 builds) */
+ * ncols0), p1's to y1 (bias1, ncols1), so that decode rows can pair panels from two
+ * streams (AVX2 builds): pair tiles up to 5 float32 rows (3, then the rest) and 2 bf16
+ * rows, two one-panel tiles past that */
 void pd_gemm_tile2_apart(int rows, int64_t kc, const float *x, int64_t rs, int64_t ks, const float *p0,
                          const float *p1, float *y0, float *y1, int64_t ldy, int accumulate, const float *bias0,
                          const float *bias1, int ncols0, int ncols1);

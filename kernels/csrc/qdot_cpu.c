@@ -147,6 +147,46 @@ static AI void group_into(const int KIND, __m256i s0, __m256i s1, __m256 d0, __m
     }
 }
 
+/* x's four codes at q, broadcast to every 32-bit lane */
+static AI __m256i codes4(const int8_t *q) {
+    int32_t x4;
+    memcpy(&x4, q, 4);
+    return _mm256_set1_epi32(x4);
+}
+
+/* One quad of a block (its codes at qd) against R rows' four codes each (at xq[i] + at),
+   into the group's integer sums is[i][0:2] (columns 0-7, 8-15); the weights' loads (and
+   |w|) serve every row, each row's codes broadcast as it comes */
+static AI void quad_into(const int R, const int KIND, const uint8_t *qd, const int8_t *const xq[], int64_t at,
+                         __m256i is[][2]) {
+    if (KIND == PD_W_Q8) { /* |w| by sign(x, w): signed x signed in maddubs' unsigned x signed */
+        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int i = 0; i < R; i++) {
+            const __m256i xb = codes4(xq[i] + at);
+            const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+            const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+            is[i][0] = _mm256_add_epi32(is[i][0], _mm256_madd_epi16(p0, ones));
+            is[i][1] = _mm256_add_epi32(is[i][1], _mm256_madd_epi16(p1, ones));
+            PIN(is[i][0]);
+            PIN(is[i][1]);
+        }
+    } else { /* codes 0..15 unsigned: maddubs directly; 8 quads' int16 sums stay under 2^15 */
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
+        const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int i = 0; i < R; i++) {
+            const __m256i xb = codes4(xq[i] + at);
+            is[i][0] = _mm256_add_epi16(is[i][0], _mm256_maddubs_epi16(w0, xb));
+            is[i][1] = _mm256_add_epi16(is[i][1], _mm256_maddubs_epi16(w1, xb));
+            PIN(is[i][0]);
+            PIN(is[i][1]);
+        }
+    }
+}
+
 /* x's rows r0 .. r0 + R - 1 as qdot_group reads them */
 typedef struct {
     const int8_t *q[ROW_TILE];
@@ -168,7 +208,6 @@ static AI void tile_rows(const int R, qtile_t *x, const qrows_t *r, int64_t r0, 
 static AI void qdot_group(const int R, const int KIND, const uint8_t *blk, const qtile_t *x, int64_t g,
                           __m256 acc[][2]) {
     const int64_t qb = pd_quant_quad_bytes(KIND);
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     const uint8_t *data = blk + pd_quant_header_bytes(KIND);
 #if PD_QPREFETCH > 0
     for (int64_t b = 0; b < pd_quant_block_size(KIND); b += 64)
@@ -176,37 +215,7 @@ static AI void qdot_group(const int R, const int KIND, const uint8_t *blk, const
 #endif
     __m256i is[ROW_TILE][2];
     for (int i = 0; i < R; i++) is[i][0] = is[i][1] = _mm256_setzero_si256();
-    for (int t = 0; t < PD_QUADS; t++) {
-        const uint8_t *qd = data + t * qb;
-        if (KIND == PD_W_Q8) { /* |w| by sign(x, w): signed x signed in maddubs' unsigned x signed */
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
-            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-            for (int i = 0; i < R; i++) {
-                int32_t x4;
-                memcpy(&x4, x->q[i] + g * QG + 4 * t, 4);
-                const __m256i xb = _mm256_set1_epi32(x4);
-                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
-                const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
-                is[i][0] = _mm256_add_epi32(is[i][0], _mm256_madd_epi16(p0, ones));
-                is[i][1] = _mm256_add_epi32(is[i][1], _mm256_madd_epi16(p1, ones));
-                PIN(is[i][0]);
-                PIN(is[i][1]);
-            }
-        } else { /* codes 0..15 unsigned: maddubs directly; 8 quads' int16 sums stay under 2^15 */
-            const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
-            const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            for (int i = 0; i < R; i++) {
-                int32_t x4;
-                memcpy(&x4, x->q[i] + g * QG + 4 * t, 4);
-                const __m256i xb = _mm256_set1_epi32(x4);
-                is[i][0] = _mm256_add_epi16(is[i][0], _mm256_maddubs_epi16(w0, xb));
-                is[i][1] = _mm256_add_epi16(is[i][1], _mm256_maddubs_epi16(w1, xb));
-                PIN(is[i][0]);
-                PIN(is[i][1]);
-            }
-        }
-    }
+    for (int t = 0; t < PD_QUADS; t++) quad_into(R, KIND, data + t * qb, x->q, g * QG + 4 * t, is);
     const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
     const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
     __m256 m0 = d0, m1 = d1;
@@ -266,7 +275,6 @@ static AI void qdot_two(const int R, const int KIND, int64_t k, const uint8_t *p
 static AI void qdot_pair1(const int KIND, int64_t k, const uint8_t *pa, const uint8_t *pb, const qrows_t *r,
                           int64_t r0, float oa[NR], float ob[NR]) {
     const int64_t nb = k / QG, bb = pd_quant_block_size(KIND), qb = pd_quant_quad_bytes(KIND);
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     const int8_t *xq = r->q + r0 * k;
     const float *xd = r->d + r0 * nb, *xds = r->ds + r0 * nb;
     const int32_t *xs = r->s + r0 * nb;
@@ -280,29 +288,9 @@ static AI void qdot_pair1(const int KIND, int64_t k, const uint8_t *pa, const ui
 #endif
         __m256i is[2][2];
         for (int p = 0; p < 2; p++) is[p][0] = is[p][1] = _mm256_setzero_si256();
-        for (int t = 0; t < PD_QUADS; t++) {
-            int32_t x4;
-            memcpy(&x4, xq + g * QG + 4 * t, 4);
-            const __m256i xb = _mm256_set1_epi32(x4);
-            for (int p = 0; p < 2; p++) {
-                const uint8_t *qd = blk[p] + pd_quant_header_bytes(KIND) + t * qb;
-                if (KIND == PD_W_Q8) {
-                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
-                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
-                    const __m256i p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0));
-                    const __m256i p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1));
-                    is[p][0] = _mm256_add_epi32(is[p][0], _mm256_madd_epi16(p0, ones));
-                    is[p][1] = _mm256_add_epi32(is[p][1], _mm256_madd_epi16(p1, ones));
-                } else {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
-                    const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    is[p][0] = _mm256_add_epi16(is[p][0], _mm256_maddubs_epi16(w0, xb));
-                    is[p][1] = _mm256_add_epi16(is[p][1], _mm256_maddubs_epi16(w1, xb));
-                }
-                PIN(is[p][0]);
-                PIN(is[p][1]);
-            }
-        }
+        for (int t = 0; t < PD_QUADS; t++) /* quad by quad: the two panels' chains side by side */
+            for (int p = 0; p < 2; p++)
+                quad_into(1, KIND, blk[p] + pd_quant_header_bytes(KIND) + t * qb, &xq, g * QG + 4 * t, &is[p]);
         const __m256 dx = _mm256_set1_ps(xd[g]);
         for (int p = 0; p < 2; p++) {
             const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[p]));
