@@ -41,9 +41,11 @@ def test_kill_prefill_mid_prefill_while_decode_full(tmp_path, prompts, greedy):
 
 def test_kill_decode_mid_decode_resumes(tmp_path, prompts, greedy):
     """decode-0 dies at its 20th token: its streams resume on decode-1 from prompt + tokens
-    streamed so far, nothing repeated, nothing dropped."""
+    streamed so far, nothing repeated, nothing dropped. Its steps are slowed (30 ms) so that
+    both of its streams are under way when it dies: at full speed the first could finish
+    before the second had streamed a token, which then re-prefills instead."""
     served = serve(tmp_path, ["--prefill", "1", "--decode", "2", "--routing", "round_robin"],
-                   faults="kill_mid_decode=20@decode-0")
+                   faults="kill_mid_decode=20@decode-0,delay_step_ms=30@decode-0")
     try:
         some = prompts[:4]
         results = complete_all(served, some, MAX_NEW)
