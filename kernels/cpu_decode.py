@@ -20,7 +20,9 @@ caller keeps the per-op path then.
 from __future__ import annotations
 
 import ctypes
+from array import array
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +41,35 @@ _KIND_DTYPES = {0: torch.float32, 1: torch.bfloat16, **{c: torch.uint8 for c in 
 # then the calls' whole time and their count: benchmarks/decode_parts.py
 PARTS = ("embed", "norms", "qkv", "rope_store", "attention", "o", "gate_up", "down", "lm_head", "argmax")
 PART_TOTAL, PART_CALLS = len(PARTS), len(PARTS) + 1
+
+
+class DecodeInputs(NamedTuple):
+    """One decode step's rows as `DecodeStack.logits` reads them: plain arrays, no
+    tensors. A decode step's Python runs between two streams of every weight through the
+    caches, each object it touches cold; a torch tensor made or read there costs tens of
+    microseconds, an array a fraction of one. ids, positions, slots: array('q') [m];
+    tables: array('i') [m * width], each row's block ids padded with -1; lens: array('i') [m]."""
+
+    ids: array
+    positions: array
+    slots: array
+    tables: array
+    width: int
+    lens: array
+
+    @classmethod
+    def of(cls, ids: list[int], positions: list[int], block_tables: list[list[int]],
+           block_size: int) -> DecodeInputs:
+        """Rows of one token each: token ids, positions, and each row's block table; the
+        slot and context length follow from the position."""
+        width = max(map(len, block_tables))
+        tables = array("i")
+        for t in block_tables:
+            tables.extend(t)
+            tables.extend([-1] * (width - len(t)))
+        slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(block_tables, positions)]
+        return cls(array("q", ids), array("q", positions), array("q", slots), tables, width,
+                   array("i", [p + 1 for p in positions]))
 
 
 class _LayerStruct(ctypes.Structure):
@@ -199,6 +230,7 @@ class DecodeStack:
         # time and 1 (at PART_TOTAL, PART_CALLS); None, the default, times nothing
         self.parts: torch.Tensor | None = None
         self._fn = cpu_native.library().pd_decode_layers
+        self._bufs: tuple[int, torch.Tensor, torch.Tensor, array] | None = None  # `logits`' outputs: (m, ...)
         self._model = _ModelStruct(model.embed.data_ptr(), model.embed.shape[0],
                                    int(model.embed.dtype == torch.bfloat16), model.cos.data_ptr(),
                                    model.sin.data_ptr(), model.cos.shape[0], model.final_norm.data_ptr(),
@@ -237,28 +269,6 @@ class DecodeStack:
         """ids, positions, slots [m] int64; tables [m, max_blocks] int32; lens [m] int32
         -> the final norm's output [m, hidden] float32. A token id or position outside
         its table raises NativeKernelError (nothing stored then)."""
-        return self._run(ids, positions, slots, tables, lens, False)[0]
-
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-               lens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """`__call__` on to the lm_head in the same call (where `has_head`): (logits [m,
-        head_n] float32, each row's argmax as torch.argmax gives it)."""
-        if not self.has_head:
-            raise ValueError("DecodeStack.logits: this stack was set up without an lm_head")
-        _, logits, top = self._run(ids, positions, slots, tables, lens, True)
-        return logits, top.tolist()
-
-    def _parts_ptr(self) -> int | None:
-        parts = self.parts
-        if parts is None:
-            return None
-        if not (parts.dtype == torch.float64 and parts.device.type == "cpu" and parts.is_contiguous()
-                and tuple(parts.shape) == (len(PARTS) + 2,)):
-            raise ValueError(f"DecodeStack.parts must be a contiguous CPU float64 tensor of {len(PARTS) + 2}")
-        return parts.data_ptr()
-
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-             lens: torch.Tensor, head: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         d = self.dims
         m = ids.shape[0]
         args = [ids, positions, slots, tables, lens]
@@ -270,14 +280,50 @@ class DecodeStack:
                 and tables.shape[0] == m):
             raise ValueError("DecodeStack: ids, positions, slots, tables and lens must have one row per token")
         out = torch.empty((m, d.hidden), dtype=torch.float32)
-        logits = torch.empty((m, self.model.head_n), dtype=torch.float32) if head else None
-        top = torch.empty(m, dtype=torch.int64) if head else None
+        self._call(m, ids.data_ptr(), positions.data_ptr(), out.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                   lens.data_ptr(), tables.shape[1], None, None)
+        return out
+
+    def logits(self, rows: DecodeInputs) -> tuple[torch.Tensor, list[int]]:
+        """The rows through every layer on to the lm_head in one call (where `has_head`):
+        (logits [m, head_n] float32, each row's argmax as torch.argmax gives it). The
+        logits are the stack's own buffer, written again by its next call of as many rows:
+        what a decode step samples from, allocated once per batch size. A token id,
+        position, slot or block id outside its table raises NativeKernelError."""
+        if not self.has_head:
+            raise ValueError("DecodeStack.logits: this stack was set up without an lm_head")
+        m = len(rows.ids)
+        if not (m > 0 and len(rows.positions) == len(rows.slots) == len(rows.lens) == m and rows.width > 0
+                and len(rows.tables) == m * rows.width and rows.ids.typecode == rows.positions.typecode
+                == rows.slots.typecode == "q" and rows.tables.typecode == rows.lens.typecode == "i"):
+            raise ValueError("DecodeStack.logits: ids, positions, slots and lens of one row per token ('q', 'q', "
+                             "'q', 'i'), tables of width per row ('i')")
+        bufs = self._bufs
+        if bufs is None or bufs[0] != m:
+            bufs = self._bufs = (m, torch.empty((m, self.dims.hidden), dtype=torch.float32),
+                                 torch.empty((m, self.model.head_n), dtype=torch.float32), array("q", bytes(8 * m)))
+        _, out, logits, top = bufs
+        self._call(m, rows.ids.buffer_info()[0], rows.positions.buffer_info()[0], out.data_ptr(),
+                   rows.slots.buffer_info()[0], rows.tables.buffer_info()[0], rows.lens.buffer_info()[0], rows.width,
+                   logits.data_ptr(), top.buffer_info()[0])
+        return logits, top.tolist()
+
+    def _parts_ptr(self) -> int | None:
+        parts = self.parts
+        if parts is None:
+            return None
+        if not (parts.dtype == torch.float64 and parts.device.type == "cpu" and parts.is_contiguous()
+                and tuple(parts.shape) == (len(PARTS) + 2,)):
+            raise ValueError(f"DecodeStack.parts must be a contiguous CPU float64 tensor of {len(PARTS) + 2}")
+        return parts.data_ptr()
+
+    def _call(self, m: int, ids: int, positions: int, out: int, slots: int, tables: int, lens: int, width: int,
+              logits: int | None, top: int | None) -> None:
+        """pd_decode_layers on these addresses (logits and top: None to stop at the final norm)."""
+        d = self.dims
         status = self._fn(ctypes.addressof(self._structs), len(self.layers), m, d.hidden, d.num_heads, d.num_kv_heads,
                           d.head_dim, d.intermediate, self.block_size, self.num_blocks, d.norm_eps, d.qk_eps, d.scale,
-                          ctypes.addressof(self._model), ids.data_ptr(), positions.data_ptr(), out.data_ptr(),
-                          slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
-                          torch.get_num_threads(), logits.data_ptr() if head else None,
-                          top.data_ptr() if head else None, self._parts_ptr())
+                          ctypes.addressof(self._model), ids, positions, out, slots, tables, lens, width,
+                          torch.get_num_threads(), logits, top, self._parts_ptr())
         if status:
             raise cpu_native.NativeKernelError(f"native decode layers: {_ERRORS.get(status, f'error {status}')}")
-        return out, logits, top

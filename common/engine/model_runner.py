@@ -26,6 +26,7 @@ from common.models.quantize import quantize_linears, set_quantized
 from common.quantization import gguf_source
 from common.logprobs import TokenLogprobs
 import kernels
+from kernels.cpu_decode import DecodeInputs
 
 
 def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
@@ -88,6 +89,7 @@ class ModelRunner:
         if dev.num_threads:
             torch.set_num_threads(dev.num_threads)
         self.device = torch.device(dev.device)
+        self.on_cpu = self.device.type == "cpu"  # read every step: one attribute, not two
         if self.device.type == "cpu":
             keep_freed_memory()
         self.block_size = config.cache.block_size
@@ -142,6 +144,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None
                 ) -> dict[int, Sampled]:
         """Run one step; returns {seq_id: sampled token} for seqs that completed all their tokens."""
+        if layer_hook is None and self.on_cpu and all(n == 1 for n in batch.num_tokens):
+            sampled = self._decode_native(batch.seqs)
+            if sampled is not None:
+                return sampled
         order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)  # decode first
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_tokens[i] for i in order]
@@ -162,15 +168,29 @@ class ModelRunner:
         else:
             # every row sampled (a decode batch): all of them, in order, without a copy
             keep = None if len(sample_idx) == len(input_ids) else sample_idx
-            if keep is None and layer_hook is None:
-                # a pure decode batch: token ids to logits and their argmax in one native call
-                fused = self.model.decode_logits(input_ids, positions, meta)
-                if fused is not None:
-                    return self.sample_logits(fused[0], sample_seqs, fused[1])
             hidden = self.model(input_ids, positions, meta, layer_hook, keep=keep)  # [S, hidden]
         if not sample_seqs:
             return {}
         return self.sample(hidden, sample_seqs)
+
+    def _decode_native(self, seqs: list[Sequence]) -> dict[int, Sampled] | None:
+        """A CPU decode batch whose every row is sampled, from token ids to logits and
+        their argmax in the native stack's one call (`DecoderForCausalLM.decode_logits`),
+        its inputs plain arrays (`decode_inputs`): no tensor is made on the way in, where
+        `prepare` makes five. None where the stack does not apply: `prepare` and the
+        model's forward then, with the same logits."""
+        rows = self.decode_inputs(seqs)
+        fused = None if rows is None else self.model.decode_logits(rows)
+        return None if fused is None else self.sample_logits(fused[0], seqs, fused[1])
+
+    def decode_inputs(self, seqs: list[Sequence]) -> DecodeInputs | None:
+        """The native stack's inputs for a batch of one token per sequence, in order; None
+        unless every row is its sequence's last token (sampled)."""
+        pos = [s.num_computed_tokens for s in seqs]
+        if any(p + 1 != len(s) for s, p in zip(seqs, pos)):
+            return None
+        return DecodeInputs.of([s.token_ids[p] for s, p in zip(seqs, pos)], pos, [s.block_table for s in seqs],
+                               self.block_size)
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sampled]:

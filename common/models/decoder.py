@@ -15,11 +15,12 @@ from common.config import ModelConfig
 from common.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from common.models.rope import rope_frequencies
 from common.rope_config import RopeConfig
-from kernels.cpu_decode import DecodeStack, LayerTensors, ModelTensors, StackDims
+from kernels import cpu_native
+from kernels.cpu_decode import DecodeInputs, DecodeStack, LayerTensors, ModelTensors, StackDims
 
 # what `_stack_fingerprint` reads of each item, as C-level callables for `map`
 _DATA_PTR = torch.Tensor.data_ptr
-_VERSION, _PLAN, _QUANT = (operator.attrgetter(name) for name in ("_version", "_plan", "quant"))
+_VERSION = operator.attrgetter("_version")
 
 # HF weight name fragment -> (our fused parameter fragment, shard index)
 PACKED_MODULES = {
@@ -154,8 +155,7 @@ class DecoderForCausalLM(nn.Module):
         # [a module's _parameters or _buffers, ...], [name, ...]: what the stack reads (_stack_watch)
         self._stack_params: list[list] = []
         self._stack_flat: list[Linear] = []  # every linear the stack multiplies by, the lm_head last
-        self._stack_planned: list[Linear] = []  # the float ones: their plans are packed copies
-        self._stack_versioned = 0  # how many of them, the first, are the linears'
+        self._stack_versioned = 0  # how many of `_stack_params`, the first, are the float linears'
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,18 +183,17 @@ class DecoderForCausalLM(nn.Module):
             return x
         return self.model.norm(x, residual)[0]
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                      ) -> tuple[torch.Tensor, list[int]] | None:
+    def decode_logits(self, rows: DecodeInputs) -> tuple[torch.Tensor, list[int]] | None:
         """A pure decode batch from its token ids to (logits [N, V] float32, each row's
-        argmax) in the native stack's one call, lm_head included; None where that does
+        argmax) in the native stack's one call, lm_head included (`DecodeStack.logits`:
+        the logits are its buffer, valid until the next decode step); None where that does
         not apply (the caller runs `forward` and `compute_logits` then; the same logits)."""
-        if meta.num_decode != input_ids.shape[0] or not DecodeStack.takes(input_ids):
+        if not cpu_native.enabled():
             return None
         stack = self.decode_stack()
         if stack is None or not stack.has_head:
             return None
-        return stack.logits(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                            meta.decode_context_lens)
+        return stack.logits(rows)
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -240,10 +239,10 @@ class DecoderForCausalLM(nn.Module):
 
     def _stack_watch(self) -> None:
         """What `_stack_fingerprint` reads, for the linears as they are now: every float
-        linear's parameters (storage and version: its plan is a packed copy) and plan; a
-        quantized linear's bias alone (its plan holds `quant`'s blocks, whatever its
-        placeholder weight); the norms', embedding's and rotary tables' storage. A
-        linear's quant is read every step, so a change of which are quantized is seen."""
+        linear's parameters (storage and version: its plan is a packed copy); a quantized
+        linear's bias alone (its plan holds `quant`'s blocks, whatever its placeholder
+        weight); the norms', embedding's and rotary tables' storage. A change of any
+        linear's `quant` is `Linear.quant_epoch`, read every step."""
         floats = [lin for lin in self._stack_flat if lin.quant is None]
         read = [m for layer in self.model.layers
                 for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
@@ -256,17 +255,20 @@ class DecoderForCausalLM(nn.Module):
         rest += [(self.model.rope._buffers, name) for name in ("cos", "sin_signed")]
         self._stack_params = [list(col) for col in zip(*versioned, *rest)]  # [dicts], [names]
         self._stack_versioned = len(versioned)
-        self._stack_planned = floats
 
-    def _stack_fingerprint(self) -> tuple[list, ...]:
+    def _stack_fingerprint(self) -> tuple[list, list, int]:
         """What the stack was set up from (`_stack_watch` says which tensors), cheap enough
         to check every decode step: flat lists, each filled by a C-level `map`, no module
         attribute lookups or bytecode per item. Storage of each watched tensor, versions of
-        the float linears' parameters, the float linears' plans and every linear's quant,
-        by identity."""
+        the float linears' parameters, and `Linear.quant_epoch`. A linear's plan is made
+        from exactly these (`Linear._key`), so a plan made again elsewhere shows here as
+        what it was made for. Each object read costs: between two decode steps the
+        weights streamed through have evicted it (on the 2-core VM the whole fingerprint
+        took ~5x as long as warm), so it reads no module: with SmolLM2's 121 linears, one
+        `quant` read per linear made the int4 fingerprint 2.6x as long."""
         params = list(map(dict.__getitem__, *self._stack_params))
         return (list(map(_DATA_PTR, params)), list(map(_VERSION, params[:self._stack_versioned])),
-                list(map(_PLAN, self._stack_planned)), list(map(_QUANT, self._stack_flat)))
+                Linear.quant_epoch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]

@@ -16,11 +16,23 @@ class Linear(nn.Linear):
 
     `quant`: a weight-only int8 / int4 form of the weight (`kernels.quant.QuantWeight`,
     set once loaded: `common.models.quantization`), which the plan multiplies by instead of
-    `weight`."""
+    `weight`. Every assignment of any Linear's `quant` counts in `Linear.quant_epoch`, so
+    that whoever reads many linears' plans (the native decode stack) sees a change in one
+    read instead of one per linear."""
 
     _plan: kernels.LinearPlan | None = None
     _plan_of: tuple[int, ...] | None = None
-    quant = None  # kernels.quant.QuantWeight | None
+    _quant = None  # kernels.quant.QuantWeight | None
+    quant_epoch = 0  # assignments of `quant`, every Linear's
+
+    @property
+    def quant(self):
+        return self._quant
+
+    @quant.setter
+    def quant(self, value) -> None:
+        self._quant = value
+        Linear.quant_epoch += 1
 
     def _key(self) -> tuple[int, ...]:
         """What a plan is made of: the weight's and the bias's storage and version (a swap or

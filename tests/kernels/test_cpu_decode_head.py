@@ -6,6 +6,7 @@ and logprobs with and without it."""
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from common import LLM, SamplingParams
 from common.models.decoder import DecoderForCausalLM
 import kernels
 from kernels import quant
+from kernels.cpu_decode import DecodeInputs
+from kernels.cpu_native import NativeKernelError
 
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3's lm_head is tied to its embedding table
 
@@ -33,21 +36,21 @@ def decode_inputs(engine, batch: int):
         engine.step()
     sched = engine.scheduler.schedule()
     assert sched.num_tokens == [1] * batch
-    return seqs, engine.runner.prepare(sched.seqs, sched.num_tokens)
+    return seqs, engine.runner.prepare(sched.seqs, sched.num_tokens), engine.runner.decode_inputs(sched.seqs)
 
 
 def fused_and_unfused(engine, batch: int):
-    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, batch)
+    seqs, (ids, positions, meta, _, _), rows = decode_inputs(engine, batch)
     model = engine.runner.model
     try:
         with torch.inference_mode(), kernels.decode_rows():  # as the runner runs a pure decode step
-            fused = model.decode_logits(ids, positions, meta)
+            fused = model.decode_logits(rows)
             unfused = model.compute_logits(model(ids, positions, meta))
     finally:
         for s in seqs:
             engine.abort(s)
     assert fused is not None, "the decode batch did not take the stack's lm_head"
-    return fused, unfused
+    return (fused[0].clone(), fused[1]), unfused  # the stack's buffer: its next call writes it again
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -105,8 +108,7 @@ def test_a_head_that_does_not_fit_leaves_the_stack_without_logits(model_dirs):
     other = type(stack).build(list(stack.layers), stack.dims, bad)
     assert other is not None and not other.has_head
     with pytest.raises(ValueError, match="without an lm_head"):
-        other.logits(*[torch.zeros(1, dtype=torch.int64)] * 3, torch.zeros((1, 1), dtype=torch.int32),
-                     torch.ones(1, dtype=torch.int32))
+        other.logits(DecodeInputs.of([1], [0], [[0]], stack.block_size))
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
@@ -147,3 +149,49 @@ def test_a_replaced_quant_is_followed(model_dirs, name):
     (fresh, _), _ = fused_and_unfused(engine, 2)
     assert not torch.allclose(before, followed, rtol=1e-2, atol=1e-2)
     assert torch.equal(followed, fresh)
+
+
+def test_decode_inputs_hold_what_prepare_gives(model_dirs):
+    """The runner's plain-array inputs of a decode step (`ModelRunner.decode_inputs`) hold
+    what `prepare` puts in its tensors: token ids, positions, slots, block tables padded
+    with -1 to the widest, context lengths."""
+    engine = engine_for(model_dirs["qwen2"], "none")
+    seqs, (ids, positions, meta, _, _), rows = decode_inputs(engine, 3)  # 9, 16, 23 prompt tokens
+    for s in seqs:
+        engine.abort(s)
+    tables = meta.decode_block_tables
+    assert (tables == -1).any(), "the rows' block tables should differ in width"
+    assert list(rows.ids) == ids.tolist() and list(rows.positions) == positions.tolist()
+    assert list(rows.slots) == meta.slot_mapping.tolist() and list(rows.lens) == meta.decode_context_lens.tolist()
+    assert rows.width == tables.shape[1] and list(rows.tables) == tables.flatten().tolist()
+
+
+def test_rows_that_do_not_fit_are_refused_and_the_buffers_kept(model_dirs):
+    """`DecodeStack.logits`: rows of unequal lengths or the wrong item type are refused
+    before the call; a block id outside the cache by the native check; the same rows
+    then give the same logits, in the buffer of the first call of that many rows; a
+    batch of another size gets its own."""
+    engine = engine_for(model_dirs["llama"], "int8")
+    seqs, _, rows = decode_inputs(engine, 2)
+    stack = engine.runner.model.decode_stack()
+    try:
+        with torch.inference_mode():
+            logits, top = stack.logits(rows)
+            first = logits.clone()
+            for bad in (rows._replace(lens=rows.lens[:1]),
+                        rows._replace(ids=array("i", rows.ids))):
+                with pytest.raises(ValueError, match="one row per token"):
+                    stack.logits(bad)
+            outside = array("i", [stack.num_blocks] * len(rows.tables))
+            with pytest.raises(NativeKernelError, match="block id outside the cache"):
+                stack.logits(rows._replace(tables=outside))
+            again, again_top = stack.logits(rows)
+            assert again is logits and torch.equal(again, first) and again_top == top
+            one = DecodeInputs(rows.ids[:1], rows.positions[:1], rows.slots[:1], rows.tables[:rows.width],
+                               rows.width, rows.lens[:1])
+            single, single_top = stack.logits(one)
+            assert single.shape == (1, first.shape[1]) and single_top == top[:1]
+            torch.testing.assert_close(single, first[:1], rtol=1e-5, atol=1e-5)
+    finally:
+        for s in seqs:
+            engine.abort(s)

@@ -267,14 +267,16 @@ def test_parts_time_a_step_without_changing_it(engines):
     call counted; every part that runs has time, the laps sum to the call's whole time;
     a tensor of the wrong kind is refused before the call."""
     engine = engines["qwen3"]
-    seqs, (ids, positions, meta, _, _) = decode_inputs(engine, 3)
+    seqs, _ = decode_inputs(engine, 3)
     model = engine.runner.model
     stack = model.decode_stack()
+    rows = engine.runner.decode_inputs(seqs)
     try:
         with torch.inference_mode():
-            plain, plain_top = model.decode_logits(ids, positions, meta)
+            plain, plain_top = model.decode_logits(rows)
+            plain = plain.clone()  # the stack's buffer: the next call writes it again
             stack.parts = torch.zeros(len(PARTS) + 2, dtype=torch.float64)
-            timed, timed_top = model.decode_logits(ids, positions, meta)
+            timed, timed_top = model.decode_logits(rows)
             parts = stack.parts.clone()
             assert torch.equal(plain, timed) and plain_top == timed_top
             assert parts[PART_CALLS] == 1
@@ -284,7 +286,7 @@ def test_parts_time_a_step_without_changing_it(engines):
             assert float(parts[:len(PARTS)].sum()) == pytest.approx(float(parts[PART_TOTAL]), rel=1e-9)
             stack.parts = torch.zeros(len(PARTS) + 2, dtype=torch.float32)
             with pytest.raises(ValueError, match="float64"):
-                model.decode_logits(ids, positions, meta)
+                model.decode_logits(rows)
     finally:
         stack.parts = None
         for s in seqs:
