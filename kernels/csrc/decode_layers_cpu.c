@@ -135,6 +135,31 @@ static void embed_rows(const pd_model_t *M, const int64_t *ids, int64_t m, int64
     }
 }
 
+/* One decode row's q heads normed and rotated into q_row [hq, d], and its k (normed,
+ * rotated) and v heads stored at its cache slot (skipped when the slot is < 0) */
+static void rope_store_row(const pd_layer_t *L, const pd_model_t *M, const float *row, int64_t pos, int64_t slot,
+                           float *q_row, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float qk_eps) {
+    float tmp[d], kr[d]; /* one head vector each */
+    const float *c = M->cos + pos * d, *s = M->sin + pos * d;
+    for (int64_t i = 0; i < hq; i++) pd_norm_rope_head(row + i * d, L->q_norm, qk_eps, c, s, q_row + i * d, tmp, d);
+    if (slot < 0) return;
+    const int64_t blk = slot / block_size, off = slot % block_size;
+    for (int64_t i = 0; i < hkv; i++) {
+        const int64_t ko = blk * L->k_sb + off * L->k_st + i * L->k_sh;
+        const int64_t vo = blk * L->v_sb + off * L->v_st + i * L->v_sh;
+        const float *vs = row + (hq + hkv + i) * d;
+        if (L->kv_bf16) {
+            pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kr, tmp, d);
+            pd_f32_to_bf16_row(kr, (uint16_t *)L->k_cache + ko, d);
+            pd_f32_to_bf16_row(vs, (uint16_t *)L->v_cache + vo, d);
+        } else {
+            float *vd = (float *)L->v_cache + vo;
+            pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, (float *)L->k_cache + ko, tmp, d);
+            for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
+        }
+    }
+}
+
 /* The parts of a step `parts` times, in kernels.cpu_decode.PARTS's order */
 enum {
     PD_PART_EMBED, PD_PART_NORMS, PD_PART_QKV, PD_PART_ROPE_STORE, PD_PART_ATTENTION, PD_PART_O, PD_PART_GATE_UP,
@@ -223,29 +248,13 @@ int pd_decode_layers(const pd_layer_t *layers, int64_t num_layers, int64_t m, in
             status = gemm_w(L->qkv_kind, x, hidden, m, hidden, L->qkv_p, L->qkv_b, qkv, nqkv, nqkv, num_threads);
         lap(parts, PD_PART_QKV, &t);
         if (status) break;
-        /* rows apart: each writes its own q rows and cache slot */
-#pragma omp parallel for num_threads(m >= 8 ? num_threads : 1) schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            float tmp[d], kr[d]; /* one head vector each */
-            const float *row = qkv + r * nqkv, *c = M->cos + positions[r] * d, *s = M->sin + positions[r] * d;
-            for (int64_t i = 0; i < hq; i++)
-                pd_norm_rope_head(row + i * d, L->q_norm, qk_eps, c, s, q + (r * hq + i) * d, tmp, d);
-            if (slots[r] < 0) continue;
-            const int64_t blk = slots[r] / block_size, off = slots[r] % block_size;
-            for (int64_t i = 0; i < hkv; i++) {
-                const int64_t ko = blk * L->k_sb + off * L->k_st + i * L->k_sh;
-                const int64_t vo = blk * L->v_sb + off * L->v_st + i * L->v_sh;
-                const float *vs = row + (hq + hkv + i) * d;
-                if (L->kv_bf16) {
-                    pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, kr, tmp, d);
-                    pd_f32_to_bf16_row(kr, (uint16_t *)L->k_cache + ko, d);
-                    pd_f32_to_bf16_row(vs, (uint16_t *)L->v_cache + vo, d);
-                } else {
-                    float *vd = (float *)L->v_cache + vo;
-                    pd_norm_rope_head(row + (hq + i) * d, L->k_norm, qk_eps, c, s, (float *)L->k_cache + ko, tmp, d);
-                    for (int64_t j = 0; j < d; j++) vd[j] = vs[j];
-                }
-            }
+        /* rows apart: each writes its own q rows and cache slot; a parallel region costs
+           ~0.4 us even on one thread, so a small batch calls the rows directly */
+        if (m >= 8 && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+            for (int64_t r = 0; r < m; r++) rope_store_row(L, M, qkv + r * nqkv, positions[r], slots[r], q + r * hq * d, hq, hkv, d, block_size, qk_eps);
+        } else {
+            for (int64_t r = 0; r < m; r++) rope_store_row(L, M, qkv + r * nqkv, positions[r], slots[r], q + r * hq * d, hq, hkv, d, block_size, qk_eps);
         }
         lap(parts, PD_PART_ROPE_STORE, &t);
         status = attention_w(L, q, tables, lens, att, m, hq, hkv, d, block_size, max_blocks, num_blocks, scale,
