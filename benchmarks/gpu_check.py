@@ -202,7 +202,10 @@ def check_pair(args, models) -> dict:
     from tests.disagg.driver import engine_options, start_pair
     backends = ("cuda_ipc", "nccl") if on_gpu(args.device) else ("shm", "gloo")
     res: dict = {}
-    if not getattr(args, "nccl_ok", True):  # two processes on one GPU cannot form an NCCL group
+    nccl_ok = getattr(args, "nccl_ok", None)  # set by the nccl check, when it ran
+    if nccl_ok is None:
+        nccl_ok = not on_gpu(args.device) or torch.cuda.device_count() > 1
+    if not nccl_ok:  # two processes on one GPU cannot form an NCCL group
         res["nccl-start"] = _nccl_pair_refused(models["qwen3"], args.device)
         backends = backends[:1]
     for backend in backends:
