@@ -185,9 +185,9 @@ class ModelRunner:
 
     def decode_inputs(self, seqs: list[Sequence]) -> DecodeInputs | None:
         """The native stack's inputs for a batch of one token per sequence, in order; None
-        unless every row is its sequence's last token (sampled)."""
+        for no rows or unless every row is its sequence's last token (sampled)."""
         pos = [s.num_computed_tokens for s in seqs]
-        if any(p + 1 != len(s) for s, p in zip(seqs, pos)):
+        if not seqs or any(p + 1 != len(s) for s, p in zip(seqs, pos)):
             return None
         return DecodeInputs.of([s.token_ids[p] for s, p in zip(seqs, pos)], pos, [s.block_table for s in seqs],
                                self.block_size)
