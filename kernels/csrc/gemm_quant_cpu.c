@@ -97,13 +97,8 @@ static AI void dequant_slice(const int kind, const uint8_t *panel, int64_t k0, i
     for (int64_t kk = 0; kk < kc;) {
         const int64_t kg = k0 + kk, end = kk + QG - kg % QG < kc ? kk + QG - kg % QG : kc;
         const uint8_t *blk = panel + kg / QG * bb, *q = blk + hdr + kg % QG / 4 * qb;
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        __m256 m0 = d0, m1 = d1;
-        if (kind == PD_W_Q4M) {
-            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
-            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
-        }
+        __m256 d0, d1, m0, m1;
+        pd_block_scales(blk, kind, &d0, &d1, &m0, &m1);
         for (; kk < end; kk += 4, q += qb) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)q);
             const __m256i v1 = kind == PD_W_Q8 ? _mm256_loadu_si256((const __m256i *)(q + 32)) : _mm256_srli_epi32(v0, 4);

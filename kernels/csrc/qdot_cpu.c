@@ -216,13 +216,8 @@ static AI void qdot_group(const int R, const int KIND, const uint8_t *blk, const
     __m256i is[ROW_TILE][2];
     for (int i = 0; i < R; i++) is[i][0] = is[i][1] = _mm256_setzero_si256();
     for (int t = 0; t < PD_QUADS; t++) quad_into(R, KIND, data + t * qb, x->q, g * QG + 4 * t, is);
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-    __m256 m0 = d0, m1 = d1;
-    if (KIND == PD_W_Q4M) {
-        m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
-        m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
-    }
+    __m256 d0, d1, m0, m1;
+    pd_block_scales(blk, KIND, &d0, &d1, &m0, &m1);
     for (int i = 0; i < R; i++)
         group_into(KIND, is[i][0], is[i][1], d0, d1, m0, m1, _mm256_set1_ps(x->d[i][g]), x->s[i][g], x->ds[i][g],
                    &acc[i][0], &acc[i][1]);
@@ -293,13 +288,8 @@ static AI void qdot_pair1(const int KIND, int64_t k, const uint8_t *pa, const ui
                 quad_into(1, KIND, blk[p] + pd_quant_header_bytes(KIND) + t * qb, &xq, g * QG + 4 * t, &is[p]);
         const __m256 dx = _mm256_set1_ps(xd[g]);
         for (int p = 0; p < 2; p++) {
-            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[p]));
-            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 16)));
-            __m256 m0 = d0, m1 = d1;
-            if (KIND == PD_W_Q4M) {
-                m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 32)));
-                m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[p] + 48)));
-            }
+            __m256 d0, d1, m0, m1;
+            pd_block_scales(blk[p], KIND, &d0, &d1, &m0, &m1);
             group_into(KIND, is[p][0], is[p][1], d0, d1, m0, m1, dx, xs[g], xds[g], &acc[p][0], &acc[p][1]);
         }
     }

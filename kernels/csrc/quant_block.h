@@ -40,4 +40,20 @@ static inline float pd_f16(const uint8_t *p) {
     return f;
 }
 
+#ifdef PD_QAVX2
+/* A block's 16 scales (d0: columns 0-7, d1: 8-15) as float32, and for PD_W_Q4M its 16
+   minimums (m0, m1; the scales again for the other kinds, which have none) */
+static inline __attribute__((always_inline)) void pd_block_scales(const uint8_t *blk, int kind, __m256 *d0,
+                                                                  __m256 *d1, __m256 *m0, __m256 *m1) {
+    *d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    *d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+    *m0 = *d0;
+    *m1 = *d1;
+    if (kind == PD_W_Q4M) {
+        *m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        *m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+    }
+}
+#endif
+
 #endif
