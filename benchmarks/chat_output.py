@@ -24,10 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.wire.messages import TokenOutput  # noqa: E402
-from router.chat_output import ChoiceOutput  # noqa: E402
-from router.http_envelope import CHAT, Envelope  # noqa: E402
-from router.tools import tool_plan  # noqa: E402
+from pdserve.common.wire.messages import TokenOutput  # noqa: E402
+from pdserve.router.chat_output import ChoiceOutput  # noqa: E402
+from pdserve.router.http_envelope import CHAT, Envelope  # noqa: E402
+from pdserve.router.tools import tool_plan  # noqa: E402
 
 
 def answer(chars: int) -> str:

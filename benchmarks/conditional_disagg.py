@@ -45,10 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules
 
-from common.config import ModelConfig  # noqa: E402
-from router.bench.metrics import RequestRecord, attainment, summarize  # noqa: E402
-from router.bench.runner import run_workload  # noqa: E402
-from router.bench.workloads import BenchRequest, mooncake_workload  # noqa: E402
+from pdserve.common.config import ModelConfig  # noqa: E402
+from pdserve.router.bench.metrics import RequestRecord, attainment, summarize  # noqa: E402
+from pdserve.router.bench.runner import run_workload  # noqa: E402
+from pdserve.router.bench.workloads import BenchRequest, mooncake_workload  # noqa: E402
 from servers import MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, log, start_pdserve  # noqa: E402
 from slo_experiment import spread_ties  # noqa: E402
 
@@ -67,7 +67,7 @@ def workload(args: argparse.Namespace, vocab: int, trace: Path = TRACE) -> list[
 
 def profile(args: argparse.Namespace, out: Path) -> Path:
     """`pdserve profile` with the servers' engine flags (benchmarks/servers.py)."""
-    cmd = [sys.executable, "-m", "router.cli", "profile", args.model, "--out", str(out), "--num-threads", "1",
+    cmd = [sys.executable, "-m", "pdserve.router.cli", "profile", args.model, "--out", str(out), "--num-threads", "1",
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", "float32"]
     t0 = time.monotonic()
@@ -159,7 +159,7 @@ def main() -> int:
     p.add_argument("--out-dir", default=str(REPO / "results/conditional_disagg"))
     args = p.parse_args()
     if not (Path(args.model) / "config.json").is_file():
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         make_model(Path(args.model), "qwen3", "small", seed=0)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

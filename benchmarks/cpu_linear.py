@@ -26,7 +26,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels import cpu_native  # noqa: E402
+from pdserve.kernels import cpu_native  # noqa: E402
 
 
 def layer_shapes(model_dir: Path) -> list[tuple[str, int, int]]:

@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels import cpu_native  # noqa: E402
+from pdserve.kernels import cpu_native  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 kv heads of 64, intermediate 1536, 30 layers, vocab 49152
 SMOLLM2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.cpu_linear_bf16 import model_config, shapes  # noqa: E402
-from kernels import cpu_native, quant  # noqa: E402
+from pdserve.kernels import cpu_native, quant  # noqa: E402
 
 
 def forms(weights: list[torch.Tensor]) -> dict[str, list]:

@@ -39,11 +39,11 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, args.repo)
     import torch
-    from common import LLM, SamplingParams
+    from pdserve.common import LLM, SamplingParams
     torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from common.loading.default_model import resolve_model_dir
+        from pdserve.common.loading.default_model import resolve_model_dir
         model = str(resolve_model_dir(None))
     llm = LLM(model, num_threads=args.threads, max_model_len=512, enable_prefix_caching=False)
     engine, steps = llm.engine, {}

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.report import run_facts, write_report  # noqa: E402
-from common import LLM, SamplingParams  # noqa: E402
-from common.models.decoder import DecoderForCausalLM  # noqa: E402
+from pdserve.common import LLM, SamplingParams  # noqa: E402
+from pdserve.common.models.decoder import DecoderForCausalLM  # noqa: E402
 
 PROMPT = list(range(10, 42))
 
@@ -73,7 +73,7 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model
     if model is None:
-        from common.loading.default_model import resolve_model_dir
+        from pdserve.common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
     toggle = Toggle()
     by_dtype = {}

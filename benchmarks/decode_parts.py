@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.report import run_facts, write_report  # noqa: E402
 from benchmarks.single_stream import decode_ms, kv_bytes, read_bandwidth, weight_bytes  # noqa: E402
-from common import LLM  # noqa: E402
-from kernels.cpu_decode import PART_CALLS, PART_TOTAL, PARTS  # noqa: E402
+from pdserve.common import LLM  # noqa: E402
+from pdserve.kernels.cpu_decode import PART_CALLS, PART_TOTAL, PARTS  # noqa: E402
 
 GEMMS = ("qkv", "o", "gate_up", "down", "lm_head")  # parts that stream a weight
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tokens must be at least 3 and --rounds at least 1")
     model = args.model
     if model is None:
-        from common.loading.default_model import resolve_model_dir
+        from pdserve.common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
     forms = args.dtype.split(",")
     llms = {f: LLM(model, num_threads=args.threads, num_kv_blocks=64, max_model_len=512, dtype=f.partition("+")[0],

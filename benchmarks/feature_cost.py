@@ -47,7 +47,7 @@ import json, os, sys, time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 torch.set_num_threads(1)
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 model, prompts, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
     llm = LLM(model, num_threads=1, dtype="float32", max_model_len=512)
@@ -57,7 +57,7 @@ batch = [[(7 * i + 3 * j) % 500 + 10 for j in range(32)] for i in range(prompts)
 
 def params(extra):
     if "structured" in extra:
-        from common.sampling_params import StructuredOutput
+        from pdserve.common.sampling_params import StructuredOutput
         extra = {**extra, "structured": StructuredOutput(*extra["structured"])}
     return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, **extra)
 

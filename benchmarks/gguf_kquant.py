@@ -36,11 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.report import run_facts, write_report  # noqa: E402
-from common import LLM  # noqa: E402
-from common.engine.scoring import divergence, perplexity, sequence_logits  # noqa: E402
-from common.loading.default_model import resolve_model_dir  # noqa: E402
-from common.loading.gguf_convert import convert_gguf  # noqa: E402
-from common.quantization import kept_linears  # noqa: E402
+from pdserve.common import LLM  # noqa: E402
+from pdserve.common.engine.scoring import divergence, perplexity, sequence_logits  # noqa: E402
+from pdserve.common.loading.default_model import resolve_model_dir  # noqa: E402
+from pdserve.common.loading.gguf_convert import convert_gguf  # noqa: E402
+from pdserve.common.quantization import kept_linears  # noqa: E402
 from tests.common.test_bf16_precision import TEXT  # noqa: E402
 from tests.common.test_quantization import greedy  # noqa: E402
 from tests.gguf_fixture import QK_K, write_gguf  # noqa: E402

@@ -50,7 +50,7 @@ def seeded_prompts(model_dir: str) -> list[list[int]]:
 
 def seeded_one_engine(model_dir: str, device: str, graphs: bool = False) -> list[list[int]]:
     """Seeded random outputs of one engine doing both phases."""
-    from common.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
     llm = _llm(model_dir, device, graphs)
     params = [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **kw) for kw in SEEDED]
     return [o["token_ids"] for o in llm.generate(seeded_prompts(model_dir), params, use_tqdm=False)]
@@ -88,8 +88,8 @@ def check_triton(args, models) -> dict:
 def _kernel_row(dtype: torch.dtype, dev: str) -> dict:
     """One dtype: decode attention (64 sequences of up to 1024 tokens, 32 query and 8 KV
     heads of 128), store_kv, gather and scatter, against the references."""
-    import kernels
-    from kernels import reference as R
+    from pdserve import kernels
+    from pdserve.kernels import reference as R
     b, hq, hkv, d, bs, ctx = 64, 32, 8, 128, 16, 1024
     nb = b * ctx // bs
     kc = torch.randn(nb, bs, hkv, d, device=dev).to(dtype)
@@ -126,7 +126,7 @@ def _kernel_row(dtype: torch.dtype, dev: str) -> dict:
 
 
 def _llm(model_dir: str, device: str, graphs: bool, dtype: str = "float32", **kw):
-    from common.engine.llm import LLM
+    from pdserve.common.engine.llm import LLM
     opts = dict(device=device, dtype=dtype, num_kv_blocks=1024, max_model_len=1024, max_num_seqs=64,
                 decode_graphs=graphs, seed=0, quantization="none")  # a GGUF's folder: its dequantized weights
     opts.update(kw)
@@ -138,7 +138,7 @@ def _llm(model_dir: str, device: str, graphs: bool, dtype: str = "float32", **kw
 def check_engine(args, models) -> dict:
     """Greedy tokens, offline: transformers on the device vs our engine eager and with the
     decode steps through the graph runner (CUDA graphs on GPU), every architecture."""
-    from common.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
     res: dict = {}
     for name, d in models.items():
         prompts = prompts_for(d)
@@ -165,7 +165,7 @@ def check_graph_speed(args, models) -> dict:
     """Decode step time, eager vs graph replay, on the small model: (time of 129 output
     tokens - time of 1) / 128 for a batch of 32-token prompts; also bf16 tokens graphs
     vs eager (no transformers oracle at bf16: ours against ours)."""
-    from common.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
     d = models[args.speed_model]
     rows = []
     batches = (1, 8, 32, 64) if on_gpu(args.device) else (1, 4)
@@ -272,10 +272,10 @@ def check_serving(args, models) -> dict:
     """`pdserve serve` with P and D on the device (and a colocated worker for comparison):
     greedy tokens over HTTP against transformers (at --serving-dtype bfloat16: against our
     offline engine, a prompt at a time), then a Poisson sweep with pdserve bench."""
-    from router.bench.arrivals import arrival_times
-    from router.bench.metrics import summarize
-    from router.bench.runner import run_workload
-    from router.bench.workloads import random_workload
+    from pdserve.router.bench.arrivals import arrival_times
+    from pdserve.router.bench.metrics import summarize
+    from pdserve.router.bench.runner import run_workload
+    from pdserve.router.bench.workloads import random_workload
     d = models[args.speed_model]
     dev = args.device
     configs = {"1p1d": ["--prefill-devices", dev, "--decode-devices", dev],
@@ -314,7 +314,7 @@ def check_serving(args, models) -> dict:
 def _one_by_one(model_dir: str, prompts: list[list[int]], args) -> list[list[int]]:
     """Greedy tokens of our offline engine at --serving-dtype, one prompt at a time (the
     reference below float32: a served request sent alone runs in a batch of one too)."""
-    from common.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
     llm = _llm(model_dir, args.device, False, dtype=args.serving_dtype)
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     return [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p in prompts]
@@ -329,8 +329,8 @@ def check_bf16(args, models) -> dict:
     engine's teacher-forced logits; theirs: transformers' forward on the same prefix). Eager and graphs, every model; the share identical to the end is reported."""
     from transformers import AutoModelForCausalLM
 
-    from common.engine.scoring import Divergence, first_divergence, rank, sequence_logits
-    from common.sampling_params import SamplingParams
+    from pdserve.common.engine.scoring import Divergence, first_divergence, rank, sequence_logits
+    from pdserve.common.sampling_params import SamplingParams
     res: dict = {}
     for name, d in models.items():
         prompts = prompts_for(d)[:8]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from common.sampling_params import SamplingParams, StructuredOutput
+from pdserve.common.sampling_params import SamplingParams, StructuredOutput
 
 FIXED = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -68,7 +68,7 @@ def _choices(outs: list[dict]) -> list[list[list[int]]]:
 
 
 def check_features(args, models, make_llm, prompts_for) -> dict:
-    from common.config import ConfigError
+    from pdserve.common.config import ConfigError
     res: dict = {}
     for name in ("qwen3", "small-qwen3"):
         d = models[name]

@@ -11,7 +11,7 @@ ARCHS = ("qwen3", "qwen2", "llama")
 
 
 def make_models(root: Path) -> dict[str, str]:
-    from common.loading.model_factory import make_model
+    from pdserve.common.loading.model_factory import make_model
     dirs = {arch: str(make_model(root / arch, arch, "tiny", seed=1)) for arch in ARCHS}
     dirs["small-qwen3"] = str(make_model(root / "small-qwen3", "qwen3", "small", seed=0))
     return dirs
@@ -20,7 +20,7 @@ def make_models(root: Path) -> dict[str, str]:
 def given_model(model: str) -> dict[str, str]:
     """--model: a folder, a .gguf file (converted to a cached folder, as `pdserve serve`
     does) or 'default', keyed by its name."""
-    from common.loading.default_model import resolve_model
+    from pdserve.common.loading.default_model import resolve_model
     d = resolve_model(None if model == "default" else model)
     return {Path(model).stem if model != "default" else "default": d}
 
@@ -39,6 +39,6 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: st
 
 
 def prompts_for(model_dir: str) -> list[list[int]]:
-    from common.config import ModelConfig
+    from pdserve.common.config import ModelConfig
     from tests.helpers import mixed_prompts  # the prompts the CPU tests use: block edges, shared prefixes
     return mixed_prompts(ModelConfig.from_dir(model_dir).vocab_size, seed=7)

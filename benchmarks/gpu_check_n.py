@@ -8,10 +8,10 @@ from __future__ import annotations
 import sys
 import tempfile
 
-from common.config import EngineConfig
-from common.engine.engine import LLMEngine
-from common.loading.model_factory import make_model
-from common.sampling_params import SamplingParams
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.engine import LLMEngine
+from pdserve.common.loading.model_factory import make_model
+from pdserve.common.sampling_params import SamplingParams
 
 
 def run(engine: LLMEngine, ids: list[int], **params: object) -> list[list[int]]:

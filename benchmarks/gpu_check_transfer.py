@@ -58,7 +58,7 @@ DST_RUNS = list(range(256, 768))  # one run: one copy per layer
 
 def _ipc_decode(conn, device: str) -> None:
     """D: allocate the cache, export it, wait for P's writes, report the landed blocks' digest."""
-    from kv_transfer.cuda_ipc import export_handle
+    from pdserve.kv_transfer.cuda_ipc import export_handle
     cache = _cache(device, fill=False)
     conn.send_bytes(msgpack.packb(export_handle(cache)))
     for dst in (DST, DST_RUNS):
@@ -72,7 +72,7 @@ def check_cuda_ipc(args, models) -> dict:
     sender the prefill worker uses; D checks every byte landed."""
     if not on_gpu(args.device):
         return {"skipped": "needs a CUDA device"}
-    from kv_transfer.cuda_ipc import CudaIpcSender
+    from pdserve.kv_transfer.cuda_ipc import CudaIpcSender
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_ipc_decode, args=(there, args.device))
@@ -108,7 +108,7 @@ def check_cuda_ipc(args, models) -> dict:
 
 def _dist_rank(rank: int, init: str, backend: str, device: str, conn) -> None:
     try:
-        from kv_transfer.torch_dist import init_group
+        from pdserve.kv_transfer.torch_dist import init_group
         import torch.distributed as dist
         if on_gpu(device):
             torch.cuda.set_device(device)
@@ -131,7 +131,7 @@ def _dist_rank(rank: int, init: str, backend: str, device: str, conn) -> None:
 
 def check_nccl(args, models) -> dict:
     """Two processes join a group over the backend the nccl transfer uses and move 256 MiB."""
-    from router.launch import free_port
+    from pdserve.router.launch import free_port
     backend = "nccl" if on_gpu(args.device) else "gloo"
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")

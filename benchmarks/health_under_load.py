@@ -88,7 +88,7 @@ def main() -> int:
     served = None
     url = args.url
     if url is None:
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         from tests.router.serving import start_server, stop_server
         work = Path(tempfile.mkdtemp(prefix="health_bench_"))
         model = make_model(work / "qwen3", "qwen3", "tiny", seed=1)

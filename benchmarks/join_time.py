@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from router.control_client import ControlClient  # noqa: E402
+from pdserve.router.control_client import ControlClient  # noqa: E402
 
 POLL_S = 0.02
 
@@ -33,7 +33,7 @@ POLL_S = 0.02
 def start(model: str, workdir: Path) -> tuple[subprocess.Popen, dict]:
     """`pdserve serve --prefill 1 --decode 1` at its default routing, once ready."""
     ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "router.cli", "serve", model, "--prefill", "1", "--decode", "1", "--http-port", "0",
+    cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model, "--prefill", "1", "--decode", "1", "--http-port", "0",
            "--zmq-port", "0", "--num-kv-blocks", "512", "--max-model-len", "512", "--num-threads", "1",
            "--ready-file", str(ready)]
     proc = subprocess.Popen(cmd, stdout=open(workdir / "serve.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--out", default="", help="also write the JSON here")
     args = p.parse_args()
     if not Path(args.model, "config.json").exists():
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         make_model(args.model, "qwen3", "tiny", seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         proc, info = start(args.model, Path(tmp))

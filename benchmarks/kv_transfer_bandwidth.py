@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import zmq
 
-from router.launch import free_port
-from common.sampling_params import SamplingParams
-from common.wire.messages import AbortRequest, KVReady, PrefillRequest
-from common.wire.transport import Client, Server
+from pdserve.router.launch import free_port
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.messages import AbortRequest, KVReady, PrefillRequest
+from pdserve.common.wire.transport import Client, Server
 
 SCRIPT = Path(__file__).resolve().with_name("kv_transfer.py")  # the children's entry point
 REPO = SCRIPT.parents[1]
@@ -81,7 +81,7 @@ def emit(obj: dict | list) -> None:
 
 def child_shm_p(peer_info: dict) -> None:
     """P side of shm: map D's cache, then per command time write_layer over all layers."""
-    from kv_transfer.shm import ShmSender
+    from pdserve.kv_transfer.shm import ShmSender
     torch.set_num_threads(1)
     sender = ShmSender(source_cache(peer_info["shape"][2]), peer_info)
     for line in sys.stdin:
@@ -106,11 +106,11 @@ def child_pair_p(backend: str, plan: list[dict], dist_init: str) -> None:
     server = Server(ctx, "tcp://127.0.0.1:0")
     emit({"address": server.address})
     if backend == "gloo":
-        from kv_transfer.torch_dist import DistSender, init_group
+        from pdserve.kv_transfer.torch_dist import DistSender, init_group
         init_group("gloo", dist_init, 0, 2)
         sender = DistSender(cache, {"rank": 1}, "gloo")
     else:
-        from kv_transfer.tcp import TcpSender
+        from pdserve.kv_transfer.tcp import TcpSender
         sender = TcpSender(cache, {})
     while True:
         if not server.sock.poll(RECV_TIMEOUT_MS):
@@ -139,11 +139,11 @@ def child_pair_d(backend: str, plan: list[dict], address: str, dist_init: str) -
     num_blocks = max(step["n"] for step in plan)
     cache = torch.zeros(kv_shape(num_blocks), dtype=DTYPE)
     if backend == "gloo":
-        from kv_transfer.torch_dist import DistReceiver, init_group
+        from pdserve.kv_transfer.torch_dist import DistReceiver, init_group
         init_group("gloo", dist_init, 1, 2)
         receiver, peer = DistReceiver(cache, "gloo"), {"rank": 0}
     else:
-        from kv_transfer.tcp import TcpReceiver
+        from pdserve.kv_transfer.tcp import TcpReceiver
         receiver, peer = TcpReceiver(cache), {}
     expected = source_cache(num_blocks)
     ctx = zmq.Context()
@@ -207,7 +207,7 @@ def bench_memcpy(sizes: list[int]) -> dict[int, dict[str, list[float]]]:
 
 
 def bench_shm(sizes: list[int]) -> list[dict]:
-    from kv_transfer.shm import ShmReceiver
+    from pdserve.kv_transfer.shm import ShmReceiver
     num_blocks = max(sizes) // BLOCK_BYTES
     receiver = ShmReceiver(kv_shape(num_blocks), DTYPE, "kvbench")
     expected = source_cache(num_blocks)

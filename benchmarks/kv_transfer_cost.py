@@ -42,10 +42,10 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from benchmarks.report import write_report  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from common.wire.auth import DeploymentKey, read_secret_file  # noqa: E402
-from common.wire.messages import AbortRequest, KVReady, PrefillRequest  # noqa: E402
-from common.wire.transport import Client, Server  # noqa: E402
+from pdserve.common.sampling_params import SamplingParams  # noqa: E402
+from pdserve.common.wire.auth import DeploymentKey, read_secret_file  # noqa: E402
+from pdserve.common.wire.messages import AbortRequest, KVReady, PrefillRequest  # noqa: E402
+from pdserve.common.wire.transport import Client, Server  # noqa: E402
 from kv_transfer_bandwidth import BLOCK_BYTES, GEOMETRY, WARMUP, bench_shm, kv_shape, source_cache  # noqa: E402
 
 TOKENS_PER_BLOCK = GEOMETRY["block_size"]
@@ -59,7 +59,7 @@ TIMEOUT_MS = 120_000
 
 def child_p(bind: str, secret_file: str, curve: bool, blocks: int) -> None:
     """P: answer each PrefillRequest with KVReady and the blocks as one raw frame."""
-    from kv_transfer.tcp import TcpSender
+    from pdserve.kv_transfer.tcp import TcpSender
     torch.set_num_threads(1)
     ctx = zmq.Context()
     server = Server(ctx, bind, key=DeploymentKey(read_secret_file(secret_file), curve))
@@ -79,7 +79,7 @@ def child_p(bind: str, secret_file: str, curve: bool, blocks: int) -> None:
 
 def child_d(address: str, secret_file: str, curve: bool, blocks: int, reps: int) -> None:
     """D: request the payload WARMUP + reps times; seconds per pass and whether it landed."""
-    from kv_transfer.tcp import TcpReceiver
+    from pdserve.kv_transfer.tcp import TcpReceiver
     torch.set_num_threads(1)
     cache = torch.zeros(kv_shape(blocks), dtype=torch.float32)
     receiver = TcpReceiver(cache)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import zmq
 
-from common.worker.spec import WorkerSpec
-from common.wire.auth import DeploymentKey
-from router.launch import Launcher, free_port
-from common.sampling_params import SamplingParams
-from common.wire.messages import ErrorReply, GenerateRequest, StepOutputs
-from common.wire.transport import Client
+from pdserve.common.worker.spec import WorkerSpec
+from pdserve.common.wire.auth import DeploymentKey
+from pdserve.router.launch import Launcher, free_port
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.messages import ErrorReply, GenerateRequest, StepOutputs
+from pdserve.common.wire.transport import Client
 from kv_transfer_bandwidth import CPU_BACKENDS, RECV_TIMEOUT_MS
 
 # Handoff settings (part b), fixed by the brief.
@@ -30,7 +30,7 @@ FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens
 
 def ensure_model(model_dir: Path) -> Path:
     if not (model_dir / "config.json").is_file():
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         make_model(model_dir, "qwen3", "small", seed=0)
     return model_dir
 
@@ -84,9 +84,9 @@ def one_request(client: Client, request_id: str, prompt: list[int], prefill_addr
 
 def layerwise(backend: str) -> bool:
     """Whether the backend's sender pushes KV layer by layer during the forward."""
-    from kv_transfer.shm import ShmSender
-    from kv_transfer.tcp import TcpSender
-    from kv_transfer.torch_dist import DistSender
+    from pdserve.kv_transfer.shm import ShmSender
+    from pdserve.kv_transfer.tcp import TcpSender
+    from pdserve.kv_transfer.torch_dist import DistSender
     return {"shm": ShmSender, "tcp": TcpSender, "gloo": DistSender}[backend].layerwise
 
 
@@ -95,8 +95,8 @@ def run_handoff(model_dir: Path, reps: int, bandwidth: list[dict]) -> dict:
     request in flight at a time, so load drift on a shared machine spreads over all of
     them; round 0 is the warm-up. Every pair gets the same prompts (their caches are
     separate), and no prompt repeats within a pair."""
-    from common.config import EngineConfig
-    from common.engine.model_runner import bytes_per_block
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.engine.model_runner import bytes_per_block
     config = EngineConfig.build(str(model_dir), max_model_len=2048)
     rng = random.Random(0)
     prompts = [[rng.randrange(FIRST_TOKEN_ID, config.model.vocab_size) for _ in range(PROMPT_LEN)]

@@ -28,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels import cpu_native, quant  # noqa: E402
+from pdserve.kernels import cpu_native, quant  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HQ, HKV, D, BS = 512, 1536, 12, 8, 4, 64, 16
 SHAPES = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -40,7 +40,7 @@ def baseline_module(checkout: str) -> types.ModuleType:
     path = Path(checkout) / "kernels" / "cpu_native.py"
     mod = types.ModuleType("baseline_cpu_native")
     mod.__file__ = str(path)
-    source = path.read_text().replace("from . import huge_pages", "from kernels import huge_pages")
+    source = path.read_text().replace("from . import huge_pages", "from pdserve.kernels import huge_pages")
     exec(compile(source, str(path), "exec"), mod.__dict__)
     return mod
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.report import run_facts, write_report  # noqa: E402
-from common import LLM, SamplingParams  # noqa: E402
+from pdserve.common import LLM, SamplingParams  # noqa: E402
 from offline_throughput import BLOCK_SIZE, MAX_MODEL_LEN, ensure_model, kv_blocks_for, make_workload  # noqa: E402
 
 

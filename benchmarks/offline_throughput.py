@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules
 
-from common import LLM, SamplingParams  # noqa: E402
+from pdserve.common import LLM, SamplingParams  # noqa: E402
 from phase_timing import Phase, Throughput  # noqa: E402
 from step_overhead import measure_overhead  # noqa: E402
 
@@ -96,7 +96,7 @@ def ensure_model(model: str | None) -> Path:
         return path
     path = REPO / "results" / "models" / "qwen3-small"
     if not (path / "model.safetensors").is_file():
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         print(f"making the small qwen3 model in {path}", flush=True)
         make_model(path, "qwen3", "small", seed=0)
     return path

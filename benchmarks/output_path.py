@@ -58,8 +58,8 @@ import zmq.asyncio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.text.detokenizer import IncrementalDetokenizer  # noqa: E402
-from common.text.tokenizer import Tokenizer  # noqa: E402
+from pdserve.common.text.detokenizer import IncrementalDetokenizer  # noqa: E402
+from pdserve.common.text.tokenizer import Tokenizer  # noqa: E402
 
 OLD_COMMIT = "8da9e87"
 STOPS = ["<|never-here|>", "\n\nUser: stop"]
@@ -85,11 +85,11 @@ def pick_model(arg: str) -> tuple[str, str, tempfile.TemporaryDirectory | None]:
     """(model folder, what it is, a temporary folder to clean up)."""
     if arg:
         return arg, "given", None
-    from common.loading.default_model import DEFAULT_NAME, cache_root
+    from pdserve.common.loading.default_model import DEFAULT_NAME, cache_root
     real = cache_root() / DEFAULT_NAME
     if (real / "tokenizer.json").is_file():
         return str(real), DEFAULT_NAME, None
-    from common.loading.model_factory import make_model
+    from pdserve.common.loading.model_factory import make_model
     tmp = tempfile.TemporaryDirectory()
     make_model(tmp.name, "qwen3", "tiny", 0)
     return tmp.name, "make-model qwen3 tiny (the default model is not converted here)", tmp
@@ -135,7 +135,7 @@ def start_serve(tree: Path, model_dir: str, workdir: Path) -> tuple[subprocess.P
     """`pdserve serve --colocated 1` of the checkout at `tree`, ready: (process, ready file)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "router.cli", "serve", model_dir, "--colocated", "1", "--http-port", "0",
+    cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model_dir, "--colocated", "1", "--http-port", "0",
            "--zmq-port", "0", "--num-kv-blocks", "512", "--max-model-len", "2048", "--num-threads", "1",
            "--ready-file", str(ready)]
     log = open(workdir / "serve.log", "wb")
@@ -191,7 +191,7 @@ async def stream_batch(address: str, version: int, n_requests: int, n_tokens: in
 
 
 def serve_benchmark(args: argparse.Namespace) -> dict:
-    from common.loading.model_factory import make_model
+    from pdserve.common.loading.model_factory import make_model
     with tempfile.TemporaryDirectory(prefix="output-path-serve-") as tmp_name:
         tmp = Path(tmp_name)
         model_dir = str(make_model(tmp / "model", "qwen3", "tiny", 0))
@@ -199,7 +199,7 @@ def serve_benchmark(args: argparse.Namespace) -> dict:
         old_tree.mkdir()
         archive = subprocess.run(["git", "archive", OLD_COMMIT], cwd=ROOT, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
-        from common.wire.messages import PROTOCOL_VERSION
+        from pdserve.common.wire.messages import PROTOCOL_VERSION
         servers = {"old": (old_tree, 1), "new": (ROOT, PROTOCOL_VERSION)}
         procs: dict[str, tuple[subprocess.Popen, dict]] = {}
         per_1k: dict[str, list[float]] = {"old": [], "new": []}

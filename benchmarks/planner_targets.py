@@ -57,11 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_vs_fixed import REGIMES, DecisionPoller  # noqa: E402
 from servers import Server, cpu_by_pid, cpu_split, log, start_pdserve, start_vllm, vllm_version  # noqa: E402
 
-from common.config import ModelConfig  # noqa: E402
-from router.bench.arrivals import arrival_times  # noqa: E402
-from router.bench.metrics import goodput_rate, summarize  # noqa: E402
-from router.bench.runner import run_workload  # noqa: E402
-from router.bench.workloads import random_workload  # noqa: E402
+from pdserve.common.config import ModelConfig  # noqa: E402
+from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
+from pdserve.router.bench.metrics import goodput_rate, summarize  # noqa: E402
+from pdserve.router.bench.runner import run_workload  # noqa: E402
+from pdserve.router.bench.workloads import random_workload  # noqa: E402
 
 FIXED = ("colocated", "1p1d")
 POINT_TIMEOUT_S = 900.0

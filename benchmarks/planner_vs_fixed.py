@@ -46,11 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from servers import log, start_pdserve  # noqa: E402
 
-from common.config import ModelConfig  # noqa: E402
-from router.bench.metrics import RequestRecord, meets_slo  # noqa: E402
-from router.bench.runner import run_workload  # noqa: E402
-from router.bench.shifting_trace import Phase, shifting_mix, write_trace  # noqa: E402
-from router.bench.workloads import mooncake_workload  # noqa: E402
+from pdserve.common.config import ModelConfig  # noqa: E402
+from pdserve.router.bench.metrics import RequestRecord, meets_slo  # noqa: E402
+from pdserve.router.bench.runner import run_workload  # noqa: E402
+from pdserve.router.bench.shifting_trace import Phase, shifting_mix, write_trace  # noqa: E402
+from pdserve.router.bench.workloads import mooncake_workload  # noqa: E402
 
 SCALE = 32  # trace units per model token
 REGIMES = {"ttft1000_tpot100": (1000.0, 100.0), "ttft2000_tpot15": (2000.0, 15.0)}

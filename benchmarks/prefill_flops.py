@@ -49,15 +49,15 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.phase_timing import Phase  # noqa: E402
 from benchmarks.report import run_facts, write_report  # noqa: E402
-from common import LLM, SamplingParams  # noqa: E402
-from kernels import cpu_native  # noqa: E402
+from pdserve.common import LLM, SamplingParams  # noqa: E402
+from pdserve.kernels import cpu_native  # noqa: E402
 
 TORCH_PROBE = 512  # size of the first torch GEMM, which sizes the timed one
 
 
 def linear_weights(model: torch.nn.Module) -> int:
     """Weights of the decoder layers' linears (the lm_head apart: it runs on one row)."""
-    from common.models.layers import Linear
+    from pdserve.common.models.layers import Linear
     return sum(m.in_features * m.out_features for name, m in model.named_modules()
                if isinstance(m, Linear) and name != "lm_head")
 
@@ -120,7 +120,7 @@ class GemmPeak:
         self.a, self.b = (torch.randn(torch_n, torch_n, generator=g).to(tdt) for _ in range(2))
         x, w = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g) / size ** 0.5
         if quant:
-            from kernels.quant import FROM_FLOAT, gemm_q, quantize
+            from pdserve.kernels.quant import FROM_FLOAT, gemm_q, quantize
             qw = quantize(w, FROM_FLOAT[quant])
             self.native = lambda: gemm_q(x, qw, dequant=True)
         else:
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("the native kernels did not build (is a C compiler installed?)")
     model = args.model
     if model is None:
-        from common.loading.default_model import resolve_model_dir
+        from pdserve.common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
     torch.set_num_threads(args.threads)
     dtypes, lengths = args.dtype.split(","), [int(t) for t in args.tokens.split(",")]

@@ -27,7 +27,7 @@ FAST = ["--stale-after", "2", "--heartbeat", "0.2", "--peer-timeout", "2", "--ro
 
 def start(model: str, workdir: Path, roles: list[str]) -> tuple[subprocess.Popen, dict]:
     ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "router.cli", "serve", model, *roles, "--http-port", "0", "--zmq-port", "0",
+    cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model, *roles, "--http-port", "0", "--zmq-port", "0",
            "--num-kv-blocks", "512", "--max-model-len", "512", "--num-threads", "1", "--routing", "round_robin",
            "--ready-file", str(ready), *FAST]
     proc = subprocess.Popen(cmd, stdout=open(workdir / "serve.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--model", default=str(Path(tempfile.gettempdir()) / "pdserve-recovery-tiny"))
     args = p.parse_args()
     if not Path(args.model, "config.json").exists():
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         make_model(args.model, "qwen3", "tiny", seed=0)
     base = summary("undisturbed", run(args.model, None, args))
     hit = summary(f"{args.kill}-0 killed at {args.kill_after:g} s", run(args.model, args.kill, args))

@@ -56,8 +56,8 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 from benchmarks.offline_throughput import ensure_model  # noqa: E402
 from benchmarks.routing_experiments import compare_routing, mooncake_slice, router_overhead  # noqa: E402
 from benchmarks.routing_harness import BLOCK_SIZE, Server  # noqa: E402
-from common.config import ModelConfig  # noqa: E402
-from router.bench.workloads import shared_prefix_workload  # noqa: E402
+from pdserve.common.config import ModelConfig  # noqa: E402
+from pdserve.router.bench.workloads import shared_prefix_workload  # noqa: E402
 
 TINY_MODEL = REPO / "results" / "models" / "qwen3-tiny"
 SHARED = {"groups": 8, "system_len": 112, "question_len": 16, "output_len": 4}
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, parts: set[str]) -> None:
     t_start, load_at_start = time.perf_counter(), os.getloadavg()
     if args.model is None and not (TINY_MODEL / "model.safetensors").is_file():
-        from common.loading.model_factory import make_model  # ensure_model defaults to the small model: far slower here
+        from pdserve.common.loading.model_factory import make_model  # ensure_model defaults to the small model: far slower here
         make_model(TINY_MODEL, "qwen3", "tiny", seed=0)
     model = ensure_model(args.model or str(TINY_MODEL))
     cfg = ModelConfig.from_dir(model)

@@ -17,12 +17,12 @@ from typing import Any
 
 from benchmarks.routing_harness import (BLOCK_SIZE, COUNTERS, ROUTED, SEGMENTS, Server, Stream, WorkerClient,
                                         breakdown, check, drive)
-from common.config import EngineConfig
-from common.engine.model_runner import bytes_per_block
-from router.bench.metrics import RequestRecord, phase_breakdown, summarize
-from router.bench.runner import run_workload
-from router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload
-from router.client import AsyncClient
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.model_runner import bytes_per_block
+from pdserve.router.bench.metrics import RequestRecord, phase_breakdown, summarize
+from pdserve.router.bench.runner import run_workload
+from pdserve.router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload
+from pdserve.router.client import AsyncClient
 
 TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
 TRACE_SCALE, TRACE_MAX_OUTPUT = 32, 8

@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from router.latency_model import LatencyModel
-from router.simulate import cli as sim_cli
+from pdserve.router.latency_model import LatencyModel
+from pdserve.router.simulate import cli as sim_cli
 
 TRACE_HOUR_S = 3537.0  # the conversation trace's span
 

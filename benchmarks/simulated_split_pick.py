@@ -29,11 +29,11 @@ from planner_vs_fixed import SCALE, judge  # noqa: E402
 from servers import MAX_BATCHED, MAX_NUM_SEQS  # noqa: E402
 from simulate_validate import KV_BLOCKS, LAYOUTS  # noqa: E402
 
-from common.config import ModelConfig, SchedulerConfig  # noqa: E402
-from router.bench.workloads import mooncake_workload  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.latency_model import LatencyModel  # noqa: E402
-from router.simulate.sim import Deployment, Simulation  # noqa: E402
+from pdserve.common.config import ModelConfig, SchedulerConfig  # noqa: E402
+from pdserve.router.bench.workloads import mooncake_workload  # noqa: E402
+from pdserve.router.config import RouterConfig  # noqa: E402
+from pdserve.router.latency_model import LatencyModel  # noqa: E402
+from pdserve.router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 
 def simulate(cfg: str, model: LatencyModel, reqs: list) -> tuple[list, float]:

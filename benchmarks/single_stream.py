@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.report import run_facts, write_report  # noqa: E402
-from common import LLM, SamplingParams  # noqa: E402
+from pdserve.common import LLM, SamplingParams  # noqa: E402
 
 TARGET_RATIO = 2.0
 PROMPT = 32  # prompt tokens of each timed request
@@ -53,7 +53,7 @@ PROMPT = 32  # prompt tokens of each timed request
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes one decode step streams (see the module docstring)."""
-    from common.models.layers import Linear
+    from pdserve.common.models.layers import Linear
     seen, total = set(), 0
     for module in model.modules():
         params = [p for p in module.parameters(recurse=False) if p.data_ptr() not in seen]
@@ -113,7 +113,7 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model
     if model is None:
-        from common.loading.default_model import resolve_model_dir
+        from pdserve.common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
     dtypes = args.dtype.split(",")
     llms = {dt: LLM(model, num_threads=args.threads, num_kv_blocks=64, max_model_len=512, dtype=dt.partition("+")[0],

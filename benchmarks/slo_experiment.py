@@ -58,13 +58,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules (servers)
 
-from common.config import ModelConfig  # noqa: E402
-from common.gc_tuning import freeze_startup_heap  # noqa: E402
-from router.bench import plots  # noqa: E402
-from router.bench.arrivals import arrival_times  # noqa: E402
-from router.bench.metrics import RequestRecord, attainment, goodput_rate, phase_breakdown, summarize  # noqa: E402
-from router.bench.runner import run_workload  # noqa: E402
-from router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload  # noqa: E402
+from pdserve.common.config import ModelConfig  # noqa: E402
+from pdserve.common.gc_tuning import freeze_startup_heap  # noqa: E402
+from pdserve.router.bench import plots  # noqa: E402
+from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
+from pdserve.router.bench.metrics import RequestRecord, attainment, goodput_rate, phase_breakdown, summarize  # noqa: E402
+from pdserve.router.bench.runner import run_workload  # noqa: E402
+from pdserve.router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload  # noqa: E402
 
 CONFIGS = {  # name -> `pdserve serve` role flags; every worker gets one torch thread
     "A: 1 prefill + 1 decode": ["--prefill", "1", "--decode", "1"],
@@ -113,7 +113,7 @@ class Server:
         self.name = name
         ready = workdir / f"{name.split(':')[0]}-{time.time_ns()}.json"
         self.log_path = ready.with_suffix(".log")
-        cmd = [sys.executable, "-m", "router.cli", "serve", model, *role_flags, *engine_flags,
+        cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model, *role_flags, *engine_flags,
                "--http-port", "0", "--zmq-port", "0", "--ready-file", str(ready)]
         t0 = time.monotonic()
         with open(self.log_path, "wb") as f:
@@ -360,7 +360,7 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not (Path(args.model) / "config.json").exists():
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         log(f"making the small qwen3 model in {args.model}")
         make_model(args.model, "qwen3", "small", seed=0)
     vocab = ModelConfig.from_dir(args.model).vocab_size

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-from common import SamplingParams
+from pdserve.common import SamplingParams
 from phase_timing import Phase
 
 

@@ -26,11 +26,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import LLM, SamplingParams  # noqa: E402
-from common.engine.grammar import Grammars  # noqa: E402
-from common.engine.sampler import Sampler  # noqa: E402
-from common.engine.sequence import Sequence  # noqa: E402
-from common.sampling_params import StructuredOutput  # noqa: E402
+from pdserve.common import LLM, SamplingParams  # noqa: E402
+from pdserve.common.engine.grammar import Grammars  # noqa: E402
+from pdserve.common.engine.sampler import Sampler  # noqa: E402
+from pdserve.common.engine.sequence import Sequence  # noqa: E402
+from pdserve.common.sampling_params import StructuredOutput  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
                                            "tags": {"type": "array", "items": {"type": "string"}},
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from common.loading.default_model import default_model_dir
+        from pdserve.common.loading.default_model import default_model_dir
         model_dir = Path(default_model_dir())
     else:
         model_dir = Path(args.model)

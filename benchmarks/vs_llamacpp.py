@@ -107,7 +107,7 @@ class LlamaCpp:
 
 def pdserve_step_ms(llm, prompts: list[list[int]], tokens: int) -> float:
     """Mean time of the decode steps after every sequence has its first token."""
-    from common import SamplingParams
+    from pdserve.common import SamplingParams
     engine = llm.engine
     params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, temperature=0)
     seqs = [engine.new_sequence(p, params) for p in prompts]
@@ -135,8 +135,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "vs_llamacpp.json"))
     args = ap.parse_args()
     from benchmarks.report import run_facts, write_report
-    from common import LLM
-    from common.loading.default_model import default_gguf
+    from pdserve.common import LLM
+    from pdserve.common.loading.default_model import default_gguf
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     ours = LLM(str(gguf), num_threads=args.threads, num_kv_blocks=256, max_model_len=512, quantization="auto")
     theirs = LlamaCpp(args.llama_python, gguf, args.threads)

@@ -70,12 +70,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common.config import ModelConfig  # noqa: E402
-from common.gc_tuning import freeze_startup_heap  # noqa: E402
-from router.bench.arrivals import arrival_times  # noqa: E402
-from router.bench.metrics import goodput_rate, summarize  # noqa: E402
-from router.bench.runner import run_workload  # noqa: E402
-from router.bench.workloads import random_workload  # noqa: E402
+from pdserve.common.config import ModelConfig  # noqa: E402
+from pdserve.common.gc_tuning import freeze_startup_heap  # noqa: E402
+from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
+from pdserve.router.bench.metrics import goodput_rate, summarize  # noqa: E402
+from pdserve.router.bench.runner import run_workload  # noqa: E402
+from pdserve.router.bench.workloads import random_workload  # noqa: E402
 from vs_vllm_plot import plot  # noqa: E402
 from point_report import BASELINE_SUFFIX, baseline_ratios, log_point, median_point  # noqa: E402
 from servers import (MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, PDSERVE_CONFIGS, VLLM_ENV, Server, emulate_avx2, log,  # noqa: E402
@@ -341,7 +341,7 @@ def main() -> int:
     elif not args.vllm_python:
         log("SKIPPING vLLM: no --vllm-python given; measuring pdserve only")
     if not (Path(args.model) / "config.json").exists():
-        from common.loading.model_factory import make_model
+        from pdserve.common.loading.model_factory import make_model
         log(f"making the small qwen3 model in {args.model}")
         make_model(args.model, "qwen3", "small", seed=0)
     vocab = ModelConfig.from_dir(args.model).vocab_size

@@ -2,7 +2,7 @@
 import asyncio
 import sys
 
-from router.client import AsyncClient, Client
+from pdserve import AsyncClient, Client
 
 address = sys.argv[1] if len(sys.argv) > 1 else "tcp://127.0.0.1:5555"
 

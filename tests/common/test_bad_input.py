@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from common import LLM, SamplingParams
-from common.config import ConfigError, EngineConfig, ModelConfig
-from common.engine.engine import RequestError
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.config import ConfigError, EngineConfig, ModelConfig
+from pdserve.common.engine.engine import RequestError
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -237,7 +237,7 @@ def test_make_model_cli_writes_a_model_transformers_loads(tmp_path):
 
 
 def test_make_model_cli_rejects_unknown_arch(tmp_path, capsys):
-    from router.cli import main
+    from pdserve.router.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["make-model", str(tmp_path / "x"), "--arch", "gpt2"])
@@ -246,10 +246,15 @@ def test_make_model_cli_rejects_unknown_arch(tmp_path, capsys):
 
 
 def test_our_kernels_package_is_not_taken_for_hf_kernels():
-    import transformers.utils.import_utils as iu
+    """pdserve's kernels live at pdserve.kernels; a top-level `kernels` (Hugging Face's,
+    which transformers >= 5.25 requires) is never ours, and transformers still imports."""
+    import importlib.util
 
-    import kernels
-    iu.is_kernels_available.cache_clear()
-    assert iu.is_kernels_available() is False
-    assert Path(kernels.__file__).resolve().parent == Path(__file__).resolve().parents[2] / "kernels"
+    import transformers.activations  # noqa: F401  (imports HF's `kernels` where installed)
+
+    from pdserve import kernels
+    assert Path(kernels.__file__).resolve().parent == Path(__file__).resolve().parents[2] / "pdserve" / "kernels"
     assert callable(kernels.store_kv) and callable(kernels.paged_decode_attention)
+    top = importlib.util.find_spec("kernels")
+    if top is not None:
+        assert Path(top.origin).resolve().parent != Path(kernels.__file__).resolve().parent

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import LLM, SamplingParams
-from common.config import DeviceConfig
-from common.engine.scoring import Divergence, divergence, first_divergence, perplexity, rank, sequence_logits
-from common.models.layers import Linear
-from common.models.precision import activation_dtype, kv_cache_dtype
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.config import DeviceConfig
+from pdserve.common.engine.scoring import Divergence, divergence, first_divergence, perplexity, rank, sequence_logits
+from pdserve.common.models.layers import Linear
+from pdserve.common.models.precision import activation_dtype, kv_cache_dtype
 
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3's make-model ties the lm_head to the embeddings
 

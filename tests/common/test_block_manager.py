@@ -13,10 +13,10 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.engine.block_manager import BlockManager
-from common.hashing import block_hashes, cacheable_prefix_hashes
-from common.sampling_params import SamplingParams
-from common.engine.sequence import Sequence
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.hashing import block_hashes, cacheable_prefix_hashes
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.engine.sequence import Sequence
 
 BS = 4
 NUM_BLOCKS = 12
@@ -263,7 +263,7 @@ def test_no_prefix_caching_stores_nothing():
 
 def test_block_hashes_equal_across_processes_and_to_stored_hashes():
     tokens = [(i * 7919) % 150_000 for i in range(5 * 16 + 3)]
-    code = ("import json, sys; from common.hashing import block_hashes; "
+    code = ("import json, sys; from pdserve.common.hashing import block_hashes; "
             "print(json.dumps(block_hashes(json.loads(sys.argv[1]), 16)))")
     other = [json.loads(subprocess.run([sys.executable, "-c", code, json.dumps(tokens)], check=True,
                                        capture_output=True, text=True,

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from common import LLM
-from common.checkpoint_dtype import resolve_dtype, stored_dtype
-from common.config import ConfigError, EngineConfig
-from common.engine.kv_layout import fingerprint_parts, layout_mismatch, layout_of, model_fingerprint
+from pdserve.common import LLM
+from pdserve.common.checkpoint_dtype import resolve_dtype, stored_dtype
+from pdserve.common.config import ConfigError, EngineConfig
+from pdserve.common.engine.kv_layout import fingerprint_parts, layout_mismatch, layout_of, model_fingerprint
 
 
 def folder(tmp_path, **fields) -> str:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import LLM, SamplingParams
-from common.text.chat_template import ChatTemplateError
-from common.config import ConfigError, ModelConfig
-from common.text.tokenizer import Tokenizer
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.text.chat_template import ChatTemplateError
+from pdserve.common.config import ConfigError, ModelConfig
+from pdserve.common.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

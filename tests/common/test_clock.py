@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from common.clock import SYSTEM_CLOCK, ManualClock
+from pdserve.common.clock import SYSTEM_CLOCK, ManualClock
 
 
 def test_system_clock_reads_time():

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers.pre_tokenizers import ByteLevel
 
-from common.wire.messages import TokenOutput
-from common.text.tokenizer import Tokenizer
-from common.text.detokenizer import IncrementalDetokenizer, held_back_tail
-from router.text import merge_outputs, usage
+from pdserve.common.wire.messages import TokenOutput
+from pdserve.common.text.tokenizer import Tokenizer
+from pdserve.common.text.detokenizer import IncrementalDetokenizer, held_back_tail
+from pdserve.router.text import merge_outputs, usage
 
 
 @pytest.fixture(scope="module", params=["tiny", "real"])

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine.engine import KVProgress, LLMEngine
-from common.sampling_params import SamplingParams
-from common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.engine import KVProgress, LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 16
 MAX_LEN = 128

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from common.text.tokenizer import Tokenizer, eos_token_id
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.text.tokenizer import Tokenizer, eos_token_id
 from tests.conftest import ARCHS
 
 

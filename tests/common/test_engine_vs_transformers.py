@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 from tests.conftest import ARCHS
 from tests.helpers import mixed_prompts
 

@@ -7,15 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.config import ConfigError, EngineConfig, WorkerConfig
-from common.engine.scheduler import ScheduledBatch
-from common.engine.sequence import Sequence
-from common.sampling_params import SamplingParams
-from common.wire.auth import new_secret
-from common.wire.messages import ErrorReply, KVReady, RequestOutput, StepOutputs
-from common.wire.transport import Server
-from common.worker import faults as faults_mod
-from common.worker.faults import (ENV_VAR, FAULT_TOKEN_ENV, DelayedStep, Faults, HandOffFaults, KillAtToken,
+from pdserve.common.config import ConfigError, EngineConfig, WorkerConfig
+from pdserve.common.engine.scheduler import ScheduledBatch
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.auth import new_secret
+from pdserve.common.wire.messages import ErrorReply, KVReady, RequestOutput, StepOutputs
+from pdserve.common.wire.transport import Server
+from pdserve.common.worker import faults as faults_mod
+from pdserve.common.worker.faults import (ENV_VAR, FAULT_TOKEN_ENV, DelayedStep, Faults, HandOffFaults, KillAtToken,
                                   KillMidTransfer, PoisonToken)
 
 
@@ -178,8 +178,8 @@ def engine_config(model_dirs) -> EngineConfig:
 
 
 def _worker(role: str, engine_config: EngineConfig):
-    from decode_node.colocated import ColocatedWorker
-    from prefill_node.worker import PrefillWorker
+    from pdserve.decode_node.colocated import ColocatedWorker
+    from pdserve.prefill_node.worker import PrefillWorker
     cls = PrefillWorker if role == "prefill" else ColocatedWorker
     return cls(engine_config, WorkerConfig(role=role, worker_id=f"{role}-0", kv_transfer="tcp", secret=new_secret()))
 

@@ -12,7 +12,7 @@ import textwrap
 def test_frozen_startup_heap_is_out_of_later_collections():
     script = textwrap.dedent("""
         import gc
-        from common.gc_tuning import freeze_startup_heap
+        from pdserve.common.gc_tuning import freeze_startup_heap
         heap = [[i, str(i)] for i in range(300_000)]  # a start-up heap: long-lived, tracked
         gc.collect(); before = len(gc.get_objects(2))  # what a full collection walks
         frozen = freeze_startup_heap()

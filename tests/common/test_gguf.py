@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from common import LLM, SamplingParams
-from common.config import ConfigError
-from common.loading.gguf_convert import convert_gguf
-from common.text.tokenizer import Tokenizer
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.config import ConfigError
+from pdserve.common.loading.gguf_convert import convert_gguf
+from pdserve.common.text.tokenizer import Tokenizer
 from tests.conftest import ARCHS
 from tests.gguf_fixture import QUANT_TYPES, write_gguf
 
@@ -82,8 +82,8 @@ def test_convert_gguf_cli_and_bad_input(model_dirs, tmp_path):
 
 
 def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatch, capsys):
-    import common.loading.default_model as dm
-    from router.cli import main
+    import pdserve.common.loading.default_model as dm
+    from pdserve.router.cli import main
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "default_gguf", lambda: None)
     assert main(["generate"]) == 2
@@ -93,7 +93,7 @@ def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatc
 
 
 def test_generate_says_which_kinds_its_linears_run_in(model_dirs, tmp_path, monkeypatch, capsys):
-    from router.cli import main
+    from pdserve.router.cli import main
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     gguf_path = write_gguf(model_dirs["llama"], tmp_path / "m.gguf", "Q4_1", {"blk.0.ffn_down": "Q8_0"})
     argv = ["generate", str(gguf_path), "--prompt", "hello", "--max-tokens", "2", "--num-threads", "1",

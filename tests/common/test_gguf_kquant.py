@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import SamplingParams
-from common.loading import model_factory
-from common.loading.gguf_convert import convert_gguf
-from common.loading.gguf_quant import repack
-from common.models.layers import Linear
-from kernels import quant
+from pdserve.common import SamplingParams
+from pdserve.common.loading import model_factory
+from pdserve.common.loading.gguf_convert import convert_gguf
+from pdserve.common.loading.gguf_quant import repack
+from pdserve.common.models.layers import Linear
+from pdserve.kernels import quant
 from tests.common.test_quantization import assert_within_top5, make
 from tests.gguf_fixture import QK_K, pack_q4_k, pack_q5_k, pack_q6_k, write_gguf
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.engine.graph_runner import bucket_sizes, pick_bucket
+from pdserve.common.engine.graph_runner import bucket_sizes, pick_bucket
 
 
 @pytest.mark.parametrize("max_batch, want", [

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from common.worker.host import cross_host_refusal, local_host_id, pair_transport, same_host
+from pdserve.common.worker.host import cross_host_refusal, local_host_id, pair_transport, same_host
 
 
 def test_host_id_is_boot_id_and_network_namespace():
@@ -13,7 +13,7 @@ def test_host_id_is_boot_id_and_network_namespace():
 
 
 def test_another_process_in_this_namespace_is_this_host():
-    out = subprocess.run([sys.executable, "-c", "from common.worker.host import local_host_id; print(local_host_id())"],
+    out = subprocess.run([sys.executable, "-c", "from pdserve.common.worker.host import local_host_id; print(local_host_id())"],
                          capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert out.stdout.strip() == local_host_id()
 

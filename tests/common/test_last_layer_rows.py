@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

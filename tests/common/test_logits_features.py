@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor)
 
-from common import LLM, SamplingParams
-from common.engine.sampler import Sampler, _filter_min_p, process_logits
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.engine.sampler import Sampler, _filter_min_p, process_logits
 from tests.helpers import mixed_prompts
 
 MAX_NEW = 20

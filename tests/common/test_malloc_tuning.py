@@ -6,9 +6,9 @@ import platform
 import subprocess
 import sys
 
-from common import malloc_tuning
+from pdserve.common import malloc_tuning
 
-CHECK = "from common.malloc_tuning import keep_freed_memory; print(keep_freed_memory())"
+CHECK = "from pdserve.common.malloc_tuning import keep_freed_memory; print(keep_freed_memory())"
 
 
 def run_child(env_value: str | None) -> str:

@@ -11,12 +11,12 @@ import msgpack
 import pytest
 import zmq
 
-from common.logprobs import TokenLogprobs
-from common.wire import messages
-from common.sampling_params import SamplingParams
-from common.wire.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, KVReady, MessageError,
+from pdserve.common.logprobs import TokenLogprobs
+from pdserve.common.wire import messages
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorReply, GenerateRequest, KVReady, MessageError,
                                   RequestOutput, StatusRequest, StepOutputs, decode, encode)
-from common.wire.transport import Client, Server
+from pdserve.common.wire.transport import Client, Server
 
 
 def _sample(tp: Any, n: int) -> Any:
@@ -114,7 +114,7 @@ def test_a_peer_of_an_older_version_is_understood_for_the_types_it_knows():
     """Types only gain fields with defaults across versions (any other change is a new
     type): a version-1 client's submit decodes as it did; types newer than the message's
     version are refused above."""
-    from common.wire.messages import OLDEST_VERSION, SubmitRequest
+    from pdserve.common.wire.messages import OLDEST_VERSION, SubmitRequest
     raw = _raw("submit", {"request_id": "s", "sampling": {"max_tokens": 3}, "prompt": "hi"}, v=OLDEST_VERSION)
     assert decode(raw) == SubmitRequest("s", SamplingParams.unchecked(max_tokens=3), prompt="hi")
 

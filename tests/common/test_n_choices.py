@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.engine import LLMEngine
-from common.engine.sequence import SequenceStatus
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.engine import LLMEngine
+from pdserve.common.engine.sequence import SequenceStatus
+from pdserve.common.sampling_params import SamplingParams
 from tests.common.test_engine_roles import BLOCK, check_baseline, config, prompt
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 
 
 def test_decode_batch_inputs_equal_the_general_paths(model_dirs):

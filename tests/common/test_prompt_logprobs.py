@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import LLM, SamplingParams
-from common.sampling_params import SamplingParamsError
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.sampling_params import SamplingParamsError
 from tests.helpers import mixed_prompts
 
 K = 5

@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import LLM, SamplingParams
-from common.config import ConfigError, EngineConfig
-from common.engine.kv_layout import layout_of, model_fingerprint
-from common.engine.scoring import divergence, perplexity, sequence_logits
-from common.loading.gguf_convert import convert_gguf
-from common.models.layers import Linear
-from common.quantization import GGUF_SOURCE, gguf_source
-from kernels import quant
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.config import ConfigError, EngineConfig
+from pdserve.common.engine.kv_layout import layout_of, model_fingerprint
+from pdserve.common.engine.scoring import divergence, perplexity, sequence_logits
+from pdserve.common.loading.gguf_convert import convert_gguf
+from pdserve.common.models.layers import Linear
+from pdserve.common.quantization import GGUF_SOURCE, gguf_source
+from pdserve.kernels import quant
 from tests.gguf_fixture import write_gguf
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -86,8 +86,8 @@ def test_fingerprint_and_config_carry_the_quantization(model_dirs):
 
 
 def test_router_refuses_a_worker_of_another_quantization(model_dirs):
-    from common.wire.messages import WorkerHello
-    from router.registry import refusal
+    from pdserve.common.wire.messages import WorkerHello
+    from pdserve.router.registry import refusal
     d = model_dirs["qwen3"]
     hello = WorkerHello(worker_id="d1", role="decode", address="tcp://x:1", device="cpu", total_blocks=8, block_size=16,
                         model_fingerprint=model_fingerprint(d, "float32", "int4"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

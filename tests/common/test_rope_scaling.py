@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from common import LLM, SamplingParams
-from common.config import ModelConfig
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

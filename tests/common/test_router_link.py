@@ -8,10 +8,10 @@ import time
 
 import zmq
 
-from common.wire.auth import DeploymentKey, new_secret
-from common.wire.messages import StatusRequest
-from common.wire.transport import Client, Server
-from common.worker.router_link import EXIT_ROUTER_LOST, RouterLink
+from pdserve.common.wire.auth import DeploymentKey, new_secret
+from pdserve.common.wire.messages import StatusRequest
+from pdserve.common.wire.transport import Client, Server
+from pdserve.common.worker.router_link import EXIT_ROUTER_LOST, RouterLink
 
 
 def test_a_router_that_comes_back_in_time_gets_a_hello_and_its_requests_are_given_up_once():

@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from common import LLM
-from common.engine.sampler import Sampler, _filter_top_k_top_p, greedy, make_generator
-from common.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.common import LLM
+from pdserve.common.engine.sampler import Sampler, _filter_top_k_top_p, greedy, make_generator
+from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.sampler import Sampler
-from common.sampling_params import MAX_TOKENS_LIMIT, MAX_TOP_K, SamplingParams, SamplingParamsError
+from pdserve.common.engine.sampler import Sampler
+from pdserve.common.sampling_params import MAX_TOKENS_LIMIT, MAX_TOP_K, SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize("values", [

@@ -8,11 +8,11 @@ import random
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from common.engine.block_manager import BlockManager
-from common.config import SchedulerConfig
-from common.sampling_params import SamplingParams
-from common.engine.scheduler import ScheduledBatch, Scheduler
-from common.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.config import SchedulerConfig
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.common.engine.sequence import Sequence, SequenceStatus
 
 FAKE_TOKEN = 1
 

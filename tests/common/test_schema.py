@@ -10,10 +10,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from common.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, EngineOptions, SchedulerConfig,
+from pdserve.common.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, EngineOptions, SchedulerConfig,
                            WorkerConfig)
-from common.wire.messages import PROTOCOL_VERSION, MessageError, decode
-from common.worker.spec import WorkerSpec
+from pdserve.common.wire.messages import PROTOCOL_VERSION, MessageError, decode
+from pdserve.common.worker.spec import WorkerSpec
 
 SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
 
@@ -179,7 +179,7 @@ class _Outer:
 
 
 def test_build_checks_nested_and_union_fields():
-    from common import schema
+    from pdserve.common import schema
     got = schema.build(_Outer, {"either": "a", "items": [1, 2], "inner": {"n": 3}, "extra": {"k": [None]}}, "o", ValueError)
     assert got == _Outer("a", (1, 2), _Inner(3), {"k": [None]})
     with pytest.raises(ValueError, match=r"^o\.either: expected an integer or str, got float 1\.5$"):
@@ -191,7 +191,7 @@ def test_build_checks_nested_and_union_fields():
 
 
 def test_a_field_type_the_checker_does_not_know_is_a_bug_not_bad_input():
-    from common import schema
+    from pdserve.common import schema
 
     @dataclasses.dataclass
     class Odd:

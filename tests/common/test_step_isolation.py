@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common import LLM, SamplingParams
-from common.engine.engine import StepOutput
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.engine.engine import StepOutput
 
 PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13], [21, 22, 23, 24] * 5, [31, 32], [41, 42, 43, 44, 45, 46]]
 POISON = 777  # a token id only the culprit's prompt holds

@@ -14,10 +14,10 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from common import LLM, SamplingParams
-from common.engine.grammar import Grammars
-from common.sampling_params import StructuredOutput
-from common.validation import RequestError
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.engine.grammar import Grammars
+from pdserve.common.sampling_params import StructuredOutput
+from pdserve.common.validation import RequestError
 from tests.helpers import mixed_prompts
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
@@ -149,7 +149,7 @@ def test_compiled_grammars_are_an_lru(model_dirs):
 
 
 def test_structured_crosses_the_wire_as_a_typed_map():
-    from common.wire.messages import SubmitRequest, decode, encode
+    from pdserve.common.wire.messages import SubmitRequest, decode, encode
     so = StructuredOutput("json", json.dumps(FIXED))
     sub = SubmitRequest(request_id="r", sampling=SamplingParams(structured=so), prompt_token_ids=[1, 2])
     back = decode(encode(sub))
@@ -162,7 +162,7 @@ def test_a_grammar_with_reasoning_end_starts_after_that_token(tiny, model_dirs):
     """Up to the first `reasoning_end` token the output is the unconstrained one (same
     seed), token for token; after it, the grammar's; a step where no row's grammar
     applies fills no mask."""
-    from common.text.tokenizer import Tokenizer
+    from pdserve.common.text.tokenizer import Tokenizer
     end = 7  # any id: a bias makes the random model write it after a few tokens
     prompts = mixed_prompts(tiny.engine.config.model.vocab_size, seed=11)[:4]
     so = StructuredOutput("json", json.dumps(FIXED), reasoning_end=end)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from common.text.chat_template import ChatTemplateError
-from common.text.tokenizer import Tokenizer
+from pdserve.common.text.chat_template import ChatTemplateError
+from pdserve.common.text.tokenizer import Tokenizer
 from tests.helpers import bos_thinking_model
 
 MSGS = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Which worker decodes?"}]

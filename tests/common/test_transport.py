@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from common.wire.auth import DeploymentKey, new_secret
-from common.wire.messages import KVHandshake
-from common.wire.transport import is_endpoint
-from decode_node.peers import HandshakeError, PrefillPeers
+from pdserve.common.wire.auth import DeploymentKey, new_secret
+from pdserve.common.wire.messages import KVHandshake
+from pdserve.common.wire.transport import is_endpoint
+from pdserve.decode_node.peers import HandshakeError, PrefillPeers
 
 GOOD = ["tcp://127.0.0.1:5555", "tcp://host-1.example:1", "tcp://[::1]:65535", "ipc:///tmp/pdserve/p0"]
 BAD = ["inproc://router-internal", "tcp://127.0.0.1:0", "tcp://127.0.0.1:65536", "tcp://:5555", "tcp://host",

@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from common.config import ConfigError, EngineOptions, WorkerConfig
-from common.worker.spec import WorkerSpec, worker_main
+from pdserve.common.config import ConfigError, EngineOptions, WorkerConfig
+from pdserve.common.worker.spec import WorkerSpec, worker_main
 
 
 def spec() -> WorkerSpec:
@@ -54,11 +54,11 @@ def test_worker_main_exits_2_on_a_bad_file_without_serving(tmp_path, capsys):
     served = []
     path = tmp_path / "w.json"
     path.write_text("{not json")
-    assert worker_main(["--config", str(path)], "python -m decode_node", ("decode",),
+    assert worker_main(["--config", str(path)], "python -m pdserve.decode_node", ("decode",),
                        lambda e, w: served.append(w)) == 2
     assert "not valid JSON" in capsys.readouterr().err and not served
     spec().write(path)  # a decode config given to the prefill entry point
-    assert worker_main(["--config", str(path)], "python -m prefill_node", ("prefill",),
+    assert worker_main(["--config", str(path)], "python -m pdserve.prefill_node", ("prefill",),
                        lambda e, w: served.append(w)) == 2
     assert "'decode'" in capsys.readouterr().err and not served
 
@@ -80,7 +80,7 @@ def test_worker_config_round_trips():
 def test_graph_runner_only_where_it_replays_graphs(tmp_path, monkeypatch, role, device, asked, expected):
     import torch
 
-    from common.loading.model_factory import make_model
+    from pdserve.common.loading.model_factory import make_model
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the choice is logic: no GPU needed
     model = make_model(tmp_path / "m", "qwen3", "tiny", seed=0)
     s = WorkerSpec.of(str(model), role, f"{role}-0", num_kv_blocks=64, max_model_len=256, device=device,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import EngineConfig
+from pdserve.common.config import EngineConfig
 from tests.decode_node.harness import BLOCK, MAX_LEN, NUM_BLOCKS, make_harness
 
 

@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.clock import SYSTEM_CLOCK, Clock
-from common.wire.auth import new_secret
-from common.config import EngineConfig, WorkerConfig
-from common.wire.messages import (ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, RequestOutput,
+from pdserve.common.clock import SYSTEM_CLOCK, Clock
+from pdserve.common.wire.auth import new_secret
+from pdserve.common.config import EngineConfig, WorkerConfig
+from pdserve.common.wire.messages import (ErrorReply, GenerateRequest, KVReady, PrefillFailed, PrefillRequest, RequestOutput,
                                   StepOutputs)
-from common.sampling_params import SamplingParams
-from common.wire.transport import Incoming
-from decode_node.peers import PeerLost, PeerMessage, PrefillPeer
-from decode_node.requests import DecodeRequest, State
-from decode_node.worker import DecodeWorker
-from kv_transfer import KVReceiver, PendingReceive, TransferError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.transport import Incoming
+from pdserve.decode_node.peers import PeerLost, PeerMessage, PrefillPeer
+from pdserve.decode_node.requests import DecodeRequest, State
+from pdserve.decode_node.worker import DecodeWorker
+from pdserve.kv_transfer import KVReceiver, PendingReceive, TransferError
 
 BLOCK = 16
 NUM_BLOCKS = 32

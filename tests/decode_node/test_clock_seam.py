@@ -3,10 +3,10 @@ ManualClock, a reservation's lease expires exactly when that clock passes lease_
 never before, whatever the wall clock does, and the timeline's stamps are that clock's."""
 from __future__ import annotations
 
-from common.clock import ManualClock
-from common.wire.messages import ErrorReply
+from pdserve.common.clock import ManualClock
+from pdserve.common.wire.messages import ErrorReply
 from tests.decode_node.harness import NUM_BLOCKS, make_harness, prompt
-from decode_node.requests import State
+from pdserve.decode_node.requests import State
 
 
 def test_lease_and_timeline_follow_the_injected_clock(decode_config):

@@ -3,7 +3,7 @@ slots (a head that does not fit holds back the ones behind it), and blocks the w
 own prefix cache already holds are not asked of the prefill worker."""
 from __future__ import annotations
 
-from decode_node.requests import State
+from pdserve.decode_node.requests import State
 from tests.decode_node.harness import NUM_BLOCKS, make_harness, nblocks, prompt
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.wire.messages import AbortRequest, ErrorReply, KVReady, RequestOutput
-from common.wire.transport import Incoming
-from decode_node.peers import PeerMessage
-from decode_node.requests import State
+from pdserve.common.wire.messages import AbortRequest, ErrorReply, KVReady, RequestOutput
+from pdserve.common.wire.transport import Incoming
+from pdserve.decode_node.peers import PeerMessage
+from pdserve.decode_node.requests import State
 from tests.decode_node.harness import make_harness, nblocks, prompt
 
 

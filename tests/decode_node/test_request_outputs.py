@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from decode_node.requests import State
-from common.wire.messages import StepOutputs
+from pdserve.common.engine.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.decode_node.requests import State
+from pdserve.common.wire.messages import StepOutputs
 from tests.decode_node.harness import FakeTransfer, prompt
 
 

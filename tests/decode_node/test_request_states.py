@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, KVReady, RequestOutput
-from common.sampling_params import SamplingParams
-from common.wire.transport import Incoming
-from decode_node.peers import PeerLost, PeerMessage, PrefillPeer
-from decode_node.requests import TRANSITIONS, RequestTable, State
+from pdserve.common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, KVReady, RequestOutput
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.transport import Incoming
+from pdserve.decode_node.peers import PeerLost, PeerMessage, PrefillPeer
+from pdserve.decode_node.requests import TRANSITIONS, RequestTable, State
 from tests.decode_node.harness import (NUM_BLOCKS, P_ADDR, FakeClient, FakeTransfer, nblocks, prompt)
 
 # every (from, to) a scenario of this module took, for the coverage check at the end

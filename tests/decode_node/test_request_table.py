@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from decode_node.requests import TERMINAL, TRANSITIONS, DecodeRequest, RequestTable, State, TransitionError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.decode_node.requests import TERMINAL, TRANSITIONS, DecodeRequest, RequestTable, State, TransitionError
 from tests.decode_node.harness import P_ADDR
 
 
 def _req(rid: str, seq_id: int) -> DecodeRequest:
-    from common.engine.sequence import Sequence
+    from pdserve.common.engine.sequence import Sequence
     return DecodeRequest(rid, Sequence(seq_id, [5, 6, 7], SamplingParams()), b"x", P_ADDR, False)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 HTTP, ZMQ, CONTROL, WORKER = 8000, 8001, 8002, 8100  # each namespace has its own ports
-CLI = [sys.executable, "-m", "router.cli"]
+CLI = [sys.executable, "-m", "pdserve.router.cli"]
 # every worker: a small KV cache (by default a worker takes 20% of the host's RAM for it,
 # GBs per worker: slow to allocate, and two or three of them beside the suite run a CI box
 # out of memory) and one torch thread (2 cores are shared by all the hosts)

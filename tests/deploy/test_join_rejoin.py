@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from router.launch import free_port
+from pdserve.router.launch import free_port
 
 
 def _health(url: str) -> dict | None:
@@ -49,7 +49,7 @@ def test_joined_worker_outlives_its_router_and_rejoins_a_new_one(model_dirs, tmp
     secret.chmod(0o600)
     http, zmq_port, control = free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{http}"
-    cli = [sys.executable, "-m", "router.cli"]
+    cli = [sys.executable, "-m", "pdserve.router.cli"]
     env = dict(os.environ, PYTHONPATH=os.getcwd())
 
     def start(argv: list[str], log: str) -> subprocess.Popen:

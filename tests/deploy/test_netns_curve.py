@@ -17,8 +17,8 @@ from pathlib import Path
 
 import msgpack
 
-from common import LLM, SamplingParams
-from common.text.tokenizer import Tokenizer
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.text.tokenizer import Tokenizer
 from tests.deploy.netns import CLI, CLIENT, CONTROL, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 PROMPTS = ["Hello there", "Curve keeps this prompt off the wire between hosts"]

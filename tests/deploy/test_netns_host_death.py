@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 from tests.deploy.netns import CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 WORKERS = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}

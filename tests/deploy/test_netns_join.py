@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 from tests.deploy.netns import CLIENT, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 PROMPTS = ["Hello there", "The router sends the request to a prefill worker"]

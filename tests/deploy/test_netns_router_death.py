@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.text.tokenizer import Tokenizer
-from common.worker.router_link import EXIT_ROUTER_LOST
+from pdserve.common.text.tokenizer import Tokenizer
+from pdserve.common.worker.router_link import EXIT_ROUTER_LOST
 from tests.deploy.netns import (CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, start_router, start_worker,
                                 tails, wait_router_ready, write_secret)
 from tests.helpers import one_torch_thread

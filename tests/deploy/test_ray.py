@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from common.text.tokenizer import Tokenizer
-from common.worker.liveness import process_alive
+from pdserve.common.text.tokenizer import Tokenizer
+from pdserve.common.worker.liveness import process_alive
 from tests.helpers import one_torch_thread
 
 MAX_TOKENS = 8
@@ -141,7 +141,7 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
         with open(log, "wb") as f:
             serve = subprocess.Popen(
-                [sys.executable, "-m", "router.cli", "serve", model, "--ray", cluster.address, "--prefill", "2",
+                [sys.executable, "-m", "pdserve.router.cli", "serve", model, "--ray", cluster.address, "--prefill", "2",
                  "--decode", "1", "--prefill-resources", '{"prefill_pool": 1}', "--decode-resources",
                  '{"decode_pool": 1}', "--secret-file", str(secret), "--dtype", "float32", "--num-threads", "1",
                  "--num-kv-blocks", "128", "--max-model-len", "256", "--http-port", "0", "--zmq-port", "0", "--routing", "round_robin", "--ready-file", str(ready),
@@ -178,7 +178,7 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         # the pool control API under the same traffic: one more prefill worker, placed by the
         # prefill resources (only the new node has one free), then drained: its actor ends for good
         def scale(*flags: str) -> list[dict]:
-            done = subprocess.run([sys.executable, "-m", "router.cli", "scale", "--router", info["control"],
+            done = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "scale", "--router", info["control"],
                                    "--secret-file", str(secret), "--json", *flags], capture_output=True, text=True,
                                   timeout=150)
             assert done.returncode == 0, done.stderr + log.read_text(errors="replace")[-3000:]

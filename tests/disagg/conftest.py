@@ -15,7 +15,7 @@ def torch_one_thread_here():
 
 @pytest.fixture(scope="session")
 def vocab_size(model_dirs) -> int:
-    from common.config import ModelConfig
+    from pdserve.common.config import ModelConfig
     sizes = {ModelConfig.from_dir(d).vocab_size for d in model_dirs.values()}
     assert len(sizes) == 1, f"the tiny models disagree on vocab size: {sizes}"
     return sizes.pop()

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import zmq
 
-from common.wire.auth import DeploymentKey
-from common.sampling_params import SamplingParams
-from common.wire.messages import ErrorReply, GenerateRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus
-from common.wire.transport import Client
-from common.worker.spec import WorkerSpec
-from router.launch import LaunchError, Launcher, WorkerProcess, free_port
+from pdserve.common.wire.auth import DeploymentKey
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.messages import ErrorReply, GenerateRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus
+from pdserve.common.wire.transport import Client
+from pdserve.common.worker.spec import WorkerSpec
+from pdserve.router.launch import LaunchError, Launcher, WorkerProcess, free_port
 
 BLOCK_SIZE = 16
 

@@ -2,8 +2,8 @@
 requests over the same wire with transformers' greedy output."""
 from __future__ import annotations
 
-from common.sampling_params import SamplingParams
-from common.wire.messages import GenerateRequest
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.messages import GenerateRequest
 from tests.disagg.driver import engine_options, start_colocated
 from tests.helpers import mixed_prompts
 

@@ -8,9 +8,9 @@ import time
 import msgpack
 import pytest
 
-from router.launch import free_port
-from common.sampling_params import SamplingParams
-from common.wire.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, StepOutputs, encode
+from pdserve.router.launch import free_port
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, StepOutputs, encode
 from tests.disagg.driver import Deployment, engine_options, start_pair, start_single
 
 MAX_MODEL_LEN = 128

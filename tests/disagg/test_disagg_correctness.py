@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from common.hashing import block_hashes, cacheable_prefix_hashes
-from common.wire.messages import StepOutputs
+from pdserve.common.hashing import block_hashes, cacheable_prefix_hashes
+from pdserve.common.wire.messages import StepOutputs
 from tests.conftest import ARCHS
 from tests.disagg.driver import BLOCK_SIZE, Deployment, RunResult, engine_options, num_blocks, start_pair
 from tests.helpers import mixed_prompts
@@ -132,7 +132,7 @@ def one_engine_seeded(model_dirs):
 
     def get(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
         if model_dir not in cache:
-            from common import LLM, SamplingParams
+            from pdserve.common import LLM, SamplingParams
             llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=64, max_model_len=512, num_threads=1)
             params = [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **kw) for kw in SEEDED]
             cache[model_dir] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]

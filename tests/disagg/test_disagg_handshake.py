@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from router.launch import LaunchError, Launcher, WorkerProcess
+from pdserve.router.launch import LaunchError, Launcher, WorkerProcess
 from tests.disagg.driver import engine_options, shm_segments, start_worker
 
 

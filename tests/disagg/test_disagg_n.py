@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from common import LLM, SamplingParams
-from common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, StepOutputs
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, StepOutputs
 from tests.disagg.driver import Deployment, engine_options, num_blocks, start_colocated, start_pair
 from tests.helpers import mixed_prompts
 

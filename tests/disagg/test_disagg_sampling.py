@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 from tests.disagg.driver import engine_options, start_pair
 from tests.helpers import mixed_prompts
 

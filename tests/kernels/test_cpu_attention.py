@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_attention
+from pdserve import kernels
+from pdserve.kernels import cpu_attention
 
 from ._paged_utils import make_paged, naive_decode
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu_native
+from pdserve import kernels
+from pdserve.kernels import cpu_native
 
 from ._paged_utils import with_threads
 

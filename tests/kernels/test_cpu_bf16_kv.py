@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_native, reference
+from pdserve import kernels
+from pdserve.kernels import cpu_native, reference
 
 from ._paged_utils import make_paged, naive_decode, with_threads
 

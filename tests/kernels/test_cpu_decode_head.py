@@ -11,12 +11,12 @@ from array import array
 import pytest
 import torch
 
-from common import LLM, SamplingParams
-from common.models.decoder import DecoderForCausalLM
-import kernels
-from kernels import quant
-from kernels.cpu_decode import DecodeInputs
-from kernels.cpu_native import NativeKernelError
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.models.decoder import DecoderForCausalLM
+from pdserve import kernels
+from pdserve.kernels import quant
+from pdserve.kernels.cpu_decode import DecodeInputs
+from pdserve.kernels.cpu_native import NativeKernelError
 
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3's lm_head is tied to its embedding table
 

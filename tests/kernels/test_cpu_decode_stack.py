@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from common import LLM, SamplingParams
-from common.models.layers import Linear
-from kernels import cpu_native
-from kernels.cpu_decode import PART_CALLS, PART_TOTAL, PARTS, DecodeStack
+from pdserve.common import LLM, SamplingParams
+from pdserve.common.models.layers import Linear
+from pdserve.kernels import cpu_native
+from pdserve.kernels.cpu_decode import PART_CALLS, PART_TOTAL, PARTS, DecodeStack
 
 ARCHS = ("qwen3", "qwen2", "llama")  # q/k norm; qkv bias; neither (GQA in all three)
 

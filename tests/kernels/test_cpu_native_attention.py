@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_attention, cpu_native
+from pdserve import kernels
+from pdserve.kernels import cpu_attention, cpu_native
 
 from ._paged_utils import make_paged, naive_decode
 
@@ -121,7 +121,7 @@ def test_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     cpu_native.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.cpu_native"):
             assert cpu_native.library() is None
         assert "failed to build" in caplog.text
         k_cache, v_cache, bt, cl = make_paged([6, 2], 4, 1, 8, torch.float32)
@@ -140,7 +140,7 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     the whole process that loads the library (every worker, and the test process). The
     fresh process loads the library every worker loads: the cached default build."""
     cpu_native.build()  # built here (if no earlier test did): the child only loads it
-    code = ("import sys, ctypes; from kernels import cpu_native; "
+    code = ("import sys, ctypes; from pdserve.kernels import cpu_native; "
             "ctypes.CDLL(str(cpu_native.build())); "
             "print(sys.float_info.min / 2 > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

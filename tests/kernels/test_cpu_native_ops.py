@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from common.models.layers import Linear, RotaryEmbedding
-from common.engine.kv_layout import kv_cache_tensor
-from kernels import cpu_native, reference
+from pdserve import kernels
+from pdserve.common.models.layers import Linear, RotaryEmbedding
+from pdserve.common.engine.kv_layout import kv_cache_tensor
+from pdserve.kernels import cpu_native, reference
 
 
 @pytest.fixture(scope="module", autouse=True)

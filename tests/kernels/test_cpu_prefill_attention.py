@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from pdserve.kernels import cpu_native
 
 
 @pytest.fixture(scope="module", autouse=True)

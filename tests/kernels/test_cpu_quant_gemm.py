@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu_native, quant
+from pdserve import kernels
+from pdserve.kernels import cpu_native, quant
 
 from ._paged_utils import with_threads
 

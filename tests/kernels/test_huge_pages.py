@@ -10,7 +10,7 @@ import mmap
 import pytest
 import torch
 
-from kernels import huge_pages
+from pdserve.kernels import huge_pages
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (2, 1 << 19), (4, 3, 1 << 17)])  # under, at and over 2 MB

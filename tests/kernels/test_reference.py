@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import reference as R
+from pdserve import kernels
+from pdserve.kernels import reference as R
 
 from ._paged_utils import make_paged, naive_decode
 
@@ -179,7 +179,7 @@ def test_dispatch_cpu_goes_to_reference(monkeypatch):
         monkeypatch.setattr(R, name, spy(name))
         monkeypatch.setattr(kernels, "triton_" + name, boom)
     # on CPU, float32 decode attention and the KV store go to the native CPU kernels, not the reference
-    from kernels import cpu_native
+    from pdserve.kernels import cpu_native
     real_cpu, real_store = cpu_native.paged_decode_attention, cpu_native.store_kv
     monkeypatch.setattr(cpu_native, "paged_decode_attention",
                         lambda *a: calls.append("cpu_paged_decode_attention") or real_cpu(*a))

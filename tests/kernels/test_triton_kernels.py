@@ -14,8 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-import kernels
-from kernels import reference as R
+from pdserve import kernels
+from pdserve.kernels import reference as R
 
 from ._paged_utils import make_paged
 

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.engine.kv_layout import kv_cache_tensor, layout_mismatch
-from common.wire.messages import KVLayout
-from kv_transfer.base import copy_blocks, copy_blocks_indexed, gather_kv, runs, scatter_kv
+from pdserve.common.engine.kv_layout import kv_cache_tensor, layout_mismatch
+from pdserve.common.wire.messages import KVLayout
+from pdserve.kv_transfer.base import copy_blocks, copy_blocks_indexed, gather_kv, runs, scatter_kv
 
 
 @pytest.mark.parametrize("src, dst, want", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer.cuda_ipc import view_from_storage
+from pdserve.kv_transfer.cuda_ipc import view_from_storage
 
 
 def _info(t: torch.Tensor) -> dict:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.wire.messages import KVReady
-from kv_transfer.shm import ShmReceiver, ShmSender
+from pdserve.common.wire.messages import KVReady
+from pdserve.kv_transfer.shm import ShmReceiver, ShmSender
 
 SHAPE = (2, 3, 8, 4, 2, 5)  # [2, L, num_blocks, block_size, H, D]
 

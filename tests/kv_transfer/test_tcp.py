@@ -8,10 +8,10 @@ import pytest
 import torch
 import zmq
 
-from common.wire.messages import KVReady, StatusRequest
-from common.wire.transport import Client, Server
-from kv_transfer.base import TransferError
-from kv_transfer.tcp import TcpReceiver, TcpSender
+from pdserve.common.wire.messages import KVReady, StatusRequest
+from pdserve.common.wire.transport import Client, Server
+from pdserve.kv_transfer.base import TransferError
+from pdserve.kv_transfer.tcp import TcpReceiver, TcpSender
 
 SHAPE = (2, 3, 10, 4, 2, 5)  # [2, L, num_blocks, block_size, H, D]
 SRC_BLOCKS = [1, 4, 5]

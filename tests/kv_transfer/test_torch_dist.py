@@ -10,13 +10,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from router.launch import free_port
+from pdserve.router.launch import free_port
 
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import torch
-    from common.wire.messages import KVReady
-    from kv_transfer.torch_dist import DistReceiver, DistSender, init_group
+    from pdserve.common.wire.messages import KVReady
+    from pdserve.kv_transfer.torch_dist import DistReceiver, DistSender, init_group
 
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.set_num_threads(1)
@@ -79,15 +79,15 @@ def test_a_group_that_cannot_form_is_a_start_up_error_with_the_reason(monkeypatc
     import pytest
     import torch.distributed as dist
 
-    import kv_transfer.torch_dist
-    from common.config import ConfigError, WorkerConfig
-    from kv_transfer import init_transfer_group
+    import pdserve.kv_transfer.torch_dist as torch_dist
+    from pdserve.common.config import ConfigError, WorkerConfig
+    from pdserve.kv_transfer import init_transfer_group
 
     def refuse(*args):
         raise dist.DistBackendError("NCCL error in: NCCLUtils.cpp:93, invalid usage\nLast error:\n"
                                     "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60\n")
 
-    monkeypatch.setattr(kv_transfer.torch_dist, "init_group", refuse)
+    monkeypatch.setattr(torch_dist, "init_group", refuse)
     w = WorkerConfig(role="decode", worker_id="d", kv_transfer="nccl", dist_init="tcp://127.0.0.1:1", rank=1, world_size=2)
     with pytest.raises(ConfigError, match=r"kv transfer nccl: rank 1 of 2 on cuda:0 .*: Duplicate GPU detected"):
         init_transfer_group(w, "cuda:0")

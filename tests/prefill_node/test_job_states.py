@@ -9,14 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from common.wire.auth import new_secret
-from common.config import EngineConfig, WorkerConfig
-from common.wire.messages import AbortRequest, ErrorReply, KVReady, PrefillFailed, PrefillRequest
-from common.sampling_params import SamplingParams
-from common.wire.transport import Incoming
-from kv_transfer import KVSender
-from prefill_node.jobs import TERMINAL, TRANSITIONS, JobState, JobTable, PrefillJob
-from prefill_node.worker import PrefillWorker
+from pdserve.common.wire.auth import new_secret
+from pdserve.common.config import EngineConfig, WorkerConfig
+from pdserve.common.wire.messages import AbortRequest, ErrorReply, KVReady, PrefillFailed, PrefillRequest
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.transport import Incoming
+from pdserve.kv_transfer import KVSender
+from pdserve.prefill_node.jobs import TERMINAL, TRANSITIONS, JobState, JobTable, PrefillJob
+from pdserve.prefill_node.worker import PrefillWorker
 
 BLOCK = 16
 NUM_BLOCKS = 32
@@ -183,7 +183,7 @@ def check_pushed(h: Harness, rid: str, dst: list[int], skip: int = 0) -> None:
 # ---- the table alone ----------------------------------------------------------------------
 
 def test_table_transitions():
-    from common.engine.sequence import Sequence
+    from pdserve.common.engine.sequence import Sequence
     for src in JobState:
         for dst in JobState:
             table = JobTable()
@@ -364,7 +364,7 @@ def test_mixed_run_leaves_nothing_behind(h, model_dirs, hf_greedy):
 
 
 def test_handle_refuses_other_messages(h):
-    from common.wire.messages import GenerateRequest
+    from pdserve.common.wire.messages import GenerateRequest
     h.worker.handle(Incoming(D_IDENTITY, GenerateRequest("g", [5], SamplingParams()), []))
     assert isinstance(h.server.sent[-1][1], ErrorReply)
     h.server.sent.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.text.tokenizer import Tokenizer
+from pdserve.common.text.tokenizer import Tokenizer
 from tests.helpers import one_torch_thread
 
 MODEL: dict[str, str] = {}  # the session's tiny model dir, for the harness

@@ -11,7 +11,7 @@ import urllib.request
 import msgpack
 import zmq
 
-from common.wire.messages import PROTOCOL_VERSION
+from pdserve.common.wire.messages import PROTOCOL_VERSION
 from tests.reliability.harness import serve, stop, wait_blocks_baseline
 
 LONG = 2000  # tokens, at >= 5 ms each (an injected slow decode step): far longer than each client stays

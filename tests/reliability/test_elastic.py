@@ -33,7 +33,7 @@ def _stream(served, prompts, results: list, stop: threading.Event, offset: int) 
 
 
 def _scale(served, *flags: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "router.cli", "scale", "--router", served.info["control"],
+    cmd = [sys.executable, "-m", "pdserve.router.cli", "scale", "--router", served.info["control"],
            "--secret-file", served.info["secret_file"], "--json", "--wait", "120", *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert out.returncode == 0, f"pdserve scale failed ({out.returncode}):\n{out.stderr}\n{served.log_tail()}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from common.text.tokenizer import Tokenizer
+from pdserve.common.text.tokenizer import Tokenizer
 from tests.helpers import one_torch_thread
 from tests.router.serving import MAX_MODEL_LEN, RawClient, colocated_server, serving_pd
 

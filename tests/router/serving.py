@@ -20,8 +20,8 @@ import msgpack
 import pytest
 import zmq
 
-from common.wire.messages import PROTOCOL_VERSION
-from common.text.tokenizer import Tokenizer
+from pdserve.common.wire.messages import PROTOCOL_VERSION
+from pdserve.common.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import openai
@@ -80,9 +80,9 @@ class Served:
 
 
 def _pdserve() -> list[str]:
-    # `python -m router.cli` rather than the `pdserve` script: the script runs whichever
+    # `python -m pdserve.router.cli` rather than the `pdserve` script: the script runs whichever
     # checkout the environment was installed from, the module the one on sys.path
-    return [sys.executable, "-m", "router.cli"]
+    return [sys.executable, "-m", "pdserve.router.cli"]
 
 
 def start_server(model_dir: str, workdir: Path, roles: list[str], max_model_len: int, timeout: float = 150.0,

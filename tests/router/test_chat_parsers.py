@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from router.reasoning import ReasoningSplitter, split_reasoning, thinking_on
-from router.tool_parsers import HermesParser, ToolCall, parse_tool_calls
+from pdserve.router.reasoning import ReasoningSplitter, split_reasoning, thinking_on
+from pdserve.router.tool_parsers import HermesParser, ToolCall, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from common.wire.messages import RequestOutput, TokenOutput
-from router.requests import drain_outputs
-from router.text import openai_usage
+from pdserve.common.wire.messages import RequestOutput, TokenOutput
+from pdserve.router.requests import drain_outputs
+from pdserve.router.text import openai_usage
 
 
 def test_drain_merges_entries_of_one_choice_only():

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from common.config import EngineOptions, WorkerConfig, options_of
-from router.cli import ENGINE_DEST, SERVE_WORKER_FIELDS, WORKER_DEST, build_parser, config_flag, engine_options, given
+from pdserve.common.config import EngineOptions, WorkerConfig, options_of
+from pdserve.router.cli import ENGINE_DEST, SERVE_WORKER_FIELDS, WORKER_DEST, build_parser, config_flag, engine_options, given
 
 COMMANDS = ("generate", "serve")
 
@@ -49,7 +49,7 @@ def test_the_established_flags_keep_their_spelling():
 
 
 def test_help_shows_each_options_help_and_default():
-    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "serve", "--help"], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     text = " ".join(out.split())  # argparse wraps lines
     for option in EngineOptions.options().values():
@@ -59,7 +59,7 @@ def test_help_shows_each_options_help_and_default():
 
 
 def test_a_bad_flag_value_exits_2_naming_the_option(capsys):
-    from router.cli import main
+    from pdserve.router.cli import main
     assert main(["generate", "/no/such/model", "--block-size", "24"]) == 2
     assert "block_size must be a positive power of two, got 24" in capsys.readouterr().err
 
@@ -76,8 +76,8 @@ def test_serves_worker_liveness_flags_come_from_worker_config():
 
 
 def test_serve_router_flags_come_from_router_config():
-    from router.cli import ROUTER_DEST, SERVE_ROUTER_FIELDS
-    from router.config import RouterConfig
+    from pdserve.router.cli import ROUTER_DEST, SERVE_ROUTER_FIELDS
+    from pdserve.router.config import RouterConfig
     options = options_of(RouterConfig)
     names = [n for group in SERVE_ROUTER_FIELDS.values() for n in group]
     assert not given(build_parser().parse_args(["serve"]), ROUTER_DEST)  # RouterConfig's defaults apply
@@ -131,14 +131,14 @@ def test_router_command_has_the_control_port_and_needs_a_secret_file(capsys):
 
 
 def test_worker_refuses_a_join_address_that_is_not_tcp(tmp_path):
-    from router.cli import main
+    from pdserve.router.cli import main
     assert main(["worker", "--role", "prefill", "--join", "ipc:///tmp/x", "--secret-file", str(tmp_path / "s")]) == 2
 
 
 def test_make_model_writes_qwen3s_template_when_asked(tmp_path):
-    from common.text.qwen3_template import QWEN3_CHAT_TEMPLATE
-    from common.text.tokenizer import Tokenizer
-    from router.cli import main
+    from pdserve.common.text.qwen3_template import QWEN3_CHAT_TEMPLATE
+    from pdserve.common.text.tokenizer import Tokenizer
+    from pdserve.router.cli import main
     assert main(["make-model", str(tmp_path / "m"), "--chat-template", "qwen3"]) == 0
     tok = Tokenizer(tmp_path / "m")
     assert tok.chat_template.where.endswith("tokenizer_config.json")
@@ -150,8 +150,8 @@ def test_make_model_writes_qwen3s_template_when_asked(tmp_path):
 
 
 def test_config_refuses_unknown_parsers_and_auto_without_one():
-    from common.config import ConfigError
-    from router.config import RouterConfig
+    from pdserve.common.config import ConfigError
+    from pdserve.router.config import RouterConfig
     for bad in ({"tool_call_parser": "xml"}, {"reasoning_parser": "o1"}, {"enable_auto_tool_choice": True}):
         with pytest.raises(ConfigError):
             RouterConfig(model_dir="m", **bad)
@@ -167,7 +167,7 @@ def _serve_args(*flags: str):
 
 
 def test_serve_workers_run_on_device_unless_their_role_names_devices():
-    from router.cli import _worker_devices
+    from pdserve.router.cli import _worker_devices
     assert _worker_devices(_serve_args("--device", "cuda:0", "--decode", "2")) == {
         "prefill": ("cuda:0",), "decode": ("cuda:0", "cuda:0")}
     assert _worker_devices(_serve_args("--device", "cuda:0", "--decode-devices", "cpu")) == {
@@ -180,7 +180,7 @@ def _as_if_from_gguf(model_dir: str, tmp_path) -> str:
     leaves), so `auto` quantization keeps the GGUF's types on the CPU."""
     import shutil
 
-    from common.quantization import write_gguf_source
+    from pdserve.common.quantization import write_gguf_source
     folder = shutil.copytree(model_dir, tmp_path / "from-gguf")
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF")
@@ -193,8 +193,8 @@ def test_serve_resolves_auto_precision_as_its_gpu_workers_do(model_dirs, tmp_pat
     resolves to the dequantized weights for every worker (before, the router resolved it
     for the CPU and the GPU workers exited refusing `gguf`). Explicit CPU-only
     quantization with GPU workers is refused before anything starts."""
-    from common.config import ConfigError
-    from router.cli import _resolved_options
+    from pdserve.common.config import ConfigError
+    from pdserve.router.cli import _resolved_options
     model = _as_if_from_gguf(model_dirs["llama"], tmp_path)
     _, on_cpu = _resolved_options(_serve_args(model))
     assert on_cpu.device.quantization == "gguf"

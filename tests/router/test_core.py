@@ -10,14 +10,14 @@ import dataclasses
 import zmq
 import zmq.asyncio
 
-from common.clock import SYSTEM_CLOCK, Clock, ManualClock
-from common.wire import messages
-from common.sampling_params import SamplingParams
-from common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, RequestOutput, StepOutputs, SubmitRequest,
+from pdserve.common.clock import SYSTEM_CLOCK, Clock, ManualClock
+from pdserve.common.wire import messages
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.messages import (AbortRequest, ErrorReply, GenerateRequest, RequestOutput, StepOutputs, SubmitRequest,
                                   TokenOutput, WorkerHello, WorkerStatus)
-from common.wire.transport import Authenticator, bind_address
-from router.config import RouterConfig
-from router.core import Router
+from pdserve.common.wire.transport import Authenticator, bind_address
+from pdserve.router.config import RouterConfig
+from pdserve.router.core import Router
 
 
 class FakeWorker:
@@ -335,8 +335,8 @@ def test_a_grammar_that_does_not_compile_is_refused_before_any_worker(model_dirs
     """Through the ZeroMQ front end and router/client.py: a bad regex or JSON schema is
     refused by the router with the compiler's reason; the worker never hears of it, while
     a good grammar reaches it."""
-    from router.client import AsyncClient, ServerError
-    from router.zmq_frontend import ZmqFrontend
+    from pdserve.router.client import AsyncClient, ServerError
+    from pdserve.router.zmq_frontend import ZmqFrontend
 
     async def scenario():
         h = Harness(model_dirs["qwen3"])

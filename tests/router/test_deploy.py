@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from common.config import ConfigError, EngineOptions
-from router.config import RouterConfig
-from router.deploy import DeploymentConfig, plan_deployment
+from pdserve.common.config import ConfigError, EngineOptions
+from pdserve.router.config import RouterConfig
+from pdserve.router.deploy import DeploymentConfig, plan_deployment
 
 ROUTER = RouterConfig(model_dir="/models/m", http_port=0, zmq_port=0)
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.wire.messages import PROTOCOL_VERSION
+from pdserve.common.wire.messages import PROTOCOL_VERSION
 from tests.router.serving import RawClient, _alive
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")

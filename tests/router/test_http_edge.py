@@ -8,7 +8,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from router.http_edge import EdgeMiddleware, install_error_handlers, sse_error
+from pdserve.router.http_edge import EdgeMiddleware, install_error_handlers, sse_error
 
 JSON = {"content-type": "application/json"}
 

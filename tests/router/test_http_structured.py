@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from common.sampling_params import StructuredOutput
-from router.http_api import ChatBody, StructuredOutputError, structured_output
+from pdserve.common.sampling_params import StructuredOutput
+from pdserve.router.http_api import ChatBody, StructuredOutputError, structured_output
 
 MSG = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

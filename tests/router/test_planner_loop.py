@@ -11,12 +11,12 @@ import random
 import re
 from types import SimpleNamespace
 
-from common.clock import ManualClock
-from common.wire.messages import PoolWorker, WorkerHello, WorkerStatus
-from router.metrics import RouterMetrics
-from router.planner import NONE, REROLE, SPLIT, PlannerConfig
-from router.planner_loop import Planner
-from router.registry import SERVING, WorkerRegistry
+from pdserve.common.clock import ManualClock
+from pdserve.common.wire.messages import PoolWorker, WorkerHello, WorkerStatus
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.planner import NONE, REROLE, SPLIT, PlannerConfig
+from pdserve.router.planner_loop import Planner
+from pdserve.router.registry import SERVING, WorkerRegistry
 
 INTERVAL = 5.0
 
@@ -142,7 +142,7 @@ def test_one_host_split_starts_p_and_d_first_then_drains_the_colocated_worker():
 
 
 def test_a_refused_change_is_logged_and_counted_and_planning_goes_on(capsys):
-    from router.registry import PoolError
+    from pdserve.router.registry import PoolError
 
     class Refusing(FakeControl):
         def scale(self, role: str, delta: int, engine: dict | None = None):
@@ -243,7 +243,7 @@ def test_the_requests_judged_with_a_window_were_sent_after_the_pools_last_change
 def test_the_load_is_the_rate_and_lengths_of_the_latest_requests():
     """Requests sent in the last LOAD_S (or since the first one logged), their mean prompt
     and output lengths; not known for fewer than LOAD_MIN."""
-    from router.planner_loop import LOAD_MIN, LOAD_S
+    from pdserve.router.planner_loop import LOAD_MIN, LOAD_S
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
     planner = Planner(control, PlannerConfig(0.5, 0.05, host_cores=2), INTERVAL)

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from common.config import ConfigError
-from router.config import RouterConfig
-from router.latency_model import Curve, DecodeFit, LatencyModel
-from router.planner import MERGE, NONE, SPLIT, PlannerConfig, PlannerState, Pools, Remembered, Snapshot, decide
-from router.planner_predict import LayoutModels, Predictor
+from pdserve.common.config import ConfigError
+from pdserve.router.config import RouterConfig
+from pdserve.router.latency_model import Curve, DecodeFit, LatencyModel
+from pdserve.router.planner import MERGE, NONE, SPLIT, PlannerConfig, PlannerState, Pools, Remembered, Snapshot, decide
+from pdserve.router.planner_predict import LayoutModels, Predictor
 
 PREFILL_S = 0.1
 
@@ -106,8 +106,8 @@ def test_the_loop_measures_the_routers_cpu_a_token_and_prices_it():
     """CPU seconds of this process (injected) over the tokens of the requests finished
     between the first and the last window sample of the last PREDICT_S; none under
     CPU_MIN_TOKENS tokens; the replay gets it."""
-    from common.clock import ManualClock
-    from router.planner_loop import CPU_MIN_TOKENS, Planner
+    from pdserve.common.clock import ManualClock
+    from pdserve.router.planner_loop import CPU_MIN_TOKENS, Planner
     from tests.router.test_planner_loop import INTERVAL, FakeControl
 
     clock = ManualClock()
@@ -140,8 +140,8 @@ def test_the_routers_idle_cpu_is_netted_out_of_its_cpu_a_token():
     """Windows with nothing in flight at either end and nothing finishing between give
     the idle rate (their median); a token is priced at the CPU beyond it. A window
     with a request in flight at one end, or one finishing in it, is not idle."""
-    from common.clock import ManualClock
-    from router.planner_loop import Planner
+    from pdserve.common.clock import ManualClock
+    from pdserve.router.planner_loop import Planner
     from tests.router.test_planner_loop import INTERVAL, FakeControl
 
     clock = ManualClock()
@@ -226,8 +226,8 @@ def test_a_score_of_the_other_layout_alone_does_not_outrank_the_prediction():
 
 
 def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse():
-    from common.clock import ManualClock
-    from router.planner_loop import Planner
+    from pdserve.common.clock import ManualClock
+    from pdserve.router.planner_loop import Planner
     from tests.router.test_planner_loop import INTERVAL, FakeControl
 
     clock = ManualClock()

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from common.config import ConfigError, EngineOptions
-from router.cli import main
-from router.config import RouterConfig
-from router.disagg_policy import DisaggCase
-from router.disagg_state import policy_from_config
-from router.latency_model import SCHEMA, LatencyModel
-from common.worker.spec import role_engine
-from router.profile import ProfilePlan, run_profile
+from pdserve.common.config import ConfigError, EngineOptions
+from pdserve.router.cli import main
+from pdserve.router.config import RouterConfig
+from pdserve.router.disagg_policy import DisaggCase
+from pdserve.router.disagg_state import policy_from_config
+from pdserve.router.latency_model import SCHEMA, LatencyModel
+from pdserve.common.worker.spec import role_engine
+from pdserve.router.profile import ProfilePlan, run_profile
 from tests.helpers import one_torch_thread
 
 

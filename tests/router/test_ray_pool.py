@@ -15,13 +15,13 @@ import types
 
 import pytest
 
-from common.config import EngineOptions
-from router import ray_launch
-from router.config import RouterConfig
-from router.deploy import DeploymentConfig, RayPlacement, plan_deployment
-from router.ray_launch import ROUTER_ACTOR, RayLauncher, next_index
-from router.ray_pool import RayPool
-from router.registry import PoolError
+from pdserve.common.config import EngineOptions
+from pdserve.router import ray_launch
+from pdserve.router.config import RouterConfig
+from pdserve.router.deploy import DeploymentConfig, RayPlacement, plan_deployment
+from pdserve.router.ray_launch import ROUTER_ACTOR, RayLauncher, next_index
+from pdserve.router.ray_pool import RayPool
+from pdserve.router.registry import PoolError
 from tests.router.fake_ray import ActorInitError, FakeActor, FakeControl, FakeRay, RayError, Ref
 
 CONTROL = "tcp://127.0.0.1:5000"

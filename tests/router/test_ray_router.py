@@ -12,13 +12,13 @@ import types
 
 import pytest
 
-from common.config import ConfigError, EngineOptions
-from router import ray_launch, ray_router
-from router.config import RouterConfig
-from router.deploy import DeploymentConfig, RayPlacement, plan_deployment
-from router.launch import LaunchError
-from router.ray_launch import ROUTER_ACTOR
-from router.ray_router import RouterActor, end_deployment, fixed_address, router_options, serve_on_ray, start_router
+from pdserve.common.config import ConfigError, EngineOptions
+from pdserve.router import ray_launch, ray_router
+from pdserve.router.config import RouterConfig
+from pdserve.router.deploy import DeploymentConfig, RayPlacement, plan_deployment
+from pdserve.router.launch import LaunchError
+from pdserve.router.ray_launch import ROUTER_ACTOR
+from pdserve.router.ray_router import RouterActor, end_deployment, fixed_address, router_options, serve_on_ray, start_router
 from tests.router.fake_ray import FakeActor, FakeRay
 
 
@@ -159,7 +159,7 @@ def test_the_router_actor_needs_the_secret_file_on_its_node(monkeypatch, dep):
 
 
 def test_ray_stop_ends_a_deployment_whose_driver_died(ray, dep, monkeypatch, capsys):
-    from router.cli import main
+    from pdserve.router.cli import main
     placed = []
     monkeypatch.setattr(ray_router, "connect", placed.append)
     ray.actors[ROUTER_ACTOR] = FakeActor(ray, ROUTER_ACTOR, "ns", {}, (dep,))

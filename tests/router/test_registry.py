@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from common.hashing import cacheable_prefix_hashes
-from common.wire.messages import WorkerHello, WorkerStatus
-from router.policy import choose_prefill
-from router.registry import WorkerRegistry, refusal
+from pdserve.common.hashing import cacheable_prefix_hashes
+from pdserve.common.wire.messages import WorkerHello, WorkerStatus
+from pdserve.router.policy import choose_prefill
+from pdserve.router.registry import WorkerRegistry, refusal
 
 BLOCK = 16
 

@@ -10,7 +10,7 @@ import msgpack
 import openai
 import pytest
 
-from common.wire.messages import PROTOCOL_VERSION
+from pdserve.common.wire.messages import PROTOCOL_VERSION
 from tests.router.serving import MAX_MODEL_LEN, RawClient, serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")

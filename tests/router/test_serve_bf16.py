@@ -8,7 +8,7 @@ import signal
 import httpx
 import pytest
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 from tests.router.serving import MAX_MODEL_LEN, check_ready_file_workers, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")

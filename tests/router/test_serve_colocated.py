@@ -22,10 +22,10 @@ COLOCATED_TIMELINE = ["arrival", "routed", "decode_arrival", "prefill_queued", "
 def test_colocated_flag_alone_is_accepted(model_dir, monkeypatch):
     """`pdserve serve --colocated 2` (as DESIGN.md and --help spell it) must start two
     colocated workers. The CLI is run up to the point where it would start serving."""
-    import router.serve
-    from router.cli import main
+    import pdserve.router.serve as router_serve
+    from pdserve.router.cli import main
     started = []
-    monkeypatch.setattr(router.serve, "run", lambda dep, ready_file="": started.append(dep))
+    monkeypatch.setattr(router_serve, "run", lambda dep, ready_file="": started.append(dep))
     rc = main(["serve", model_dir, "--colocated", "2", "--http-port", "0", "--zmq-port", "0",
                "--num-kv-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1"])
     assert rc == 0 and len(started) == 1, "`--colocated 2` was rejected (see stderr)"
@@ -34,7 +34,7 @@ def test_colocated_flag_alone_is_accepted(model_dir, monkeypatch):
 
 
 def test_colocated_serves_greedy_and_stops_on_sigint(model_dir, tok, hf_greedy, tmp_path):
-    from router.client import Client
+    from pdserve.router.client import Client
     # `--prefill 0 --decode 0`: without them the CLI rejects `--colocated` alone, because
     # --prefill and --decode default to 1 (test_colocated_flag_alone_is_accepted)
     served = start_server(model_dir, tmp_path, ["--colocated", "2", "--prefill", "0", "--decode", "0"], MAX_MODEL_LEN)

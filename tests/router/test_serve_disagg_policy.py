@@ -71,7 +71,7 @@ def test_short_on_decode_long_via_prefill_token_exact(served, vocab_size, hf_gre
 
 @pytest.fixture(scope="module")
 def vocab_size(model_dir) -> int:
-    from common.config import ModelConfig
+    from pdserve.common.config import ModelConfig
     return ModelConfig.from_dir(model_dir).vocab_size
 
 
@@ -82,7 +82,7 @@ def test_serve_refuses_a_bad_latency_model_before_starting_workers(model_dir, tm
     from tests.router.serving import ROOT
     bad = tmp_path / "lm.json"
     bad.write_text('{"schema": "pdserve-latency-model/1", "prefill": {"points": [[1, 0.1], [2, 0.2]]}}')
-    done = subprocess.run([sys.executable, "-m", "router.cli", "serve", model_dir, "--http-port", "0", "--zmq-port", "0",
+    done = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "serve", model_dir, "--http-port", "0", "--zmq-port", "0",
                            "--disagg", "cost", "--disagg-latency-model", str(bad), "--ready-file", str(tmp_path / "r")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"latency model '{bad}': missing 'decode'" in done.stderr, done.stderr

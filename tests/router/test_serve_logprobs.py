@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 from tests.router.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
@@ -144,7 +144,7 @@ def test_top_logprobs_without_logprobs_is_a_400(pd):
 
 
 def test_zmq_client_gets_the_same_logprobs(pd, tok, offline):
-    from router.client import Client
+    from pdserve.router.client import Client
     ids = tok.encode(PROMPTS[0])
     want = offline(ids)
     with Client(pd.zmq, timeout_s=60) as client:

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 from tests.router.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, openai_client
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
@@ -147,7 +147,7 @@ def test_bad_n_is_a_400_naming_it(pd, n):
 
 
 def test_zmq_client_choices(pd, llm):
-    from router.client import Client
+    from pdserve.router.client import Client
     want = offline(llm, PROMPTS[0], n=3, **SEEDED)
     with Client(pd.zmq, timeout_s=60) as client:
         done = client.choices(PROMPTS[0], n=3, **SEEDED)

@@ -252,7 +252,7 @@ def test_continue_final_message(bos):
 
 
 def test_prompt_options_over_zeromq(bos):
-    from router.client import Client
+    from pdserve.router.client import Client
     served, _, hf = bos
     with_bos = hf.encode(PROMPTS[1], add_special_tokens=True)
     msgs = [*CHAT, {"role": "assistant", "content": "The decode worker, which"}]

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from router.client import Client, ServerError
+from pdserve.router.client import Client, ServerError
 from tests.reliability.harness import wait_blocks_baseline
 from tests.router.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, start_server, stop_server
 

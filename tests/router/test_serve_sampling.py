@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from common import LLM, SamplingParams
+from pdserve.common import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

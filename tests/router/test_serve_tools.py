@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from common.text.tokenizer import Tokenizer
+from pdserve.common.text.tokenizer import Tokenizer
 from tests.router.serving import RawClient, openai_client, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
@@ -43,7 +43,7 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",
 
 @pytest.fixture(scope="module")
 def tools_model(tmp_path_factory) -> str:
-    from common.loading.model_factory import make_model
+    from pdserve.common.loading.model_factory import make_model
     return str(make_model(tmp_path_factory.mktemp("qwen3_tools"), "qwen3", "tiny", seed=1, chat_template="qwen3"))
 
 

@@ -145,7 +145,7 @@ def test_doc_example_client_runs(pd, tok, hf_greedy):
 # ---- router/client.py -----------------------------------------------------------------
 
 def test_python_client(pd, tok, hf_greedy):
-    from router.client import Client, ServerError
+    from pdserve.router.client import Client, ServerError
     with Client(pd.zmq, timeout_s=60) as client:
         done = client.generate(PROMPTS[1], max_tokens=MAX_NEW, temperature=0, return_timeline=True)
         want = hf_greedy(pd.model_dir, tok.encode(PROMPTS[1]), MAX_NEW)
@@ -166,7 +166,7 @@ def test_python_client(pd, tok, hf_greedy):
 
 
 def test_async_client_many_in_flight(pd, tok, hf_greedy):
-    from router.client import AsyncClient
+    from pdserve.router.client import AsyncClient
 
     async def run():
         async with AsyncClient(pd.zmq) as client:

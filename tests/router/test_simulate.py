@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from common.config import SchedulerConfig
-from router import cli
-from router.config import RouterConfig
-from router.latency_model import Curve, DecodeFit, LatencyModel
-from router.simulate.sim import Deployment, Simulation
+from pdserve.common.config import SchedulerConfig
+from pdserve.router import cli
+from pdserve.router.config import RouterConfig
+from pdserve.router.latency_model import Curve, DecodeFit, LatencyModel
+from pdserve.router.simulate.sim import Deployment, Simulation
 
 BLOCK = 16
 
@@ -79,10 +79,10 @@ def test_colocated_prefix_cache_hit_is_the_block_managers():
 
 def test_the_engine_and_router_code_is_in_the_loop(monkeypatch):
     # The router's disaggregation decides: forced local, P never steps and D prefills.
-    from router.disagg_policy import Decision, DisaggPolicy
+    from pdserve.router.disagg_policy import Decision, DisaggPolicy
     monkeypatch.setattr(DisaggPolicy, "decide", lambda self, case: Decision(False, "test", case.uncached_on_decode))
     calls = []
-    from common.engine.scheduler import Scheduler
+    from pdserve.common.engine.scheduler import Scheduler
     real = Scheduler.schedule
     monkeypatch.setattr(Scheduler, "schedule", lambda self: calls.append(self) or real(self))
     sim = _sim(Deployment(1, 1))

@@ -10,9 +10,9 @@ import json
 import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
-from common.engine.grammar import check
-from router.chat_output import ChoiceOutput
-from router.tools import ToolError, tool_plan, wire_tool_calls
+from pdserve.common.engine.grammar import check
+from pdserve.router.chat_output import ChoiceOutput
+from pdserve.router.tools import ToolError, tool_plan, wire_tool_calls
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
@@ -139,8 +139,8 @@ def test_named_and_required_outputs():
 def test_qwen3_template_renders_tools_as_transformers(tmp_path):
     from transformers import AutoTokenizer
 
-    from common.loading.model_factory import make_model
-    from common.text.tokenizer import Tokenizer
+    from pdserve.common.loading.model_factory import make_model
+    from pdserve.common.text.tokenizer import Tokenizer
     model = make_model(tmp_path / "q3", "qwen3", "tiny", seed=1, chat_template="qwen3")
     ours, hf = Tokenizer(model), AutoTokenizer.from_pretrained(model)
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from common.wire.auth import AuthError, DeploymentKey, new_secret, read_secret_file
+from pdserve.common.wire.auth import AuthError, DeploymentKey, new_secret, read_secret_file
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_frame_outside_the_window_is_refused(key, monkeypatch):
     """A validly signed frame captured long ago (its receiver since restarted: no replay
     table) is refused by its time."""
     signer = key.signer()
-    import common.wire.auth as auth
+    import pdserve.common.wire.auth as auth
     real = auth.time.time
     monkeypatch.setattr(auth.time, "time", lambda: real() - 120)
     old = signer.sign(b"payload")

@@ -8,11 +8,11 @@ import time
 import pytest
 import zmq
 
-from common.sampling_params import SamplingParams
-from common.wire import curve
-from common.wire.auth import DeploymentKey, new_secret
-from common.wire.messages import GenerateRequest
-from common.wire.transport import Client, Server
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire import curve
+from pdserve.common.wire.auth import DeploymentKey, new_secret
+from pdserve.common.wire.messages import GenerateRequest
+from pdserve.common.wire.transport import Client, Server
 from tests.security.wire_tap import WireTap
 
 MARKER = b"plaintext KV marker " * 64  # a raw frame, as the tcp KV transport sends one

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from common.wire.auth import new_secret
-from router.config import RouterConfig
-from router.control import ControlPlane
-from router.control_client import ControlClient, ControlError
-from router.core import Router
+from pdserve.common.wire.auth import new_secret
+from pdserve.router.config import RouterConfig
+from pdserve.router.control import ControlPlane
+from pdserve.router.control_client import ControlClient, ControlError
+from pdserve.router.core import Router
 
 
 def run_with_curve_router(model_dir: str, check) -> None:

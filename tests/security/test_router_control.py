@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from common.wire import messages
-from common.wire.auth import DeploymentKey, new_secret
-from common.wire.transport import Authenticator
+from pdserve.common.wire import messages
+from pdserve.common.wire.auth import DeploymentKey, new_secret
+from pdserve.common.wire.transport import Authenticator
 from tests.router.test_core import Harness, collect, submit
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.worker.faults import FAULT_TOKEN_ENV
+from pdserve.common.worker.faults import FAULT_TOKEN_ENV
 from tests.disagg.driver import engine_options, start_pair
 
 POISON = 333

@@ -10,15 +10,15 @@ import pytest
 import torch
 import zmq
 
-from common.wire.auth import DeploymentKey, new_secret
-from common.engine.kv_layout import layout_of
-from common.worker.host import local_host_id
-from common.wire.messages import KVHandshake, KVHandshakeReply, PrefillFailed, PrefillRequest
-from common.sampling_params import SamplingParams
-from common.wire.transport import Client
-from common.worker.spec import WorkerSpec
-from kv_transfer import shm_name_hint
-from kv_transfer.shm import ShmReceiver
+from pdserve.common.wire.auth import DeploymentKey, new_secret
+from pdserve.common.engine.kv_layout import layout_of
+from pdserve.common.worker.host import local_host_id
+from pdserve.common.wire.messages import KVHandshake, KVHandshakeReply, PrefillFailed, PrefillRequest
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire.transport import Client
+from pdserve.common.worker.spec import WorkerSpec
+from pdserve.kv_transfer import shm_name_hint
+from pdserve.kv_transfer.shm import ShmReceiver
 from tests.disagg.driver import engine_options, shm_segments, start_pair
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from router.bench.arrivals import arrival_times
+from pdserve.router.bench.arrivals import arrival_times
 
 N = 20_000
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.metrics import (RequestRecord, attainment, goodput_rate, meets_slo, phase_breakdown,
+from pdserve.router.bench.metrics import (RequestRecord, attainment, goodput_rate, meets_slo, phase_breakdown,
                                   summarize)
 
 MS = 1e-3

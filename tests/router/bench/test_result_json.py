@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from router.bench import cli
-from router.bench.metrics import RequestRecord, goodput_rate
+from pdserve.router.bench import cli
+from pdserve.router.bench.metrics import RequestRecord, goodput_rate
 from tests.router.bench.result_keys import DETAIL_KEYS, SUMMARY_KEYS
 
 TRACE = "/work/shared/data/mooncake/conversation_trace.jsonl"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.shifting_trace import Phase, shifting_mix, write_trace
-from router.bench.workloads import mooncake_workload
+from pdserve.router.bench.shifting_trace import Phase, shifting_mix, write_trace
+from pdserve.router.bench.workloads import mooncake_workload
 
 
 def test_halves_have_their_phase_mix():

@@ -2,8 +2,8 @@
 (vLLM and other servers) text chunks fitted to the final usage chunk."""
 from __future__ import annotations
 
-from router.bench.metrics import RequestRecord
-from router.bench.runner import count_stream_tokens, fit_token_times
+from pdserve.router.bench.metrics import RequestRecord
+from pdserve.router.bench.runner import count_stream_tokens, fit_token_times
 
 
 def _text(t: float, text: str) -> tuple[float, dict]:

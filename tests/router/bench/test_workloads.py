@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common.engine.block_manager import BlockManager
-from common.sampling_params import SamplingParams
-from common.engine.sequence import Sequence
-from router.bench.workloads import (FIRST_ORDINARY_TOKEN, BenchRequest, ideal_hit_rate, mooncake_workload,
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.engine.sequence import Sequence
+from pdserve.router.bench.workloads import (FIRST_ORDINARY_TOKEN, BenchRequest, ideal_hit_rate, mooncake_workload,
                                     random_workload, shared_prefix_workload)
 
 VOCAB = 1000

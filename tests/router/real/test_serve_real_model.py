@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.text.tokenizer import Tokenizer
+from pdserve.common.text.tokenizer import Tokenizer
 from tests.router.real.conftest import MAX_MODEL_LEN
 from tests.router.serving import served_model
 

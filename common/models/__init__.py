@@ -1,4 +1,0 @@
-"""Decoder-only model code (Qwen3, Qwen2, Llama) on the paged KV cache."""
-from common.models.decoder import DecoderForCausalLM
-
-__all__ = ["DecoderForCausalLM"]

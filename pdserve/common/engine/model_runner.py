@@ -1,0 +1,314 @@
+"""Runs the model on a scheduled batch: builds the flat inputs (input_ids, positions,
+slot_mapping, block tables), calls the forward pass and samples. Owns the model, the
+paged KV cache tensor and per-request sampling generators."""
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from pdserve.common.models.attention import AttentionMetadata
+from pdserve.common.config import ConfigError, EngineConfig
+from pdserve.common.engine.kv_layout import kv_cache_tensor
+from pdserve.common.malloc_tuning import keep_freed_memory
+from pdserve.common.models import DecoderForCausalLM
+from pdserve.common.models.precision import cast_model, kv_cache_dtype
+from pdserve.common.engine.grammar import Grammars
+from pdserve.common.engine.logprobs import fill_prompt_logprobs, prompt_spans, raw_logprobs, token_logprobs
+from pdserve.common.engine.sampler import Sampler, make_generator
+from pdserve.common.engine.scheduler import ScheduledBatch
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.loading.gguf_quant import gguf_linears
+from pdserve.common.loading.weights import load_weights
+from pdserve.common.models.quantize import quantize_linears, set_quantized
+from pdserve.common.quantization import gguf_source
+from pdserve.common.logprobs import TokenLogprobs
+from pdserve import kernels
+from pdserve.kernels.cpu_decode import DecodeInputs
+
+
+def kv_cache_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
+    """[2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim] (the index order; on
+    the CPU the memory order differs: `common.engine.kv_layout.kv_cache_tensor`)."""
+    m = config.model
+    return (2, m.num_layers, num_blocks, config.cache.block_size, m.num_kv_heads, m.head_dim)
+
+
+def bytes_per_block(config: EngineConfig) -> int:
+    shape = kv_cache_shape(config, 1)
+    return int(np.prod(shape)) * torch.empty((), dtype=kv_cache_dtype(config.device)).element_size()
+
+
+def decide_num_blocks(config: EngineConfig) -> int:
+    """Cache size in blocks: the configured count, else `memory_fraction` of device memory."""
+    if config.cache.num_kv_blocks is not None:
+        n = config.cache.num_kv_blocks
+    else:
+        if config.device.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(config.device.device))
+            budget = free * config.cache.memory_fraction
+        else:
+            budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * config.cache.memory_fraction
+        n = int(budget // bytes_per_block(config))
+    need = -(-config.scheduler.max_model_len // config.cache.block_size)
+    if n < need:
+        raise ConfigError(
+            f"KV cache of {n} blocks cannot hold one sequence of max_model_len "
+            f"{config.scheduler.max_model_len} ({need} blocks of {config.cache.block_size} tokens); "
+            f"raise num_kv_blocks or lower max_model_len")
+    return n
+
+
+def quantize(model: DecoderForCausalLM, config: EngineConfig) -> None:
+    """The model's linears in the engine's weight-only quantization (common/quantization.py)."""
+    q = config.device.quantization
+    if q in ("int8", "int4"):
+        quantize_linears(model, q)
+    elif q == "gguf":
+        source = gguf_source(config.model.model_dir)
+        if source is None:
+            raise ConfigError(f"quantization 'gguf': the GGUF file {config.model.model_dir} was converted from "
+                              "is gone or changed")
+        set_quantized(model, gguf_linears(source, config.model))
+
+
+class Sampled(NamedTuple):
+    """One sequence's sampled token and, when its request asks, its log-probabilities."""
+    token: int
+    logprobs: TokenLogprobs | None = None
+
+
+class ModelRunner:
+    """Owns the model weights, the KV cache and sampling state of one engine."""
+
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
+        self.config = config
+        dev = config.device
+        if dev.num_threads:
+            torch.set_num_threads(dev.num_threads)
+        self.device = torch.device(dev.device)
+        self.on_cpu = self.device.type == "cpu"  # read every step: one attribute, not two
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.block_size = config.cache.block_size
+        model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
+        load_weights(model, config.model.model_dir)
+        self.model = cast_model(model, dev).eval().requires_grad_(False)  # bf16 on the CPU: stored, not computed in
+        quantize(self.model, config)
+        self.model.model.rope.to(torch.float32)  # cos/sin tables stay fp32 for accuracy
+        if kv_cache is None:
+            self.num_blocks = decide_num_blocks(config)
+            kv_cache = kv_cache_tensor(kv_cache_shape(config, self.num_blocks), kv_cache_dtype(dev), self.device)
+        else:
+            self.num_blocks = kv_cache.shape[2]
+        self.kv_cache = kv_cache
+        self.model.kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(config.model.num_layers)]
+        self.sampler = Sampler(config.seed, dev.device)
+        self.grammars = Grammars(config.model.model_dir, config.model.vocab_size)  # structured output
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def generator_state(self, seq_id: int) -> bytes:
+        """The state of a seeded request's generator (b"" if it has none), to hand the
+        request to another engine mid-stream."""
+        gen = self._generators.get(seq_id)
+        return b"" if gen is None else gen.get_state().numpy().tobytes()
+
+    def generator_states(self, seqs: list[Sequence]) -> dict[int, bytes]:
+        """The generator states of `seqs` that have one, to put back if a step fails."""
+        return {s.seq_id: self.generator_state(s.seq_id) for s in seqs if s.seq_id in self._generators}
+
+    def restore_generator_states(self, seqs: list[Sequence], states: dict[int, bytes]) -> None:
+        for s in seqs:
+            gen = self._generators.get(s.seq_id)
+            if gen is not None and s.seq_id in states:
+                gen.set_state(torch.frombuffer(bytearray(states[s.seq_id]), dtype=torch.uint8))
+
+    def restore_generator(self, seq: Sequence, state: bytes) -> None:
+        """Continue `seq`'s random stream from `state` (from `generator_state` of an
+        engine on the same kind of device). Raises ValueError if it does not fit."""
+        gen = self._generator(seq) if state else None
+        if gen is None:
+            return
+        try:
+            gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except RuntimeError as e:
+            raise ValueError(f"sampler state of {len(state)} bytes does not fit this engine's "
+                             f"{self.config.device.device} generator: {e}") from None
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None
+                ) -> dict[int, Sampled]:
+        """Run one step; returns {seq_id: sampled token} for seqs that completed all their tokens."""
+        if layer_hook is None and self.on_cpu and all(n == 1 for n in batch.num_tokens):
+            sampled = self._decode_native(batch.seqs)
+            if sampled is not None:
+                return sampled
+        order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)  # decode first
+        seqs = [batch.seqs[i] for i in order]
+        counts = [batch.num_tokens[i] for i in order]
+        input_ids, positions, meta, sample_idx, sample_seqs = self.prepare(seqs, counts)
+        # a pure decode step's linears: quantized weights by int8 dot products at any batch size
+        with kernels.decode_rows(meta.num_decode == len(input_ids)):
+            return self._execute(input_ids, positions, meta, sample_idx, sample_seqs, seqs, counts, layer_hook)
+
+    def _execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, sample_idx: torch.Tensor,
+                 sample_seqs: list[Sequence], seqs: list[Sequence], counts: list[int],
+                 layer_hook: Callable[[int], None] | None) -> dict[int, Sampled]:
+        spans = prompt_spans(seqs, counts)  # [] unless a sequence asks for its prompt's logprobs
+        if spans:
+            rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]).to(self.device)
+            hidden = self.model(input_ids, positions, meta, layer_hook, keep=torch.cat([rows, sample_idx]))
+            fill_prompt_logprobs(self.model.compute_logits, hidden[:len(rows)], spans)
+            hidden = hidden[len(rows):]  # [S, hidden]
+        else:
+            # every row sampled (a decode batch): all of them, in order, without a copy
+            keep = None if len(sample_idx) == len(input_ids) else sample_idx
+            hidden = self.model(input_ids, positions, meta, layer_hook, keep=keep)  # [S, hidden]
+        if not sample_seqs:
+            return {}
+        return self.sample(hidden, sample_seqs)
+
+    def _decode_native(self, seqs: list[Sequence]) -> dict[int, Sampled] | None:
+        """A CPU decode batch whose every row is sampled, from token ids to logits and
+        their argmax in the native stack's one call (`DecoderForCausalLM.decode_logits`),
+        its inputs plain arrays (`decode_inputs`): no tensor is made on the way in, where
+        `prepare` makes five. None where the stack does not apply: `prepare` and the
+        model's forward then, with the same logits."""
+        rows = self.decode_inputs(seqs)
+        fused = None if rows is None else self.model.decode_logits(rows)
+        return None if fused is None else self.sample_logits(fused[0], seqs, fused[1])
+
+    def decode_inputs(self, seqs: list[Sequence]) -> DecodeInputs | None:
+        """The native stack's inputs for a batch of one token per sequence, in order; None
+        for no rows or unless every row is its sequence's last token (sampled)."""
+        pos = [s.num_computed_tokens for s in seqs]
+        if not seqs or any(p + 1 != len(s) for s, p in zip(seqs, pos)):
+            return None
+        return DecodeInputs.of([s.token_ids[p] for s, p in zip(seqs, pos)], pos, [s.block_table for s in seqs],
+                               self.block_size)
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> dict[int, Sampled]:
+        """hidden [S, hidden] of each seq's last token -> {seq_id: next token}."""
+        return self.sample_logits(self.model.compute_logits(hidden), seqs)  # [S, V]
+
+    def sample_logits(self, logits: torch.Tensor, seqs: list[Sequence], top: list[int] | None = None
+                      ) -> dict[int, Sampled]:
+        """logits [S, V] of each seq's last token (`top`: each row's argmax, if known) ->
+        {seq_id: next token}. A seq with forks (n > 1, its prompt just computed) lends its
+        logits row to each of them: every choice samples its first token from the same
+        logits with its own generator."""
+        if any(s.forks for s in seqs):
+            top = None
+            logits = logits[[i for i, s in enumerate(seqs) for _ in range(1 + len(s.forks))]]  # [S + forks, V]
+            seqs = [r for s in seqs for r in (s, *s.forks)]
+        params = [s.sampling_params for s in seqs]
+        raw = raw_logprobs(logits, params)  # None unless a row asks; taken before the grammar's mask
+        # one check: a step without structured-output rows fills no mask
+        bitmask = self.grammars.bitmask(seqs) if any(p.structured for p in params) else None
+        tokens = self.sampler(logits, params, [self._generator(s) for s in seqs],
+                              [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], bitmask, top)
+        lps = token_logprobs(raw, params, tokens) if raw is not None else {}
+        return {s.seq_id: Sampled(t, lps.get(i)) for i, (s, t) in enumerate(zip(seqs, tokens))}
+
+    def prepare(self, seqs: list[Sequence], counts: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        """Flatten a decode-first batch into model inputs and attention metadata."""
+        if counts and all(n == 1 for n in counts):
+            return self.prepare_decode(seqs)
+        return self.prepare_mixed(seqs, counts)
+
+    def prepare_mixed(self, seqs: list[Sequence], counts: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        """`prepare` for any decode-first batch (prompt chunks among it)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        sample_idx: list[int] = []
+        sample_seqs: list[Sequence] = []
+        num_decode = sum(1 for n in counts if n == 1)
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        pre_q, pre_ctx, pre_tables = [], [], []
+        offset = 0
+        for seq, n in zip(seqs, counts):
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            pos_chunks.append(pos)
+            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+            else:
+                pre_q.append(n)
+                pre_ctx.append(end)
+                pre_tables.append(torch.from_numpy(table).to(self.device))
+            offset += n
+            if end == len(seq):
+                sample_idx.append(offset - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        tables = np.full((len(decode_tables), max_blocks), -1, dtype=np.int32)
+        for i, t in enumerate(decode_tables):
+            tables[i, :len(t)] = t
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            num_decode=num_decode,
+            decode_block_tables=torch.from_numpy(tables).to(dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            prefill_q_lens=pre_q,
+            prefill_context_lens=pre_ctx,
+            prefill_block_tables=pre_tables,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
+        return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.int64, device=dev), sample_seqs
+
+    def prepare_decode(self, seqs: list[Sequence]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        """`prepare` for a batch of one token per sequence, from plain lists: a decode step's
+        inputs in five tensors (a numpy array per sequence costs more than the step's
+        Python elsewhere, its code cold after the weights streamed through the caches)."""
+        bs, dev = self.block_size, self.device
+        pos = [s.num_computed_tokens for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        sampled = [i for i, (s, p) in enumerate(zip(seqs, pos)) if p + 1 == len(s)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+                                      dtype=torch.int64, device=dev),
+            num_decode=len(seqs),
+            decode_block_tables=torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs],
+                                             dtype=torch.int32, device=dev),
+            decode_context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev),
+            prefill_q_lens=[], prefill_context_lens=[], prefill_block_tables=[])
+        input_ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, pos)], dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return (input_ids, positions, meta, torch.tensor(sampled, dtype=torch.int64, device=dev),
+                [seqs[i] for i in sampled])
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of block src into block dst, every layer, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, device=self.kv_cache.device) for x in zip(*pairs))
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [2, layers, len(pairs), block, heads, dim]
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None or seq.sampling_params.greedy:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:  # choice i of n: seed + i, so choice 0 keeps the stream an n = 1 request has
+            gen = self._generators[seq.seq_id] = make_generator(seed + seq.index, self.config.device.device)
+        return gen
