@@ -80,7 +80,7 @@ class Launcher:
             spec.worker, ready_file=str(ready), secret=self.secret, curve=self.curve,
             router_pid=spec.worker.router_pid or os.getpid()))
         config_path = spec.write(self.workdir / f"{name}.json")
-        package = "prefill_node" if spec.worker.role == "prefill" else "decode_node"
+        package = "pdserve.prefill_node" if spec.worker.role == "prefill" else "pdserve.decode_node"
         cmd = [sys.executable, "-m", package, "--config", str(config_path)]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log_path, "wb") as log:
