@@ -24,7 +24,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from pdserve.common.config import ConfigError
+from pdserve.common.config_base import ConfigError
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 GGUF_SOURCE = "gguf_source.json"  # in a converted folder: the GGUF file it came from

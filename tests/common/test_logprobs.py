@@ -8,7 +8,7 @@ import torch
 
 from pdserve.common import LLM, SamplingParams
 from pdserve.common.sampling_params import SamplingParamsError
-from tests.helpers import mixed_prompts
+from tests.support.helpers import mixed_prompts
 
 MAX_NEW = 6
 

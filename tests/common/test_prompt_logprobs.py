@@ -9,7 +9,7 @@ import torch
 
 from pdserve.common import LLM, SamplingParams
 from pdserve.common.sampling_params import SamplingParamsError
-from tests.helpers import mixed_prompts
+from tests.support.helpers import mixed_prompts
 
 K = 5
 

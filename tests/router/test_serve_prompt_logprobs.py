@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pdserve.router.client import Client, ServerError
-from tests.reliability.harness import wait_blocks_baseline
-from tests.router.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, start_server, stop_server
+from tests.support.reliability_harness import wait_blocks_baseline
+from tests.support.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 PROMPT = PROMPTS[2]  # longer than the 16-token step
