@@ -4,6 +4,7 @@ computation of the same inputs differs by -- never a fixed distance from transfo
 which on another chip (another summation order) is itself off by about that much."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,7 @@ class LogprobReference:
         return self.f64[index]
 
 
+@functools.lru_cache(maxsize=4)
 def logprob_reference(model_dir: str) -> Callable[[list[int]], LogprobReference]:
     """ids -> LogprobReference (row t predicts token t + 1), from one transformers model
     loaded in float64 and one in float32."""
