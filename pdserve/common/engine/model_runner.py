@@ -14,7 +14,8 @@ from pdserve.common.config import ConfigError, EngineConfig
 from pdserve.common.engine.kv_layout import kv_cache_tensor
 from pdserve.common.malloc_tuning import keep_freed_memory
 from pdserve.common.models import DecoderForCausalLM
-from pdserve.common.models.precision import cast_model, kv_cache_dtype
+from pdserve.common.models.decoder import build_model
+from pdserve.common.models.precision import activation_dtype, cast_model, kv_cache_dtype
 from pdserve.common.engine.grammar import Grammars
 from pdserve.common.engine.logprobs import fill_prompt_logprobs, prompt_spans, raw_logprobs, token_logprobs
 from pdserve.common.engine.sampler import Sampler, make_generator
@@ -93,7 +94,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.block_size = config.cache.block_size
-        model = DecoderForCausalLM(config.model, max_positions=config.scheduler.max_model_len)
+        # allocated where and as it runs, then filled: no random init (of up to billions of weights) first
+        model = build_model(config.model, config.scheduler.max_model_len, self.device, activation_dtype(dev))
         load_weights(model, config.model.model_dir)
         self.model = cast_model(model, dev).eval().requires_grad_(False)  # bf16 on the CPU: stored, not computed in
         quantize(self.model, config)

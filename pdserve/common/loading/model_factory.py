@@ -5,11 +5,19 @@ which would let KV-cache bugs pass unseen. Weights here are drawn at fan-in scal
 (std 1/sqrt(fan_in)) so every layer mixes context strongly, and the logits keep a
 spread of a few units, so greedy continuations vary and top-1 margins stay far above
 float32 noise.
+
+Two kinds of size: the test and benchmark models (`tiny`, `small`: float32, one file,
+the vocabulary the trained tokenizer has) and published families' exact shapes
+(`llama3-8b`, `qwen3-8b`, `qwen3-1.7b`: bf16 in shards, the published vocabulary and
+RoPE settings), which are drawn on the GPU when there is one, so that an 8B model is
+written in the time its 16 GB take to reach the disk.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +31,9 @@ from pdserve.common.text.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, a
 
 @dataclass(frozen=True)
 class ModelSize:
+    """One model shape and what config.json says beside it. A published family's shape
+    (`arch` set) fixes the architecture, the vocabulary and the RoPE settings."""
+
     hidden: int
     intermediate: int
     layers: int
@@ -31,7 +42,42 @@ class ModelSize:
     head_dim: int
     vocab: int  # BPE training target; the trained vocabulary may come out smaller
     max_positions: int
+    arch: str | None = None  # the family's architecture; None: any (--arch)
+    model_vocab: int | None = None  # config.json's vocab_size (the family's); None: the tokenizer's
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie: bool | None = None  # None: tied for qwen3 (the test models' rule)
+    rms_norm_eps: float = 1e-6
+    dtype: str = "float32"  # on disk: float32 or bfloat16
 
+    def scaled(self, **changes) -> "ModelSize":
+        """The same family with some dimensions changed (a test's scaled-down copy)."""
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters(self) -> int:
+        """Parameters of the model config.json describes (an untied lm_head counted)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        vocab = self.model_vocab or self.vocab
+        per_layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        if self.arch == "qwen3":
+            per_layer += 2 * self.head_dim  # q_norm, k_norm
+        if self.arch == "qwen2":
+            per_layer += q + 2 * kv  # q/k/v biases
+        tied = self.tie if self.tie is not None else False
+        return vocab * self.hidden * (1 if tied else 2) + self.layers * per_layer + self.hidden
+
+
+# The published families' shapes, written from their config.json files on the Hugging Face
+# Hub as published (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B, Qwen/Qwen3-1.7B), from
+# knowledge of those files, not fetched: hidden, intermediate, layers, heads, KV heads,
+# head_dim, vocab_size, max_position_embeddings, rms_norm_eps, rope_theta, rope_scaling,
+# tie_word_embeddings and torch_dtype are theirs. `llama3-8b` is Llama 3.1's 8B (Llama 3's
+# 8B had no rope_scaling and 8192 positions). What is not theirs: the tokenizer (ours,
+# trained offline, smaller than the model's vocabulary: ids past it are never produced by
+# encoding and decode to nothing) and so the bos/eos/pad ids, which are our tokenizer's.
+LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+FAMILY_TOKENIZER_VOCAB = 8192  # the BPE target of the published families' tokenizer
 
 SIZES = {
     # a test model: ~1M parameters, fast enough for token-exact tests on 2 cores
@@ -40,33 +86,76 @@ SIZES = {
     # a benchmark model: ~40M parameters, Qwen3-0.6B-like ratios with fewer layers
     "small": ModelSize(hidden=512, intermediate=1536, layers=12, heads=8, kv_heads=4, head_dim=64,
                        vocab=8192, max_positions=4096),
+    # Llama-3.1-8B: 8.03B parameters
+    "llama3-8b": ModelSize(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128,
+                           vocab=FAMILY_TOKENIZER_VOCAB, max_positions=131072, arch="llama", model_vocab=128256,
+                           rope_theta=500000.0, rope_scaling=LLAMA3_ROPE_SCALING, tie=False, rms_norm_eps=1e-5,
+                           dtype="bfloat16"),
+    # Qwen3-8B: 8.19B parameters
+    "qwen3-8b": ModelSize(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
+                          vocab=FAMILY_TOKENIZER_VOCAB, max_positions=40960, arch="qwen3", model_vocab=151936,
+                          rope_theta=1000000.0, tie=False, rms_norm_eps=1e-6, dtype="bfloat16"),
+    # Qwen3-1.7B: 1.72B parameters (the lm_head tied to the embedding)
+    "qwen3-1.7b": ModelSize(hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8, head_dim=128,
+                            vocab=FAMILY_TOKENIZER_VOCAB, max_positions=40960, arch="qwen3", model_vocab=151936,
+                            rope_theta=1000000.0, tie=True, rms_norm_eps=1e-6, dtype="bfloat16"),
 }
 QK_NORM_GAIN = 3.0
 _ARCH_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 # chat template -> (its text, the not-special added tokens it needs); "simple" takes no tools,
 # "qwen3" is Qwen3's own (tools, tool responses and <think>)
 CHAT_TEMPLATES = {"simple": (CHAT_TEMPLATE, []), "qwen3": (QWEN3_CHAT_TEMPLATE, QWEN3_ADDED_TOKENS)}
+SHARD_BYTES = 4 << 30  # bf16 checkpoints are written in shards of about this size, as the Hub's are
 
 
-def make_model(out_dir: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0,
-               tie_word_embeddings: bool | None = None, chat_template: str = "simple") -> Path:
-    """Write config.json, model.safetensors, generation_config.json and a tokenizer whose
-    chat template is one of CHAT_TEMPLATES."""
+def make_model(out_dir: str | Path, arch: str | None = None, size: str | ModelSize = "tiny", seed: int = 0,
+               tie_word_embeddings: bool | None = None, chat_template: str = "simple", *,
+               device: str | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write config.json, the weights (model.safetensors, or shards and their index past
+    `shard_bytes`), generation_config.json and a tokenizer whose chat template is one of
+    CHAT_TEMPLATES. `arch` None: the size's family, else qwen3. `size`: a name in SIZES
+    or a ModelSize. `device`: where the weights are drawn (None: the GPU for a bf16
+    family when there is one, else the CPU; a seed gives other weights on another device)."""
+    s = _size(size)
+    arch = arch or s.arch or "qwen3"
     if arch not in SUPPORTED_ARCHS:
         raise ConfigError(f"unknown arch {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
-    if size not in SIZES:
-        raise ConfigError(f"unknown size {size!r} (supported: {', '.join(SIZES)})")
+    if s.arch is not None and arch != s.arch:
+        raise ConfigError(f"size {size!r} is a {s.arch} model; arch {arch!r} does not fit it")
     if chat_template not in CHAT_TEMPLATES:
         raise ConfigError(f"unknown chat template {chat_template!r} (supported: {', '.join(CHAT_TEMPLATES)})")
     template, plain_tokens = CHAT_TEMPLATES[chat_template]
-    s = SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_bpe_tokenizer(s.vocab, seed)
     add_plain_tokens(tok, plain_tokens)
-    vocab = tok.get_vocab_size()
+    vocab = s.model_vocab or tok.get_vocab_size()
+    if vocab < tok.get_vocab_size():
+        raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than its tokenizer's ({tok.get_vocab_size()})")
     eos_id, pad_id = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
-    tie = (arch == "qwen3") if tie_word_embeddings is None else tie_word_embeddings
+    tie = tie_word_embeddings if tie_word_embeddings is not None else s.tie if s.tie is not None else arch == "qwen3"
+    config = hf_config(arch, s, vocab, tie, eos_id, pad_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": pad_id, "eos_token_id": [eos_id, pad_id], "pad_token_id": pad_id,
+         "do_sample": False}, indent=2))
+    save_tokenizer(tok, out, s.max_positions, template, plain_tokens)
+    if device is None:
+        device = "cuda" if s.dtype != "float32" and torch.cuda.is_available() else "cpu"
+    write_weights(out, _weight_specs(arch, s, vocab, tie), seed, device, getattr(torch, s.dtype), shard_bytes)
+    return out
+
+
+def _size(size: str | ModelSize) -> ModelSize:
+    if isinstance(size, ModelSize):
+        return size
+    if size not in SIZES:
+        raise ConfigError(f"unknown size {size!r} (supported: {', '.join(SIZES)})")
+    return SIZES[size]
+
+
+def hf_config(arch: str, s: ModelSize, vocab: int, tie: bool, eos_id: int, pad_id: int) -> dict:
+    """config.json for shape `s` as transformers writes it for `arch`."""
     config = {
         "architectures": [_ARCH_CLASS[arch]],
         "model_type": arch,
@@ -79,64 +168,100 @@ def make_model(out_dir: str | Path, arch: str = "qwen3", size: str = "tiny", see
         "head_dim": s.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": s.max_positions,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rms_norm_eps": s.rms_norm_eps,
+        "rope_theta": s.rope_theta,
         "tie_word_embeddings": tie,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": pad_id,
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
-        "torch_dtype": "float32",
+        "torch_dtype": s.dtype,
         "use_cache": True,
     }
+    if s.rope_scaling is not None:
+        config["rope_scaling"] = dict(s.rope_scaling)
     if arch == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
     if arch in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=s.layers)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": pad_id, "eos_token_id": [eos_id, pad_id], "pad_token_id": pad_id,
-         "do_sample": False}, indent=2))
-    save_tokenizer(tok, out, s.max_positions, template, plain_tokens)
-    save_file(_random_weights(arch, s, vocab, tie, seed), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    return out
+    return config
 
 
-def _random_weights(arch: str, s: ModelSize, vocab: int, tie: bool, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+# (name, shape, draw): draw(generator, device) -> the float32 tensor
+WeightSpec = tuple[str, tuple[int, ...], Callable[[torch.Generator, str], torch.Tensor]]
 
-    def fan_in(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) * (gain / math.sqrt(in_f))
 
-    def near_one(n: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(n, generator=g)
+def _weight_specs(arch: str, s: ModelSize, vocab: int, tie: bool) -> list[WeightSpec]:
+    """Every tensor of the checkpoint with how it is drawn, in the order the draws consume
+    one generator (the order fixes the bits a seed gives)."""
+    def fan_in(name: str, out_f: int, in_f: int, gain: float = 1.0) -> WeightSpec:
+        return name, (out_f, in_f), lambda g, dev: torch.randn(out_f, in_f, generator=g, device=dev) * (gain / math.sqrt(in_f))
+
+    def near_one(name: str, n: int, gain: float = 1.0) -> WeightSpec:
+        if gain == 1.0:
+            return name, (n,), lambda g, dev: 1.0 + 0.1 * torch.randn(n, generator=g, device=dev)
+        return name, (n,), lambda g, dev: gain * (1.0 + 0.1 * torch.randn(n, generator=g, device=dev))
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> WeightSpec:
+        return name, shape, lambda g, dev: std * torch.randn(*shape, generator=g, device=dev)
 
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     # Tied: the embedding doubles as the output head, so keep it small next to the layer
     # outputs; otherwise each token's own embedding dominates and greedy repeats it.
     embed_std = 2.0 / math.sqrt(s.hidden) if tie else 1.0
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed_std * torch.randn(vocab, s.hidden, generator=g)}
+    w = [normal("model.embed_tokens.weight", (vocab, s.hidden), embed_std)]
     for i in range(s.layers):
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = fan_in(q, s.hidden, gain=2.0)
-        w[p + "self_attn.k_proj.weight"] = fan_in(kv, s.hidden, gain=2.0)
-        w[p + "self_attn.v_proj.weight"] = fan_in(kv, s.hidden)
-        w[p + "self_attn.o_proj.weight"] = fan_in(s.hidden, q)
+        w += [fan_in(p + "self_attn.q_proj.weight", q, s.hidden, gain=2.0),
+              fan_in(p + "self_attn.k_proj.weight", kv, s.hidden, gain=2.0),
+              fan_in(p + "self_attn.v_proj.weight", kv, s.hidden),
+              fan_in(p + "self_attn.o_proj.weight", s.hidden, q)]
         if arch == "qwen2":
-            for name, n in (("q", q), ("k", kv), ("v", kv)):
-                w[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(n, generator=g)
+            w += [normal(p + f"self_attn.{name}_proj.bias", (n,), 0.1) for name, n in (("q", q), ("k", kv), ("v", kv))]
         if arch == "qwen3":
             # q/k norms fix the score scale; a gain > 1 keeps attention from going flat
-            w[p + "self_attn.q_norm.weight"] = QK_NORM_GAIN * near_one(s.head_dim)
-            w[p + "self_attn.k_norm.weight"] = QK_NORM_GAIN * near_one(s.head_dim)
-        w[p + "mlp.gate_proj.weight"] = fan_in(s.intermediate, s.hidden)
-        w[p + "mlp.up_proj.weight"] = fan_in(s.intermediate, s.hidden)
-        w[p + "mlp.down_proj.weight"] = fan_in(s.hidden, s.intermediate)
-        w[p + "input_layernorm.weight"] = near_one(s.hidden)
-        w[p + "post_attention_layernorm.weight"] = near_one(s.hidden)
-    w["model.norm.weight"] = near_one(s.hidden)
+            w += [near_one(p + "self_attn.q_norm.weight", s.head_dim, QK_NORM_GAIN),
+                  near_one(p + "self_attn.k_norm.weight", s.head_dim, QK_NORM_GAIN)]
+        w += [fan_in(p + "mlp.gate_proj.weight", s.intermediate, s.hidden),
+              fan_in(p + "mlp.up_proj.weight", s.intermediate, s.hidden),
+              fan_in(p + "mlp.down_proj.weight", s.hidden, s.intermediate),
+              near_one(p + "input_layernorm.weight", s.hidden),
+              near_one(p + "post_attention_layernorm.weight", s.hidden)]
+    w.append(near_one("model.norm.weight", s.hidden))
     if not tie:
-        w["lm_head.weight"] = fan_in(vocab, s.hidden, gain=3.0)
-    return {k: v.contiguous() for k, v in w.items()}
+        w.append(fan_in("lm_head.weight", vocab, s.hidden, gain=3.0))
+    return w
+
+
+def write_weights(out: Path, specs: list[WeightSpec], seed: int, device: str, dtype: torch.dtype,
+                  shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Draw every tensor of `specs` on `device` from one generator seeded `seed`, round it
+    to `dtype` and write the whole as model.safetensors, or, past `shard_bytes`, as
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json (the Hub's names).
+    Shards are planned from the shapes first, then each is drawn and written in turn: the
+    host holds one shard at a time."""
+    size = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[WeightSpec]] = [[]]
+    held = 0
+    for spec in specs:
+        nbytes = math.prod(spec[1]) * size
+        if shards[-1] and held + nbytes > shard_bytes:
+            shards.append([])
+            held = 0
+        shards[-1].append(spec)
+        held += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    for name, shard in zip(names, shards):
+        tensors = {key: draw(gen, device).to(dtype).cpu().contiguous() for key, _, draw in shard}
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    if n > 1:
+        total = sum(math.prod(shape) for _, shape, _ in specs) * size
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return [out / name for name in names]

@@ -132,9 +132,14 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        inv_freq, scaling = rope_frequencies(cfg.head_dim, cfg.max_position_embeddings,
-                                             cfg.rope or RopeConfig(theta=cfg.rope_theta))
-        self.rope = RotaryEmbedding(inv_freq, max_positions, scaling)
+        self.rope = rotary_embedding(cfg, max_positions)
+
+
+def rotary_embedding(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+    """The model's cos/sin tables for positions [0, max_positions), float32."""
+    inv_freq, scaling = rope_frequencies(cfg.head_dim, cfg.max_position_embeddings,
+                                         cfg.rope or RopeConfig(theta=cfg.rope_theta))
+    return RotaryEmbedding(inv_freq, max_positions, scaling)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -273,3 +278,26 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, V]
 
+
+
+def build_model(cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> DecoderForCausalLM:
+    """The model with every parameter allocated on `device` in `dtype` but not initialised,
+    for `load_weights` to fill (it refuses a checkpoint that leaves one out): an 8B model
+    is not first drawn at random, in float32, on the CPU. The modules are made on the meta
+    device, then each parameter is given storage (a tied lm_head keeps sharing the
+    embedding's); the rotary tables, which are computed rather than loaded, are computed
+    as in `DecoderModel` (on the CPU: the cast to the model's device moves them)."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg, max_positions)
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in made:
+                new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)  # shard_sizes (mark_shards), which load_weights reads
+                made[id(p)] = new
+            module._parameters[name] = made[id(p)]
+    model.model.rope = rotary_embedding(cfg, max_positions)
+    return model

@@ -7,6 +7,7 @@ import sys
 from pdserve.common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, WorkerConfig,
                                    options_of)
 from pdserve.common.loading.default_model import resolve_model
+from pdserve.common.loading.model_factory import SIZES as MODEL_SIZES
 from pdserve.router.cli.flags import (JOIN_WORKER_FIELDS, ROUTER_ALONE_FIELDS, WORKER_DEST, add_config_flags, add_engine_args,
                                       add_router_args, engine_options)
 from pdserve.router.cli.offline import CHAT_PROMPTS, PLAIN_PROMPTS, cmd_convert_gguf, cmd_generate, cmd_make_model  # noqa: F401
@@ -20,8 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a random-weight HF-format model with a trained tokenizer")
     p.add_argument("dir")
-    p.add_argument("--arch", choices=SUPPORTED_ARCHS, default="qwen3")
-    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--arch", choices=SUPPORTED_ARCHS, default=None,
+                   help="default: the size's family (llama3-8b: llama), else qwen3")
+    p.add_argument("--size", choices=list(MODEL_SIZES), default="tiny",
+                   help="tiny, small: test models (float32); the others: published families' exact shapes, bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", choices=["simple", "qwen3"], default="simple",
                    help="simple: role and content only; qwen3: Qwen3's own (tools, <think>), with its added tokens")

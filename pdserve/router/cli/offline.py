@@ -21,8 +21,10 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     from pdserve.common.loading.model_factory import make_model
+    t0 = time.perf_counter()
     out = make_model(args.dir, args.arch, args.size, args.seed, chat_template=args.chat_template)
-    print(f"wrote {args.arch}/{args.size} model (seed {args.seed}) to {out}")
+    arch = json.loads((out / "config.json").read_text())["model_type"]  # --arch None: the size's family
+    print(f"wrote {arch}/{args.size} model (seed {args.seed}) to {out} in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
