@@ -12,12 +12,18 @@ Public API (dispatchers; Triton on CUDA tensors when triton is usable, else torc
     qk_norm_rope_(qkv, ...) -> bool       # q/k heads normed and rotated in place (CPU)
     silu_mul(gate_up) -> silu(gate) * up                              # fused on CPU
 
+Prefill attention (every prompt chunk of a step in one call, over the paged cache) has no
+dispatcher here: ``common.models.attention`` picks ``triton_paged_prefill_attention`` on
+CUDA and the native CPU kernel (``cpu_native.prefill_attention``) on the CPU;
+``reference.paged_prefill_attention`` is what both are tested against.
+
 Explicit flavors: ``kernels.reference.<fn>`` and ``kernels.triton_<fn>``. The
 Triton flavors also run on CPU tensors when ``TRITON_INTERPRET=1`` is set before
 their first call (used by the tests).
 
 Importing this package has no side effects and does not import triton; the Triton
-modules (``kv_store``, ``paged_attention``, ``block_copy``) are imported on first use.
+modules (``kv_store``, ``paged_attention``, ``prefill_attention``, ``block_copy``) are imported
+on first use.
 Set ``PDSERVE_DISABLE_TRITON=1`` to force the torch references everywhere.
 
 This package is ``pdserve.kernels``: a top-level ``kernels`` is Hugging Face's hub
@@ -49,6 +55,7 @@ __all__ = [
     "scatter_blocks",
     "triton_store_kv",
     "triton_paged_decode_attention",
+    "triton_paged_prefill_attention",
     "triton_gather_blocks",
     "triton_scatter_blocks",
     "triton_available",
@@ -101,6 +108,23 @@ def triton_paged_decode_attention(
     from .paged_attention import paged_decode_attention as impl
 
     return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def triton_paged_prefill_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [P, max_blocks] int32, -1 padded
+    cu_seqlens_q: torch.Tensor,  # [P + 1] int32: sequence p's rows are q[cu[p]:cu[p + 1]]
+    context_lens: torch.Tensor,  # [P] int32, each chunk's own tokens included
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [N, Hq, D]
+    """Triton varlen prefill attention over paged KV (see :mod:`kernels.prefill_attention`)."""
+    from .prefill_attention import paged_prefill_attention as impl
+
+    return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_q_len, scale, out)
 
 
 def triton_gather_blocks(

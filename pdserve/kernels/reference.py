@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "store_kv",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "gather_blocks",
     "scatter_blocks",
 ]
@@ -91,6 +92,42 @@ def paged_decode_attention(
     out = out.reshape(b, hq, d)  # [B, Hq, D]
     out.masked_fill_((lens <= 0)[:, None, None], 0.0)  # empty context -> 0, not NaN
     return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [P, max_blocks] int32, -1 padded
+    cu_seqlens_q: torch.Tensor,  # [P + 1] int32: sequence p's rows are q[cu[p]:cu[p + 1]]
+    context_lens: torch.Tensor,  # [P] int32: cached tokens, each chunk's own included
+    max_q_len: int,  # the longest chunk (unused here; the Triton flavor's grid)
+    scale: float,
+    out: torch.Tensor | None = None,  # [N, Hq, D] to write into
+) -> torch.Tensor:  # [N, Hq, D]; rows outside the chunks are left as they were (zeros if out is None)
+    """Causal attention of P prompt chunks over the paged KV (the chunks' own K/V already
+    in the cache), one sequence at a time, explicitly: its context gathered, scores in
+    float32, masked, softmaxed. Row i of a chunk of q_len rows in a sequence of ctx_len
+    cached tokens sits at position ctx_len - q_len + i and sees positions <= it. GQA:
+    query head h reads kv head h // (Hq / Hkv)."""
+    out = torch.zeros_like(q) if out is None else out
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    cu, ctxs = cu_seqlens_q.tolist(), context_lens.tolist()
+    for p, ctx in enumerate(ctxs):
+        start, end = cu[p], cu[p + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        blocks = block_tables[p, :-(-ctx // block_size)].to(device=q.device, dtype=torch.long)
+        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)  # [ctx, Hq, D]
+        v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [Hq, q_len, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        future = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]  # [q_len, ctx]
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
 
 
 def gather_blocks(
