@@ -62,7 +62,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REAL_MODEL_PARAMS = {("tests/common/test_detokenizer.py", "tok"): "real"}
 
 # Tests whose own run (not a shared fixture's start-up) takes ~10 s or more on a 2-core
-# machine, by node-id prefix. No unit test does; these all start processes.
+# machine, by node-id prefix: these start processes, but for one unit test run through Triton's interpreter.
 SLOW = (
     "tests/reliability/",
     "tests/deploy/",
@@ -72,6 +72,7 @@ SLOW = (
     "tests/router/test_serve_colocated.py::test_colocated_serves_greedy_and_stops_on_sigint",
     "tests/router/test_serve_overload.py::test_burst_gets_completions_or_429_and_health_stays_fast",
     "tests/common/test_gguf.py::test_convert_gguf_cli_and_bad_input",
+    "tests/common/test_cuda_attention_path.py::",  # Triton's interpreter: ~0.5 s a kernel call
 )
 
 

@@ -3,8 +3,10 @@ captured once as a CUDA graph and replayed; on CPU the very same buffers and pad
 run eagerly, so the bucketing logic is exercised (and tested) without a GPU."""
 from __future__ import annotations
 
+from itertools import chain
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pdserve.common.models.attention import AttentionMetadata
@@ -39,11 +41,21 @@ class GraphRunner(ModelRunner):
         self.buckets = bucket_sizes(cfg.scheduler.max_num_seqs)
         self.max_blocks = -(-cfg.scheduler.max_model_len // cfg.cache.block_size)
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        # The static buffers the graphs read, in two device tensors: int64 [3, n] (token ids,
+        # positions, slots) and int32 [n * max_blocks + n] (block tables, then context
+        # lengths); a step writes them through pinned host twins of the same layout and
+        # three copies that do not wait for the device (`fill`).
+        pin = dev.type == "cuda"
+        self._i64 = torch.zeros(3, n, dtype=torch.int64, device=dev)
+        self._i32 = torch.zeros(n * self.max_blocks + n, dtype=torch.int32, device=dev)
+        self._host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
+        self._host_i32 = torch.zeros(n * self.max_blocks + n, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None  # the last step's copies out of the host twins
+        self.input_ids, self.positions, self.slot_mapping = self._i64
+        self.block_tables = self._i32[:n * self.max_blocks].view(n, self.max_blocks)
+        self.context_lens = self._i32[n * self.max_blocks:]
+        self.slot_mapping.fill_(-1)
+        self.block_tables.fill_(-1)
         self.use_cuda_graphs = dev.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # decode steps served from the static buffers (eager or graph)
@@ -61,36 +73,43 @@ class GraphRunner(ModelRunner):
 
     @torch.inference_mode()
     def fill(self, batch: ScheduledBatch, bucket: int) -> None:
-        """Write the batch into rows [0, len) and padding into [len, bucket) of the buffers."""
-        bs = self.block_size
-        b = len(batch)
-        ids, pos, slots, lens = [], [], [], []
-        table = torch.full((b, self.max_blocks), -1, dtype=torch.int32)
-        for i, seq in enumerate(batch.seqs):
-            p = seq.num_computed_tokens  # the one new token's position
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            table[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        dev = self.input_ids.device
-        self.input_ids[:b] = torch.tensor(ids, device=dev)
-        self.positions[:b] = torch.tensor(pos, device=dev)
-        self.slot_mapping[:b] = torch.tensor(slots, device=dev)
-        self.context_lens[:b] = torch.tensor(lens, dtype=torch.int32, device=dev)
-        self.block_tables[:b] = table.to(dev)
-        # padding rows: token 0 at position 0, stored nowhere, attending to nothing
-        self.input_ids[b:bucket] = 0
-        self.positions[b:bucket] = 0
-        self.slot_mapping[b:bucket] = -1
-        self.context_lens[b:bucket] = 0
-        self.block_tables[b:bucket] = -1
+        """Write the batch into rows [0, len) and padding into [len, bucket) of the buffers:
+        on the host twins, then one copy per buffer queued on the stream without waiting
+        (the graph replayed after them reads what they wrote). Padding rows: token 0 at
+        position 0, stored nowhere, attending to nothing."""
+        bs, b, width = self.block_size, len(batch), self.max_blocks
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the host twins (at once: it sampled since)
+        host = self._host_i64.numpy()  # [3, n]: ids, positions, slots
+        pos = [seq.num_computed_tokens for seq in batch.seqs]  # each row's one new token's position
+        host[0, :b] = [seq.token_ids[p] for seq, p in zip(batch.seqs, pos)]
+        host[1, :b] = pos
+        host[2, :b] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(batch.seqs, pos)]
+        host[:2, b:bucket] = 0
+        host[2, b:bucket] = -1
+        flat = self._host_i32.numpy()
+        tables = flat[:bucket * width].reshape(bucket, width)
+        lens = flat[-self.input_ids.shape[0]:]
+        tables.fill(-1)
+        counts = np.fromiter((len(seq.block_table) for seq in batch.seqs), np.int64, b)
+        if b:
+            # every table's entries at once: row i, columns 0 .. len(table i) - 1
+            entries = np.fromiter(chain.from_iterable(seq.block_table for seq in batch.seqs), np.int32, int(counts.sum()))
+            rows = np.repeat(np.arange(b), counts)
+            cols = np.arange(len(entries)) - np.repeat(np.cumsum(counts) - counts, counts)
+            tables[rows, cols] = entries
+        lens[:b] = host[1, :b] + 1
+        lens[b:bucket] = 0
+        self._i64.copy_(self._host_i64, non_blocking=True)
+        self.block_tables[:bucket].copy_(self._host_i32[:bucket * width].view(bucket, width), non_blocking=True)
+        self.context_lens[:bucket].copy_(self._host_i32[-len(lens):][:bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], num_decode=bucket,
-            decode_block_tables=self.block_tables[:bucket], decode_context_lens=self.context_lens[:bucket],
-            prefill_q_lens=[], prefill_context_lens=[], prefill_block_tables=[])
+            decode_block_tables=self.block_tables[:bucket], decode_context_lens=self.context_lens[:bucket])
 
     @torch.inference_mode()
     def run_bucket(self, bucket: int) -> torch.Tensor:

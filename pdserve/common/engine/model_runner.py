@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from pdserve.common.models.attention import AttentionMetadata
+from pdserve.common.models.attention import AttentionMetadata, PrefillMetadata
 from pdserve.common.config import ConfigError, EngineConfig
 from pdserve.common.engine.kv_layout import kv_cache_tensor
 from pdserve.common.malloc_tuning import keep_freed_memory
@@ -17,6 +17,7 @@ from pdserve.common.models import DecoderForCausalLM
 from pdserve.common.models.decoder import build_model
 from pdserve.common.models.precision import activation_dtype, cast_model, kv_cache_dtype
 from pdserve.common.engine.grammar import Grammars
+from pdserve.common.engine.host_copy import device_tensor, to_device
 from pdserve.common.engine.logprobs import fill_prompt_logprobs, prompt_spans, raw_logprobs, token_logprobs
 from pdserve.common.engine.sampler import Sampler, make_generator
 from pdserve.common.engine.scheduler import ScheduledBatch
@@ -73,6 +74,30 @@ def quantize(model: DecoderForCausalLM, config: EngineConfig) -> None:
             raise ConfigError(f"quantization 'gguf': the GGUF file {config.model.model_dir} was converted from "
                               "is gone or changed")
         set_quantized(model, gguf_linears(source, config.model))
+
+
+def padded_tables(tables: list[list[int]], width: int | None = None) -> np.ndarray:
+    """Block tables as one [len(tables), width] int32 array, -1 padded (width: the longest)."""
+    width = max((len(t) for t in tables), default=0) if width is None else width
+    out = np.full((len(tables), width), -1, dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
+def prefill_metadata(q_lens: list[int], context_lens: list[int], tables: list[list[int]], first_row: int,
+                     device: torch.device) -> PrefillMetadata:
+    """The prompt chunks' metadata, its three tensors moved to `device` in one copy: block
+    tables [P, max_blocks], cu_seqlens_q [P + 1] (from `first_row`, the decode rows before
+    them) and context lengths [P], all int32."""
+    p = len(q_lens)
+    grid = padded_tables(tables)
+    host = np.concatenate([grid.ravel(), first_row + np.cumsum([0, *q_lens], dtype=np.int32),
+                           np.asarray(context_lens, dtype=np.int32)]).astype(np.int32, copy=False)
+    dev = to_device(host, device)
+    n = grid.size
+    return PrefillMetadata(q_lens=q_lens, context_lens=context_lens, block_tables=dev[:n].view(p, grid.shape[1]),
+                           cu_seqlens_q=dev[n:n + p + 1], context_lens_t=dev[n + p + 1:])
 
 
 class Sampled(NamedTuple):
@@ -163,7 +188,7 @@ class ModelRunner:
                  layer_hook: Callable[[int], None] | None) -> dict[int, Sampled]:
         spans = prompt_spans(seqs, counts)  # [] unless a sequence asks for its prompt's logprobs
         if spans:
-            rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]).to(self.device)
+            rows = to_device(torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]), self.device)
             hidden = self.model(input_ids, positions, meta, layer_hook, keep=torch.cat([rows, sample_idx]))
             fill_prompt_logprobs(self.model.compute_logits, hidden[:len(rows)], spans)
             hidden = hidden[len(rows):]  # [S, hidden]
@@ -237,7 +262,9 @@ class ModelRunner:
         num_decode = sum(1 for n in counts if n == 1)
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        pre_q, pre_ctx, pre_tables = [], [], []
+        pre_q: list[int] = []
+        pre_ctx: list[int] = []
+        pre_tables: list[list[int]] = []
         offset = 0
         for seq, n in zip(seqs, counts):
             start = seq.num_computed_tokens
@@ -253,28 +280,22 @@ class ModelRunner:
             else:
                 pre_q.append(n)
                 pre_ctx.append(end)
-                pre_tables.append(torch.from_numpy(table).to(self.device))
+                pre_tables.append(seq.block_table)
             offset += n
             if end == len(seq):
                 sample_idx.append(offset - 1)
                 sample_seqs.append(seq)
         dev = self.device
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        tables = np.full((len(decode_tables), max_blocks), -1, dtype=np.int32)
-        for i, t in enumerate(decode_tables):
-            tables[i, :len(t)] = t
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            slot_mapping=to_device(np.concatenate(slot_chunks), dev),
             num_decode=num_decode,
-            decode_block_tables=torch.from_numpy(tables).to(dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            prefill_q_lens=pre_q,
-            prefill_context_lens=pre_ctx,
-            prefill_block_tables=pre_tables,
+            decode_block_tables=to_device(padded_tables(decode_tables), dev),
+            decode_context_lens=device_tensor(decode_lens, torch.int32, dev),
+            prefill=prefill_metadata(pre_q, pre_ctx, pre_tables, num_decode, dev) if pre_q else None,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
-        return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.int64, device=dev), sample_seqs
+        input_ids = device_tensor(ids, torch.int64, dev)
+        positions = to_device(np.concatenate(pos_chunks), dev)
+        return input_ids, positions, meta, device_tensor(sample_idx, torch.int64, dev), sample_seqs
 
     def prepare_decode(self, seqs: list[Sequence]
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
@@ -286,16 +307,15 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         sampled = [i for i, (s, p) in enumerate(zip(seqs, pos)) if p + 1 == len(s)]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
-                                      dtype=torch.int64, device=dev),
+            slot_mapping=device_tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+                                       torch.int64, dev),
             num_decode=len(seqs),
-            decode_block_tables=torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs],
-                                             dtype=torch.int32, device=dev),
-            decode_context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev),
-            prefill_q_lens=[], prefill_context_lens=[], prefill_block_tables=[])
-        input_ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, pos)], dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return (input_ids, positions, meta, torch.tensor(sampled, dtype=torch.int64, device=dev),
+            decode_block_tables=device_tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs],
+                                              torch.int32, dev),
+            decode_context_lens=device_tensor([p + 1 for p in pos], torch.int32, dev))
+        input_ids = device_tensor([s.token_ids[p] for s, p in zip(seqs, pos)], torch.int64, dev)
+        positions = device_tensor(pos, torch.int64, dev)
+        return (input_ids, positions, meta, device_tensor(sampled, torch.int64, dev),
                 [seqs[i] for i in sampled])
 
     @torch.inference_mode()
@@ -303,7 +323,7 @@ class ModelRunner:
         """Copy the KV of block src into block dst, every layer, for each (src, dst)."""
         if not pairs:
             return
-        src, dst = (torch.tensor(x, device=self.kv_cache.device) for x in zip(*pairs))
+        src, dst = (device_tensor(x, torch.int64, self.kv_cache.device) for x in zip(*pairs))
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [2, layers, len(pairs), block, heads, dim]
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

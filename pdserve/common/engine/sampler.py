@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pdserve.common.engine.grammar import apply_bitmask
+from pdserve.common.engine.host_copy import device_tensor, to_device
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class Sampler:
             return greedy(logits) if top is None else top
         out = logits.argmax(dim=-1)  # [B]
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+        temps = device_tensor([params[i].temperature for i in rows], torch.float32, logits.device)
         probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)  # [R, V]
         probs = _filter_min_p(probs, [params[i].min_p for i in rows])
         probs = _filter_top_k_top_p(probs, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
@@ -80,8 +81,8 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], token_ids
         rows, cols, vals = zip(*bias)
         # ids past the vocabulary are refused at the edge and by the engine; the assert is the invariant
         assert max(cols) < vocab, "logit_bias id outside the vocabulary"
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+        logits.index_put_((device_tensor(rows, torch.int64, dev), device_tensor(cols, torch.int64, dev)),
+                          device_tensor(vals, logits.dtype, dev), accumulate=True)
     banned = [(i, t) for i, p in enumerate(params)
               if p.min_tokens and len(token_ids[i]) - num_prompt_tokens[i] < p.min_tokens
               for t in _stop_ids(p, eos_token_ids) if t < vocab]
@@ -101,7 +102,7 @@ def _ban(logits: torch.Tensor, banned: list[tuple[int, int]], constrained: list[
     allows nothing else (its mask left only ends): there the grammar's end wins, and the
     request stops before min_tokens rather than sample from no token at all."""
     dev = logits.device
-    rows, cols = (torch.tensor(x, device=dev) for x in zip(*banned))
+    rows, cols = (device_tensor(x, torch.int64, dev) for x in zip(*banned))
     guarded = sorted({i for i, _ in banned if constrained[i]})
     if not guarded:
         logits[rows, cols] = float("-inf")
@@ -137,17 +138,17 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_i
         ids[r, :len(toks)] = toks
         ids[r, len(toks):] = toks[0]  # padding: a token the row has; a repeat changes nothing below
         is_out[r, n_prompt:len(toks)] = 1.0
-    ids_t = torch.from_numpy(ids).to(dev)  # [R, L]
-    out_w = torch.from_numpy(is_out).to(dev)  # [R, L]: 1 at output positions
+    ids_t = to_device(ids, dev)  # [R, L]
+    out_w = to_device(is_out, dev)  # [R, L]: 1 at output positions
     if any(p.repetition_penalty != 1.0 for p in params):
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
+        rep = device_tensor([p.repetition_penalty for p in params], logits.dtype, dev)[:, None]
         # transformers' RepetitionPenaltyLogitsProcessor (gather, where, scatter): every token of
         # the prompt and output moves toward -inf; a repeated id writes the same value again
         seen = logits.gather(1, ids_t)  # [R, L]
         logits.scatter_(1, ids_t, torch.where(seen < 0, seen * rep, seen / rep))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=logits.dtype)[:, None]
+        freq = device_tensor([p.frequency_penalty for p in params], logits.dtype, dev)[:, None]
+        pres = device_tensor([p.presence_penalty for p in params], logits.dtype, dev)[:, None]
         counts = torch.zeros(rows, vocab, device=dev, dtype=logits.dtype).scatter_add_(1, ids_t, out_w)  # [R, V]
         per = counts.gather(1, ids_t).clamp_min(1.0)  # [R, L]: the output count of each position's token
         # OpenAI: logit -= count * frequency + (count > 0) * presence, over output tokens; each of
@@ -161,7 +162,7 @@ def _filter_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     renormalize. probs [R, V]. The top token always stays (min_p <= 1)."""
     if all(m <= 0.0 for m in min_p):
         return probs
-    ms = torch.tensor(min_p, device=probs.device, dtype=probs.dtype)[:, None]
+    ms = device_tensor(min_p, probs.dtype, probs.device)[:, None]
     probs = probs * (probs >= ms * probs.max(dim=-1, keepdim=True).values)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -172,10 +173,10 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float
         return probs
     sorted_p, idx = probs.sort(dim=-1, descending=True)  # [R, V]
     vocab = probs.shape[-1]
-    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=probs.device)  # int64-safe
+    ks = device_tensor([min(k, vocab) if k > 0 else vocab for k in top_k], torch.int64, probs.device)
     ranks = torch.arange(vocab, device=probs.device)[None, :]
     keep = ranks < ks[:, None]
-    ps = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
+    ps = device_tensor(top_p, probs.dtype, probs.device)
     # keep a token if the mass strictly before it is < top_p; the top token always stays,
     # also when top_p underflows to 0 in float32 (1e-300), or no token would be left
     keep &= ((sorted_p.cumsum(-1) - sorted_p) < ps[:, None]) | (ranks == 0)
