@@ -1,29 +1,43 @@
-"""Triton kernel: single-token (decode) attention over a paged KV cache.
+"""Triton kernel: single-token (decode) attention over a paged KV cache, split along the
+context (flash-decoding) so that a small batch still keeps every SM streaming.
 
-One program per (sequence, kv head); it handles all ``group`` query heads that
-share that kv head, so each K/V block is loaded once per GQA group. Scores use
-elementwise multiply + ``tl.sum`` (no ``tl.dot``; fine for one query token) and an
-online softmax in fp32 over one cache block per loop iteration.
+Decode attention is a read of each sequence's whole K/V per step: bound by memory, and
+only fast if enough loads are in flight. One program per (sequence, kv head, split of the
+context): its rows are the GQA group's query heads (padded to 16 rows for tl.dot), each
+iteration gathers BLOCK_N keys -- several cache blocks -- through the block table, and an
+online softmax in float32 (exp2, log2(e) folded into the scale) keeps an unnormalised
+partial. With one split the program writes the output itself; with several, a second
+kernel merges the splits' partials by their maxima and sums. A sequence with an empty
+context gets zeros. The split count is fixed by the host from the batch, the table width
+and the SM count -- never from the context lengths, which live on the device -- so a CUDA
+graph captures it.
 
 This module imports triton at import time; ``kernels`` only imports it lazily.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+BLOCK_N = 64  # keys per iteration
+MAX_SPLITS = 32
+
 
 @triton.jit
-def _paged_decode_kernel(
-    out_ptr,
+def _decode_split_kernel(
+    out_ptr,  # [B, Hq, D] (one split)
+    part_ptr,  # [B, Hq, SPLITS, BLOCK_D + 2] float32: acc, then m and l (several splits)
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
-    scale,
+    scale_log2,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -42,77 +56,110 @@ def _paged_decode_kernel(
     stride_btm,
     GROUP: tl.constexpr,
     D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    ROWS: tl.constexpr,  # GROUP padded to a power of two >= 16
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
-
-    offs_g = tl.arange(0, BLOCK_G)  # query heads in this group
-    offs_n = tl.arange(0, BLOCK_N)  # tokens in a cache block
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < D
-    n_mask = offs_n < BLOCK_SIZE
-
-    heads = kvh * GROUP + offs_g  # [BLOCK_G]
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+    split = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + b)
-    num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
+    per_split = tl.cdiv(tl.cdiv(ctx_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(ctx_len, lo + per_split)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    g = tl.arange(0, ROWS)
+    g_ok = g < GROUP
+    head = kvh * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, BLOCK_D]
 
-    kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
-    for j in range(0, num_blocks):
-        block_id = tl.load(block_tables_ptr + b * stride_btb + j * stride_btm).to(tl.int64)
-        block_id = tl.maximum(block_id, 0)
-        k = tl.load(
-            k_cache_ptr
-            + block_id * stride_kb
-            + offs_n[:, None] * stride_kt
-            + kvh * stride_kh
-            + offs_d[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            v_cache_ptr
-            + block_id * stride_vb
-            + offs_n[:, None] * stride_vt
-            + kvh * stride_vh
-            + offs_d[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
-        pos = j * BLOCK_SIZE + offs_n
-        valid = n_mask & (pos < ctx_len)  # [BLOCK_N]; >= 1 valid token per iteration
-        s = tl.where(valid[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + b * stride_btb
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + offs_n
+        k_ok = k_pos < hi  # >= 1 valid key per iteration
+        block = tl.load(table + (k_pos // BLOCK_SIZE) * stride_btm, mask=k_ok, other=0)
+        block = tl.maximum(block, 0).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # empty context -> output 0
-    out = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # an empty context: zeros
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        row = part_ptr + ((b * GROUP * tl.num_programs(1) + head) * SPLITS + split) * (BLOCK_D + 2)  # [ROWS]
+        tl.store(row[:, None] + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(row + BLOCK_D, m_i, mask=g_ok)
+        tl.store(row + BLOCK_D + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,
+    part_ptr,  # [B, Hq, SPLITS, BLOCK_D + 2] float32
+    stride_ob,
+    stride_oh,
+    stride_od,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One (sequence, query head): the splits' partials merged by their maxima."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = part_ptr + ((b * tl.num_programs(1) + h) * SPLITS + s) * (BLOCK_D + 2)  # [BLOCK_S]
+    m = tl.load(rows + BLOCK_D, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(rows + BLOCK_D + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, output 0
+    w = tl.exp2(m - m_max)  # an empty split (m = -inf): 0
+    total = tl.sum(w * l_s, axis=0)
+    acc = tl.load(rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter on the CPU: a few splits, so that the tests run the merge
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, max_tokens: int, sms: int) -> int:
+    """Context splits per (sequence, kv head): enough programs for ~4 per SM, each split at
+    least two iterations of the longest context the tables can hold (`max_tokens`)."""
+    want = -(-4 * sms // max(1, batch * kv_heads))
+    most = max(1, -(-max_tokens // (2 * BLOCK_N)))
+    return max(1, min(want, most, MAX_SPLITS))
 
 
 def paged_decode_attention(
@@ -122,6 +169,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
+    splits: int | None = None,  # context splits (None: `num_splits` for this device)
 ) -> torch.Tensor:  # [B, Hq, D], q.dtype
     """Triton version of :func:`kernels.reference.paged_decode_attention`."""
     b, hq, d = q.shape
@@ -133,42 +181,25 @@ def paged_decode_attention(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    block_g = triton.next_power_of_2(group)
-    block_n = triton.next_power_of_2(block_size)
-    block_d = triton.next_power_of_2(d)
-    tile = block_g * block_n * block_d
-    num_warps = 4 if tile <= 8192 else 8
-    context_lens = context_lens.contiguous()
-    _paged_decode_kernel[(b, hkv)](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        float(scale),
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        k_cache.stride(3),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        v_cache.stride(3),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        GROUP=group,
-        D=d,
-        BLOCK_SIZE=block_size,
-        BLOCK_G=block_g,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
+    if splits is None:
+        splits = num_splits(b, hkv, block_tables.shape[1] * block_size, _sm_count(q.device))
+    rows = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(d))
+    part = torch.empty((b, hq, splits, block_d + 2), dtype=torch.float32, device=q.device) if splits > 1 else out
+    _decode_split_kernel[(b, hkv, splits)](
+        out, part, q, k_cache, v_cache, block_tables, context_lens.contiguous(),
+        float(scale) * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0), block_tables.stride(1),
+        GROUP=group, D=d, BLOCK_SIZE=block_size, ROWS=rows, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
     )
+    if splits > 1:
+        _decode_merge_kernel[(b, hq)](
+            out, part, out.stride(0), out.stride(1), out.stride(2),
+            D=d, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
     return out

@@ -79,6 +79,32 @@ def test_paged_decode_triton_noncontiguous_q():
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 4, 128), (6, 2, 32)])
+def test_paged_decode_triton_context_splits(splits, hq, hkv, d):
+    """The context split over programs and merged (flash-decoding): any split count gives
+    the reference's output, also where a split or a whole sequence has no keys (contexts
+    of 0, 1, a partial block, several iterations of keys)."""
+    lens = [200, 1, 0, 37, 130, 64]
+    k_cache, v_cache, bt, cl = make_paged(lens, 16, hkv, d, torch.float32, pad_cols=3, seed=splits)
+    k_cache, v_cache, bt, cl = (t.to(DEVICE) for t in (k_cache, v_cache, bt, cl))
+    q = torch.randn(len(lens), hq, d, device=DEVICE)
+    ref = R.paged_decode_attention(q, k_cache, v_cache, bt, cl, d ** -0.5)
+    from pdserve.kernels.paged_attention import paged_decode_attention
+    out = paged_decode_attention(q, k_cache, v_cache, bt, cl, d ** -0.5, splits=splits)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    assert torch.all(out[2] == 0)
+
+
+def test_decode_split_count_fills_the_device_and_stays_within_the_tables():
+    from pdserve.kernels.paged_attention import MAX_SPLITS, num_splits
+    assert num_splits(batch=1, kv_heads=8, max_tokens=4096, sms=132) == 32  # 66 wanted, capped
+    assert num_splits(batch=64, kv_heads=8, max_tokens=4096, sms=132) == 2
+    assert num_splits(batch=256, kv_heads=8, max_tokens=4096, sms=132) == 1
+    assert num_splits(batch=1, kv_heads=8, max_tokens=200, sms=132) == 2  # two iterations a split at least
+    assert num_splits(batch=1, kv_heads=1, max_tokens=10**6, sms=1000) == MAX_SPLITS
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(6, 4, 2, 8), (5, 4100)])  # 2nd: >1 chunk per block
 def test_gather_scatter_triton(dtype, shape):
