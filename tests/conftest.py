@@ -73,6 +73,8 @@ SLOW = (
     "tests/router/test_serve_overload.py::test_burst_gets_completions_or_429_and_health_stays_fast",
     "tests/common/test_gguf.py::test_convert_gguf_cli_and_bad_input",
     "tests/common/test_cuda_attention_path.py::",  # Triton's interpreter: ~0.5 s a kernel call
+    "tests/kernels/test_triton_compile_sm90.py::",  # ~20 s of ptxas with a cold Triton cache
+    "tests/benchmarks/test_gpu_at_size.py::",  # ~10 s each: the benchmark's CPU stand-in, transformers beside
 )
 
 

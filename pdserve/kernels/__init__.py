@@ -303,7 +303,7 @@ class LinearPlan:
         cpu = (weight.device.type == "cpu" and weight.dim() == 2 and (bias is None or bias.dtype == torch.float32)
                and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
         cpu_f32 = cpu and weight.dtype == torch.float32
-        usable = native.enabled() and native.library() is not None
+        usable = cpu and native.enabled() and native.library() is not None  # a GPU weight never builds the CPU library
         self._n, self._k = (quant.n, quant.k) if quant is not None else weight.shape
         self._b = None if bias is None else bias.contiguous()
         self._bp = 0 if self._b is None else self._b.data_ptr()

@@ -12,7 +12,8 @@ tokens times the GQA group's query heads (token-major), so each K/V tile is load
 for the whole group and a one-token chunk still fills a tensor-core tile. Scores and the
 online softmax are float32 (exp2 with log2(e) folded into the scale); P is cast to V's
 dtype for the second product, as FlashAttention does. float32 inputs multiply at IEEE
-float32 (no TF32), so that float32 greedy output stays exact.
+float32 (no TF32), so that float32 greedy output stays exact. The keys every row of a tile
+sees (below its first token) go through a step without masks; only the diagonal steps mask.
 
 This module imports triton at import time; ``kernels`` imports it lazily.
 """
@@ -24,6 +25,39 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr, kvh, stride_kb,
+               stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, scale_log2, offs_n, offs_d,
+               d_ok, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_N step of keys from `start`, gathered through the block table, into the
+    online softmax (m_i, l_i, acc). MASKED: keys past kv_end or a row's position are left out."""
+    k_pos = start + offs_n  # [BLOCK_N]
+    k_ok = k_pos < kv_end
+    block = tl.load(table + (k_pos // BLOCK_SIZE) * stride_btm, mask=k_ok, other=0)
+    block = tl.maximum(block, 0).to(tl.int64)
+    slot = k_pos % BLOCK_SIZE
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(q, tl.trans(k).to(q.dtype)) * scale_log2  # [M, BLOCK_N]
+    if MASKED:
+        s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -60,7 +94,7 @@ def _paged_prefill_kernel(
     TOK_M: tl.constexpr,  # query tokens per tile
     BLOCK_N: tl.constexpr,  # keys per loop iteration
     BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for float32
+    IEEE: tl.constexpr,  # float32 inputs: products at IEEE float32, not TF32
 ):
     seq = tl.program_id(0).to(tl.int64)
     # the longest (last) tiles first: under causality they carry the most keys
@@ -91,29 +125,19 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([TOK_M * BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([TOK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
 
-    # keys up to the tile's last token (every row has key 0: no row is ever all masked)
-    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * TOK_M)
+    # keys [0, full_end) are seen by every row of the tile (whole BLOCK_N steps below its
+    # first token's position): no mask there; the rest, up to the tile's last token, masked
     table = block_tables_ptr + seq * stride_btb
-    for start in range(0, kv_end, BLOCK_N):
-        k_pos = start + offs_n  # [BLOCK_N]
-        k_ok = k_pos < kv_end
-        block = tl.load(table + (k_pos // BLOCK_SIZE) * stride_btm, mask=k_ok, other=0)
-        block = tl.maximum(block, 0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale_log2  # [M, BLOCK_N]
-        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * TOK_M)
+    full_end = (ctx_len - q_len + tile * TOK_M + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr,
+                                   kvh, stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+                                   stride_vd, scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, False, IEEE)
+    for start in range(full_end, kv_end, BLOCK_N):  # every row has key 0: no row is ever all masked
+        m_i, l_i, acc = _keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr,
+                                   kvh, stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+                                   stride_vd, scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, True, IEEE)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -121,17 +145,18 @@ def _paged_prefill_kernel(
 
 
 def _tiles(dtype: torch.dtype, block_g: int, block_d: int) -> tuple[int, int, int, int]:
-    """(query tokens per tile, keys per iteration, warps, pipeline stages): tiles of 128
-    rows by 64 keys for 16-bit inputs (FlashAttention-2's shape for head_dim 128 on
-    Hopper-class shared memory), half that for float32."""
-    rows, block_n = (128, 64) if dtype in (torch.bfloat16, torch.float16) else (64, 32)
+    """(query tokens per tile, keys per step, warps, pipeline stages). 16-bit inputs: tiles
+    of 128 rows by 32 keys on 8 warps (tensor cores); float32 (IEEE products, on FMA units:
+    the exactness checks, not speed): 32 by 16. The largest shapes that compile for sm_90
+    without spilling registers at head_dim 128 (the gathered K/V pointers cost registers
+    that a contiguous FlashAttention kernel does not spend: 128 x 64 spills)."""
+    rows, block_n = (128, 32) if dtype in (torch.bfloat16, torch.float16) else (32, 16)
     if block_d > 128:
-        rows, block_n = rows // 2, block_n // 2
+        rows //= 2
     tok_m = max(1, rows // block_g)
     while tok_m * block_g < 16:  # tl.dot needs 16 rows
         tok_m *= 2
-    warps = 8 if tok_m * block_g * block_d >= 128 * 128 else 4
-    return tok_m, block_n, warps, 2
+    return tok_m, block_n, 8, 2
 
 
 def paged_prefill_attention(
@@ -170,7 +195,7 @@ def paged_prefill_attention(
         block_tables.stride(0), block_tables.stride(1),
         num_tiles,
         GROUP=group, D=d, BLOCK_SIZE=block_size, BLOCK_G=block_g, TOK_M=tok_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        IEEE=q.dtype == torch.float32,
         num_warps=warps, num_stages=stages,
     )
     return out

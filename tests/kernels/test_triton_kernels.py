@@ -98,12 +98,13 @@ def test_paged_decode_triton_context_splits(splits, hq, hkv, d):
 
 
 def test_decode_split_count_fills_the_device_and_stays_within_the_tables():
-    from pdserve.kernels.paged_attention import MAX_SPLITS, num_splits
+    from pdserve.kernels.paged_attention import BLOCK_N, MAX_SPLITS, num_splits
+    assert MAX_SPLITS == 32
     assert num_splits(batch=1, kv_heads=8, max_tokens=4096, sms=132) == 32  # 66 wanted, capped
     assert num_splits(batch=64, kv_heads=8, max_tokens=4096, sms=132) == 2
     assert num_splits(batch=256, kv_heads=8, max_tokens=4096, sms=132) == 1
-    assert num_splits(batch=1, kv_heads=8, max_tokens=200, sms=132) == 2  # two iterations a split at least
-    assert num_splits(batch=1, kv_heads=1, max_tokens=10**6, sms=1000) == MAX_SPLITS
+    assert num_splits(batch=1, kv_heads=8, max_tokens=6 * BLOCK_N, sms=132) == 3  # two steps a split at least
+    assert num_splits(batch=1, kv_heads=8, max_tokens=5, sms=132) == 1
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(6, 4, 2, 8), (5, 4100)])  # 2nd: >1 chunk per block
