@@ -48,7 +48,7 @@ def test_cpu_stand_in_writes_every_figure_beside_its_limit(tmp_path):
 
     assert "exactness" not in report  # --no-exactness (below on its own)
 
-    targets = report["targets"]["figures"]
+    targets = report["targets"]
     assert set(targets) == set(at_size.TARGETS) - {"decode_batch64_ctx1k_vs_weights_kv_bound"}  # no batch 64 here
     for name, t in targets.items():
         assert t["value"] > 0 and t["bound"] == " ".join(map(str, at_size.TARGETS[name]))
