@@ -8,7 +8,8 @@ measured in the same run, in one JSON:
 2. limits: a streaming read of device memory and a bf16 matrix product (cuBLAS);
 3. decode: per-step time on the decode role's runner (CUDA graphs) at each batch and
    context, beside (weights + KV read per step) / read bandwidth; a batch whose KV does
-   not fit beside the weights is reported skipped, with the bytes it needs;
+   not fit beside the weights is reported skipped, with the bytes it needs; the decode
+   attention kernel alone (64 x 1k) against the reference, with the KV bytes per second it reads;
 4. prefill: one prompt of 4k tokens in one step, against the product's peak over the
    model's FLOPs; 16 mixed prompts fresh, and again with half of each cached (us per
    computed token, side by side); the prefill attention kernel alone against the SDPA loop
@@ -40,7 +41,7 @@ import torch
 
 from benchmarks.gpu import engine_runs as runs
 from benchmarks.gpu import limits
-from benchmarks.gpu.prefill_attention_ab import compare as attention_ab
+from benchmarks.gpu import attention_ab
 from benchmarks.report import run_facts, write_report
 
 # What a run does by default on each kind of device: the sizes on a GPU; on the CPU
@@ -186,7 +187,12 @@ def decode_grid(args, llm, bw: float) -> dict:
             row["vs_bound"] = row["step_ms"] / row["bound_ms"]
             rows.append(row)
             print(f"  decode {row}", flush=True)
-    return {"rows": rows, "weight_bytes_per_step": weights, "kv_bytes_per_token": per_token,
+    cfg, runner = llm.engine.config.model, llm.engine.runner
+    batch, context = max(ints(args.batches)[:3]), min(ints(args.contexts))  # 64 x 1k on a GPU
+    kernel = attention_ab.decode(runner.device, runner.kv_cache.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 llm.engine.config.cache.block_size, batch, context)
+    kernel["vs_read_bandwidth"] = kernel["kv_gb_per_s"] * 1e9 / bw
+    return {"rows": rows, "attention_kernel": kernel, "weight_bytes_per_step": weights, "kv_bytes_per_token": per_token,
             "read_gb_per_s": bw / 1e9, "method": runs.__doc__.split("\n\n")[1].replace("\n", " ")}
 
 
@@ -198,8 +204,8 @@ def prefill(args, llm, peak_tflops: float) -> dict:
     cached = runs.prefill_mixed(llm, lengths, PREFIX_SHARE, seed=3)
     cfg = llm.engine.config.model
     chunks = [(n - int(n * PREFIX_SHARE) // 16 * 16, n) for n in lengths]
-    ab = attention_ab(llm.engine.runner.device, llm.engine.runner.kv_cache.dtype, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, llm.engine.config.cache.block_size, chunks)
+    ab = attention_ab.prefill(llm.engine.runner.device, llm.engine.runner.kv_cache.dtype, cfg.num_heads,
+                              cfg.num_kv_heads, cfg.head_dim, llm.engine.config.cache.block_size, chunks)
     return {"one_prompt": one, "mixed_fresh": fresh, "mixed_cached_prefixes": cached,
             "cached_vs_fresh_us_per_token": cached["us_per_computed_token"] / fresh["us_per_computed_token"],
             "attention_kernel_vs_sdpa_loop": ab}

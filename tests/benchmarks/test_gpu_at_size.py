@@ -30,6 +30,9 @@ def test_cpu_stand_in_writes_every_figure_beside_its_limit(tmp_path):
         assert r["step_ms"] > 0 and 0 < r["weights_bound_ms"] < r["bound_ms"]  # the KV adds to the weights
         assert r["vs_bound"] == r["step_ms"] / r["bound_ms"]
     assert rows[1]["kv_bytes"] == 2 * rows[0]["kv_bytes"]  # batch 2 reads twice batch 1's KV
+    kernel = report["decode"]["attention_kernel"]
+    assert (kernel["batch"], kernel["context"]) == (2, 16) and kernel["max_abs_diff"] < 1e-4
+    assert kernel["kv_gb_per_s"] > 0 and kernel["vs_read_bandwidth"] > 0
 
     pre = report["prefill"]
     one = pre["one_prompt"]
