@@ -14,7 +14,7 @@ from pdserve import kernels
 from pdserve.common.engine import model_runner
 from pdserve.common.engine.llm import LLM
 from pdserve.common.sampling_params import SamplingParams
-from tests.helpers import mixed_prompts
+from tests.support.helpers import mixed_prompts
 
 pytest.importorskip("triton")
 

@@ -16,7 +16,7 @@ from pdserve.common.engine.llm import LLM
 from pdserve.common.loading.model_factory import SIZES, hf_config, make_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.cli.main import main as cli_main
-from tests.helpers import mixed_prompts
+from tests.support.helpers import mixed_prompts
 
 # The published config.json values (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B, Qwen/Qwen3-1.7B),
 # written out a second time here so that a typo in SIZES fails.

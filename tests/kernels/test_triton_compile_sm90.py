@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_attention_kernels_compile_for_sm90_without_spills():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-m", "tests.kernels.compile_sm90"], cwd=REPO, env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "tests.support.compile_sm90"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

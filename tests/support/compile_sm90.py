@@ -3,7 +3,7 @@ own ptxas -- at the configurations the engine launches, and prints one JSON line
 registers and stack (spilled) bytes per thread. Run in a process of its own with
 TRITON_INTERPRET=0 (the interpreter replaces the kernels at definition):
 
-    TRITON_INTERPRET=0 python -m tests.kernels.compile_sm90
+    TRITON_INTERPRET=0 python -m tests.support.compile_sm90
 """
 from __future__ import annotations
 
