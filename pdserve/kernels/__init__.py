@@ -22,8 +22,8 @@ Triton flavors also run on CPU tensors when ``TRITON_INTERPRET=1`` is set before
 their first call (used by the tests).
 
 Importing this package has no side effects and does not import triton; the Triton
-modules (``kv_store``, ``paged_attention``, ``prefill_attention``, ``block_copy``) are imported
-on first use.
+modules (``kv_store``, ``paged_attention``, ``prefill_attention`` and the step both attention
+kernels take, ``attention_step``, ``block_copy``) are imported on first use.
 Set ``PDSERVE_DISABLE_TRITON=1`` to force the torch references everywhere.
 
 This package is ``pdserve.kernels``: a top-level ``kernels`` is Hugging Face's hub

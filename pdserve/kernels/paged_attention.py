@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_step import keys_step
+
 # keys per step, warps: the largest that compile for sm_90 without spilling registers at
 # head_dim 128 (64 keys on 4 warps spill); 16-bit inputs on tensor cores, float32 on FMA units
 BLOCK_N = 32
@@ -88,31 +90,10 @@ def _decode_split_kernel(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + b * stride_btb
-    for start in range(lo, hi, BLOCK_N):
-        k_pos = start + offs_n
-        k_ok = k_pos < hi  # >= 1 valid key per iteration
-        block = tl.load(table + (k_pos // BLOCK_SIZE) * stride_btm, mask=k_ok, other=0)
-        block = tl.maximum(block, 0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee") * scale_log2
-        else:
-            s = tl.dot(q, tl.trans(k).to(q.dtype)) * scale_log2  # [ROWS, BLOCK_N]
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for start in range(lo, hi, BLOCK_N):  # >= 1 key per step
+        m_i, l_i, acc = keys_step(q, m_i, l_i, acc, start, hi, hi, table, stride_btm, k_cache_ptr, v_cache_ptr, kvh,
+                                  stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+                                  scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, True, False, IEEE)
 
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # an empty context: zeros

@@ -26,38 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr, kvh, stride_kb,
-               stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, scale_log2, offs_n, offs_d,
-               d_ok, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """One BLOCK_N step of keys from `start`, gathered through the block table, into the
-    online softmax (m_i, l_i, acc). MASKED: keys past kv_end or a row's position are left out."""
-    k_pos = start + offs_n  # [BLOCK_N]
-    k_ok = k_pos < kv_end
-    block = tl.load(table + (k_pos // BLOCK_SIZE) * stride_btm, mask=k_ok, other=0)
-    block = tl.maximum(block, 0).to(tl.int64)
-    slot = k_pos % BLOCK_SIZE
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee") * scale_log2
-    else:
-        s = tl.dot(q, tl.trans(k).to(q.dtype)) * scale_log2  # [M, BLOCK_N]
-    if MASKED:
-        s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+from .attention_step import keys_step
 
 
 @triton.jit
@@ -131,13 +100,13 @@ def _paged_prefill_kernel(
     kv_end = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * TOK_M)
     full_end = (ctx_len - q_len + tile * TOK_M + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr,
-                                   kvh, stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-                                   stride_vd, scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, False, IEEE)
+        m_i, l_i, acc = keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr,
+                                  kvh, stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+                                  stride_vd, scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, False, False, IEEE)
     for start in range(full_end, kv_end, BLOCK_N):  # every row has key 0: no row is ever all masked
-        m_i, l_i, acc = _keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr,
-                                   kvh, stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-                                   stride_vd, scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, True, IEEE)
+        m_i, l_i, acc = keys_step(q, m_i, l_i, acc, start, kv_end, q_pos, table, stride_btm, k_cache_ptr, v_cache_ptr,
+                                  kvh, stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+                                  stride_vd, scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, True, True, IEEE)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
