@@ -36,7 +36,7 @@ MAX_SPLITS = 32
 @triton.jit
 def _decode_split_kernel(
     out_ptr,  # [B, Hq, D] (one split)
-    part_ptr,  # [B, Hq, SPLITS, BLOCK_D + 2] float32: acc, then m and l (several splits)
+    part_ptr,  # [B, Hq, splits, BLOCK_D + 2] float32: acc, then m and l (several splits)
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -65,15 +65,16 @@ def _decode_split_kernel(
     ROWS: tl.constexpr,  # GROUP padded to a power of two >= 16
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # one split (the grid's third size is 1): write the output here
     IEEE: tl.constexpr,  # float32 inputs: products at IEEE float32, not TF32
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    splits = tl.num_programs(2)  # a runtime value: one compiled kernel for every split count (CUDA graphs' buckets)
 
     ctx_len = tl.load(context_lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx_len, SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx_len, splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(ctx_len, lo + per_split)
 
@@ -95,12 +96,12 @@ def _decode_split_kernel(
                                   stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                                   scale_log2, offs_n, offs_d, d_ok, BLOCK_SIZE, True, False, IEEE)
 
-    if SPLITS == 1:
+    if ONE_PASS:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # an empty context: zeros
         tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:
-        row = part_ptr + ((b * GROUP * tl.num_programs(1) + head) * SPLITS + split) * (BLOCK_D + 2)  # [ROWS]
+        row = part_ptr + ((b * GROUP * tl.num_programs(1) + head) * splits + split) * (BLOCK_D + 2)  # [ROWS]
         tl.store(row[:, None] + offs_d[None, :], acc, mask=g_ok[:, None])
         tl.store(row + BLOCK_D, m_i, mask=g_ok)
         tl.store(row + BLOCK_D + 1, l_i, mask=g_ok)
@@ -109,22 +110,22 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     out_ptr,
-    part_ptr,  # [B, Hq, SPLITS, BLOCK_D + 2] float32
+    part_ptr,  # [B, Hq, splits, BLOCK_D + 2] float32
     stride_ob,
     stride_oh,
     stride_od,
+    splits,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # MAX_SPLITS: one compiled kernel for every split count
 ):
     """One (sequence, query head): the splits' partials merged by their maxima."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < SPLITS
+    s_ok = s < splits
     offs_d = tl.arange(0, BLOCK_D)
-    rows = part_ptr + ((b * tl.num_programs(1) + h) * SPLITS + s) * (BLOCK_D + 2)  # [BLOCK_S]
+    rows = part_ptr + ((b * tl.num_programs(1) + h) * splits + s) * (BLOCK_D + 2)  # [BLOCK_S]
     m = tl.load(rows + BLOCK_D, mask=s_ok, other=float("-inf"))
     l_s = tl.load(rows + BLOCK_D + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -183,13 +184,13 @@ def paged_decode_attention(
         out.stride(0), out.stride(1), out.stride(2),
         *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), block_tables.stride(1),
-        GROUP=group, D=d, BLOCK_SIZE=block_size, ROWS=rows, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLITS=splits,
+        GROUP=group, D=d, BLOCK_SIZE=block_size, ROWS=rows, BLOCK_N=BLOCK_N, BLOCK_D=block_d, ONE_PASS=splits == 1,
         IEEE=q.dtype == torch.float32,
         num_warps=WARPS.get(q.dtype, 4), num_stages=2,
     )
     if splits > 1:
         _decode_merge_kernel[(b, hq)](
-            out, part, out.stride(0), out.stride(1), out.stride(2),
-            D=d, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            out, part, out.stride(0), out.stride(1), out.stride(2), splits,
+            D=d, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, num_warps=4,
         )
     return out

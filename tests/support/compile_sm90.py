@@ -49,13 +49,13 @@ def main() -> None:
                                                       "context_lens_ptr": "*i32"},
                       dict(GROUP=group, D=d, BLOCK_SIZE=16, BLOCK_G=block_g, TOK_M=tok_m, BLOCK_N=block_n,
                            BLOCK_D=block_d, IEEE=ieee), warps, stages)]
-        for splits in (1, 4):
+        for one_pass in (True, False):
             rows.append(usage(decode._decode_split_kernel, {**data, "part_ptr": "*fp32", "block_tables_ptr": "*i32",
                                                             "context_lens_ptr": "*i32"},
                               dict(GROUP=group, D=d, BLOCK_SIZE=16, ROWS=max(16, block_g), BLOCK_N=decode.BLOCK_N,
-                                   BLOCK_D=block_d, SPLITS=splits, IEEE=ieee), decode.WARPS.get(dtype, 4)))
+                                   BLOCK_D=block_d, ONE_PASS=one_pass, IEEE=ieee), decode.WARPS.get(dtype, 4)))
         rows.append(usage(decode._decode_merge_kernel, {"out_ptr": ty, "part_ptr": "*fp32"},
-                          dict(D=d, BLOCK_D=block_d, SPLITS=4, BLOCK_S=4), 4))
+                          dict(D=d, BLOCK_D=block_d, BLOCK_S=decode.MAX_SPLITS), 4))
         for row in rows:
             print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "group": group, "head_dim": d, **row}))
 

@@ -49,7 +49,8 @@ class Sampler:
         out = logits.argmax(dim=-1)  # [B]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         temps = device_tensor([params[i].temperature for i in rows], torch.float32, logits.device)
-        probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)  # [R, V]
+        picked = logits if len(rows) == len(params) else logits.index_select(0, device_tensor(rows, torch.int64, logits.device))
+        probs = torch.softmax(picked / temps[:, None], dim=-1)  # [R, V]
         probs = _filter_min_p(probs, [params[i].min_p for i in rows])
         probs = _filter_top_k_top_p(probs, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
         for j, i in enumerate(rows):
