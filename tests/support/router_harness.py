@@ -42,9 +42,13 @@ class FakeWorker:
 class Harness:
     """A Router on this loop, a socket to report as workers, and fake workers."""
 
-    def __init__(self, model_dir: str, stale_after_s: float = 30.0, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, model_dir: str, stale_after_s: float = 30.0, clock: Clock = SYSTEM_CLOCK, **config) -> None:
+        """`config`: more RouterConfig fields (worker_wait_s, suspect_after_s, ...). Fake
+        workers do not heartbeat: silence suspects them only past `stale_after_s` unless
+        `suspect_after_s` says otherwise."""
+        config.setdefault("suspect_after_s", stale_after_s)
         self.router = Router(RouterConfig(model_dir=model_dir, http_port=0, zmq_port=0, max_model_len=512,
-                                          stale_after_s=stale_after_s), clock=clock)
+                                          stale_after_s=stale_after_s, **config), clock=clock)
         self.router.start()
         self.ctx = zmq.asyncio.Context()
         self.report = self.ctx.socket(zmq.DEALER)
