@@ -9,11 +9,13 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.serving import Served, _alive, _children, start_server, stop_server
+from tests.support.serving import ROOT, Served, _alive, _children, start_server, stop_server
 
 MAX_MODEL_LEN = 256
 # short timeouts: every failure here is detected within a second or two
@@ -107,6 +109,22 @@ def wait_blocks_baseline(served: Served, workers: list[str], timeout: float = 30
         time.sleep(0.3)
 
 
+def counters(served: Served, name: str) -> dict[str, float]:
+    """A labelled metric of /metrics by its one label's value ({"": v} for an unlabelled one)."""
+    text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
+    return {m.group(1) or "": float(m.group(2))
+            for m in re.finditer(rf'^{re.escape(name)}(?:\{{\w+="([\w-]+)"\}})? ([\d.e+-]+)$', text, re.M)}
+
+
+def scale(served: Served, *flags: str) -> list[dict]:
+    """`pdserve scale` against the deployment (docs/deploy.md); the pools as it prints them."""
+    cmd = [sys.executable, "-m", "pdserve", "scale", "--router", served.info["control"],
+           "--secret-file", served.info["secret_file"], "--json", "--wait", "120", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert out.returncode == 0, f"pdserve scale failed ({out.returncode}):\n{out.stderr}\n{served.log_tail()}"
+    return json.loads(out.stdout)
+
+
 def stop(served: Served) -> None:
     """SIGTERM to serve; every worker still alive must go with it (the killed ones were
     reaped by serve: they are no longer its children)."""
@@ -130,5 +148,5 @@ def wait_gone(pids: list[int], timeout: float) -> float:
     return time.monotonic() - start
 
 
-__all__ = ["FAST", "Served", "complete", "complete_all", "health", "kill_worker", "metrics", "recoveries", "serve",
-           "stop", "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]
+__all__ = ["FAST", "Served", "complete", "complete_all", "counters", "health", "kill_worker", "metrics", "recoveries",
+           "scale", "serve", "stop", "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]
