@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -332,3 +333,97 @@ def _info(ray, actor) -> dict | None:
         return ray.get(actor.info.remote(), timeout=5)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return None
+
+
+def test_ray_prefill_node_lost_under_load_serves_on_from_the_decode_worker(model_dirs, hf_greedy, tmp_path,
+                                                                          monkeypatch):
+    """1P+1D, the prefill worker alone on its node, its steps slowed so that prompts are
+    still on it when that node goes (its raylet, actor and worker with it) under 6 streams
+    with long prompts, and a burst of 8 sent right after: all 14 complete with the text of
+    the run before the loss (equal to transformers), no client sees an error, /health says
+    degraded and the counter counts them, and the decode worker's blocks are all free
+    within 5 s. A node with the prefill resource joins: Ray starts prefill-0 there and the
+    prompts go to it again by themselves (docs/reliability.md, "Degraded modes")."""
+    from tests.support.reliability_harness import Streams
+
+    model = model_dirs["qwen3"]
+    rng = random.Random(53)
+    vocab = Tokenizer(model).vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(100 + 6 * i)] for i in range(14)]
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    monkeypatch.setenv("PDSERVE_FAULTS", "delay_step_ms=300@prefill-0")  # every node's workers inherit it
+    ray_tmp = tempfile.mkdtemp(prefix="pdray-")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = serve = None
+    worker_pids: list[int] = []
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, resources={"decode_pool": 1},
+                                                                    include_dashboard=False,
+                                                                    _system_config=FAST_HEALTH_CHECKS))
+        p_node = cluster.add_node(**NODE, resources={"prefill_pool": 1})
+        ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
+        with open(log, "wb") as f:
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "pdserve", "serve", model, "--ray", cluster.address, "--prefill", "1",
+                 "--decode", "1", "--prefill-resources", '{"prefill_pool": 1}', "--decode-resources",
+                 '{"decode_pool": 1}', "--secret-file", str(secret), "--dtype", "float32", "--num-threads", "1",
+                 "--num-kv-blocks", "256", "--max-model-len", "256", "--http-port", "0", "--zmq-port", "0",
+                 "--no-prefix-caching", "--max-num-batched-tokens", "400", "--ready-file", str(ready),
+                 "--stale-after", "2", "--peer-timeout", "2"], stdout=f, stderr=subprocess.STDOUT)
+        with one_torch_thread():  # while the workers start
+            want = [hf_greedy(model, ids, MAX_TOKENS) for ids in prompts]
+        info = _wait_ready_file(ready, serve, log, 120)
+        worker_pids += [w["pid"] for w in info["workers"].values()]
+        base = info["http"].removesuffix("/v1")
+
+        before = Streams(info["http"], prompts, MAX_TOKENS).join()
+        assert [r["error"] for r in before] == [None] * len(prompts), before
+        assert [r["token_ids"] for r in before] == want
+
+        in_flight = Streams(info["http"], prompts[:6], MAX_TOKENS)
+        assert in_flight.first.wait(60), "no stream started"
+        cluster.remove_node(p_node, allow_graceful=False)  # the prefill host dies
+        burst = Streams(info["http"], prompts[6:], MAX_TOKENS)  # right after
+        after = in_flight.join() + burst.join()
+        errors = [(i, r["error"]) for i, r in enumerate(after) if r["error"] is not None]
+        assert not errors, f"clients saw errors: {errors}\n" + log.read_text(errors="replace")[-3000:]
+        assert [r["token_ids"] for r in after] == want
+        _wait_until(lambda: _blocks_free(base, ["decode-0"]), 5, f"decode blocks held: {_blocks(base)}")
+        _wait_until(lambda: json.loads(_get(base + "/health")[1])["status"] == "degraded", 10,
+                    f"not degraded: {_get(base + '/health')}")
+        degraded = [line for line in _get(base + "/metrics")[1].splitlines()
+                    if line.startswith('pdserve_degraded_requests_total{reason="no_prefill"}')]
+        assert degraded and float(degraded[0].rsplit(" ", 1)[1]) >= 8, degraded
+
+        cluster.add_node(**NODE, resources={"prefill_pool": 1})  # Ray starts prefill-0 on it
+        _wait_until(lambda: json.loads(_get(base + "/health")[1])["status"] == "ok", 90,
+                    f"prefill-0 never came back: {_get(base + '/health')}")
+        routed = _pool(base)["prefill-0"]["routed"]
+        again = Streams(info["http"], prompts[:4], MAX_TOKENS).join()
+        assert [r["token_ids"] for r in again] == want[:4], again
+        assert _pool(base)["prefill-0"]["routed"] >= routed + 4  # back via the prefill worker, by itself
+        ray.init(address=cluster.address, namespace="pdserve")
+        moved = _info(ray, ray.get_actor("prefill-0"))
+        assert moved is not None, "prefill-0 serves without an actor"
+        worker_pids.append(moved["pid"])
+
+        _stop(serve)
+        assert serve.returncode == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        _stop(serve)
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    deadline = time.monotonic() + 10
+    while any(process_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in worker_pids if process_alive(pid)], "a worker outlived its actor"

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
 import urllib.error
 import urllib.request
 
-from tests.support.reliability_harness import (complete, counters, health, kill_worker, recoveries, scale, serve, stop,
-                                               wait_blocks_baseline)
+from tests.support.reliability_harness import (Streams, complete, counters, health, kill_worker, recoveries, scale,
+                                               serve, stop, wait_blocks_baseline)
 
 MAX_NEW = 16
 IN_FLIGHT, BURST = 12, 8
@@ -34,59 +33,21 @@ def long_prompts(vocab: int, n: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(100 + 5 * i)] for i in range(n)]  # 100..195 tokens
 
 
-class Streams:
-    """Streamed greedy completions, one thread each; `first` is set at the first token any
-    of them receives. Each result: {"token_ids", "error"} (an HTTP error is an error)."""
-
-    def __init__(self, served, prompts: list[list[int]]) -> None:
-        self.results: list[dict | None] = [None] * len(prompts)
-        self.first = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(served, i, p)) for i, p in enumerate(prompts)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, served, i: int, prompt: list[int]) -> None:
-        body = json.dumps({"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True,
-                           "return_token_ids": True}).encode()  # EOS ends it, as transformers' generate
-        req = urllib.request.Request(served.http + "/completions", body, {"Content-Type": "application/json"})
-        ids: list[int] = []
-        error = None
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                for line in resp:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    error = error or chunk.get("error")
-                    for choice in chunk.get("choices", []):
-                        ids += choice.get("token_ids") or []
-                        self.first.set()
-        except Exception as e:  # an HTTP error or a cut stream: the client saw an error
-            error = f"{type(e).__name__}: {e}"
-        self.results[i] = {"token_ids": ids, "error": error}
-
-    def join(self) -> list[dict]:
-        for t in self.threads:
-            t.join(180)
-        assert all(r is not None for r in self.results), "a stream hangs"
-        return self.results  # type: ignore[return-value]
-
-
 def test_prefill_worker_killed_under_long_prompts_then_a_burst(tmp_path, tok, greedy):
     prompts = long_prompts(tok.vocab_size, IN_FLIGHT + BURST)
     served = serve(tmp_path, ["--prefill", "1", "--decode", "1", "--no-prefix-caching",
                               "--max-num-batched-tokens", "400"], faults=SLOW_PREFILL)
     try:
-        before = Streams(served, prompts).join()  # the same deployment's run before the loss
+        before = Streams(served.http, prompts).join()  # the same deployment's run before the loss
         for ids, res in zip(prompts, before):
             assert res["error"] is None, res
             assert res["token_ids"] == greedy(ids, MAX_NEW)
         assert counters(served, "pdserve_degraded_requests_total") == {}
 
-        in_flight = Streams(served, prompts[:IN_FLIGHT])
+        in_flight = Streams(served.http, prompts[:IN_FLIGHT])
         assert in_flight.first.wait(60), "no stream started"
         kill_worker(served, "prefill-0")  # kill -9, most of the 12 prompts still on it
-        burst = Streams(served, prompts[IN_FLIGHT:])  # right after, all at once
+        burst = Streams(served.http, prompts[IN_FLIGHT:])  # right after, all at once
         after = in_flight.join() + burst.join()
         done = time.monotonic()
         errors = [(i, r["error"]) for i, r in enumerate(after) if r["error"] is not None]
@@ -106,7 +67,7 @@ def test_prefill_worker_killed_under_long_prompts_then_a_burst(tmp_path, tok, gr
         pools = {w["worker_id"]: w for w in scale(served, "--prefill", "+1")}
         (new,) = [w for w, v in pools.items() if v["role"] == "prefill" and v["state"] == "serving"]
         assert health(served)["status"] == "ok"
-        again = Streams(served, prompts[:4]).join()
+        again = Streams(served.http, prompts[:4]).join()
         assert [r["token_ids"] for r in again] == [r["token_ids"] for r in before[:4]], again
         assert health(served)["pools"][new]["routed"] >= 4
         assert counters(served, "pdserve_degraded_requests_total")["no_prefill"] == degraded["no_prefill"]

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -62,6 +63,47 @@ def complete(served: Served, prompt_ids: list[int], max_tokens: int, timeout: fl
             for choice in chunk.get("choices", []):
                 ids += choice.get("token_ids") or []
     return {"token_ids": ids, "error": error}
+
+
+class Streams:
+    """Streamed greedy completions at `http` (the /v1 URL), one thread each, started at once;
+    `first` is set at the first token any of them receives. Each result: {"token_ids",
+    "error"} (an HTTP error or a cut stream is an error)."""
+
+    def __init__(self, http: str, prompts: list[list[int]], max_tokens: int = 16) -> None:
+        self.max_tokens = max_tokens
+        self.results: list[dict | None] = [None] * len(prompts)
+        self.first = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(http, i, p)) for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, http: str, i: int, prompt: list[int]) -> None:
+        body = json.dumps({"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
+                           "return_token_ids": True}).encode()  # EOS ends it, as transformers' generate
+        req = urllib.request.Request(http + "/completions", body, {"Content-Type": "application/json"})
+        ids: list[int] = []
+        error = None
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                for line in resp:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    error = error or chunk.get("error")
+                    for choice in chunk.get("choices", []):
+                        ids += choice.get("token_ids") or []
+                    if ids:
+                        self.first.set()
+        except Exception as e:  # an HTTP error or a cut stream: the client saw an error
+            error = f"{type(e).__name__}: {e}"
+        self.results[i] = {"token_ids": ids, "error": error}
+
+    def join(self) -> list[dict]:
+        for t in self.threads:
+            t.join(180)
+        assert all(r is not None for r in self.results), "a stream hangs"
+        return self.results  # type: ignore[return-value]
 
 
 def complete_all(served: Served, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -148,5 +190,5 @@ def wait_gone(pids: list[int], timeout: float) -> float:
     return time.monotonic() - start
 
 
-__all__ = ["FAST", "Served", "complete", "complete_all", "counters", "health", "kill_worker", "metrics", "recoveries",
+__all__ = ["FAST", "Served", "Streams", "complete", "complete_all", "counters", "health", "kill_worker", "metrics", "recoveries",
            "scale", "serve", "stop", "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]
