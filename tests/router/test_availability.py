@@ -90,3 +90,14 @@ def test_a_decode_worker_that_answers_blames_its_prefill_worker():
 def test_a_draining_decode_worker_or_one_that_computed_the_prompt_is_blamed_itself():
     assert blamed("worker_draining", D, P, frozenset()) == {D}  # it refused the request: the retry goes elsewhere
     assert blamed("worker_failed", D, None, frozenset()) == {D}
+
+
+def test_the_knobs_are_checked_at_the_edge(model_dirs):
+    from pdserve.common.config import ConfigError
+    from pdserve.router.core.config import RouterConfig
+
+    model = model_dirs["qwen3"]
+    assert RouterConfig(model_dir=model, worker_wait_s=0).worker_wait_s == 0  # refused at once
+    for bad in ({"worker_wait_s": -1}, {"worker_wait_s": 1e6}, {"suspect_after_s": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            RouterConfig(model_dir=model, **bad)
