@@ -35,8 +35,8 @@ def long_prompts(vocab: int, n: int) -> list[list[int]]:
 
 def test_prefill_worker_killed_under_long_prompts_then_a_burst(tmp_path, tok, greedy):
     prompts = long_prompts(tok.vocab_size, IN_FLIGHT + BURST)
-    served = serve(tmp_path, ["--prefill", "1", "--decode", "1", "--no-prefix-caching",
-                              "--max-num-batched-tokens", "400"], faults=SLOW_PREFILL)
+    served = serve(tmp_path, ["--prefill", "1", "--decode", "1", "--no-prefix-caching", "--max-num-batched-tokens", "400"],
+                   faults=SLOW_PREFILL, extra=("--lease", "30"))  # after the harness's --lease 3: the slow P trips none
     try:
         before = Streams(served.http, prompts).join()  # the same deployment's run before the loss
         for ids, res in zip(prompts, before):

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from tests.support.serving import ROOT, Served, _alive, _children, start_server, stop_server
 
@@ -46,58 +47,54 @@ def start_server_with(workdir: Path, args: list[str], max_model_len: int) -> Ser
 def complete(served: Served, prompt_ids: list[int], max_tokens: int, timeout: float = 120) -> dict:
     """A greedy completion over HTTP, streamed (so a resumed stream is what is checked);
     returns {"token_ids", "error"}."""
-    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "ignore_eos": True, "return_token_ids": True}).encode()
-    req = urllib.request.Request(served.http + "/completions", body, {"Content-Type": "application/json"})
+    return stream_completion(served.http, {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+                                           "ignore_eos": True}, timeout=timeout, catch=False)
+
+
+def stream_completion(http: str, body: dict, on_tokens: Callable[[], object] | None = None, timeout: float = 120,
+                      catch: bool = True) -> dict:
+    """POST `body` streamed to `http` (the /v1 URL) + /completions; {"token_ids", "error"}:
+    an error event's error, or (`catch`) an HTTP error or a cut stream as text.
+    `on_tokens()` runs at each chunk that brought tokens."""
+    req = urllib.request.Request(http + "/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
     ids: list[int] = []
     error = None
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                error = chunk["error"]
-                continue
-            for choice in chunk.get("choices", []):
-                ids += choice.get("token_ids") or []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for line in resp:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                error = error or chunk.get("error")
+                new = [t for choice in chunk.get("choices", []) for t in choice.get("token_ids") or []]
+                ids += new
+                if new and on_tokens is not None:
+                    on_tokens()
+    except Exception as e:  # the client saw an error
+        if not catch:
+            raise
+        error = f"{type(e).__name__}: {e}"
     return {"token_ids": ids, "error": error}
 
 
 class Streams:
     """Streamed greedy completions at `http` (the /v1 URL), one thread each, started at once;
     `first` is set at the first token any of them receives. Each result: {"token_ids",
-    "error"} (an HTTP error or a cut stream is an error)."""
+    "error"} (an HTTP error or a cut stream is an error). EOS ends each, as transformers'
+    generate."""
 
     def __init__(self, http: str, prompts: list[list[int]], max_tokens: int = 16) -> None:
-        self.max_tokens = max_tokens
         self.results: list[dict | None] = [None] * len(prompts)
         self.first = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(http, i, p)) for i, p in enumerate(prompts)]
+        self.threads = [threading.Thread(target=self._run, args=(http, i, p, max_tokens))
+                        for i, p in enumerate(prompts)]
         for t in self.threads:
             t.start()
 
-    def _run(self, http: str, i: int, prompt: list[int]) -> None:
-        body = json.dumps({"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
-                           "return_token_ids": True}).encode()  # EOS ends it, as transformers' generate
-        req = urllib.request.Request(http + "/completions", body, {"Content-Type": "application/json"})
-        ids: list[int] = []
-        error = None
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                for line in resp:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    error = error or chunk.get("error")
-                    for choice in chunk.get("choices", []):
-                        ids += choice.get("token_ids") or []
-                    if ids:
-                        self.first.set()
-        except Exception as e:  # an HTTP error or a cut stream: the client saw an error
-            error = f"{type(e).__name__}: {e}"
-        self.results[i] = {"token_ids": ids, "error": error}
+    def _run(self, http: str, i: int, prompt: list[int], max_tokens: int) -> None:
+        self.results[i] = stream_completion(http, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                                            self.first.set)
 
     def join(self) -> list[dict]:
         for t in self.threads:
@@ -190,5 +187,5 @@ def wait_gone(pids: list[int], timeout: float) -> float:
     return time.monotonic() - start
 
 
-__all__ = ["FAST", "Served", "Streams", "complete", "complete_all", "counters", "health", "kill_worker", "metrics", "recoveries",
+__all__ = ["FAST", "Served", "Streams", "complete", "stream_completion", "complete_all", "counters", "health", "kill_worker", "metrics", "recoveries",
            "scale", "serve", "stop", "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]

@@ -10,8 +10,10 @@ the registry, the requests in flight, the disaggregation policy, the metrics, th
 the round-robin counters, the clock and the held requests (`waits`)."""
 from __future__ import annotations
 
-from pdserve.router.core.availability import (COLOCATED, DECODE_LOCAL, NONE, PREFILL_DECODE, hold_left_s, plan,
-                                              serving_state)
+import sys
+
+from pdserve.router.core.availability import (COLOCATED, DECODE_LOCAL, NONE, OK, PREFILL_DECODE, hold_left_s,
+                                              plan, serving_state)
 from pdserve.router.core.disagg_state import Decision
 from pdserve.router.core.policy import choose_decode, choose_prefill, prefix_overlap
 from pdserve.router.core.registry import WorkerEntry
@@ -25,6 +27,8 @@ class Routing:
     """Choosing a request's workers, and holding it where none can serve. Mixed into
     `Router`, whose constructor makes every attribute used here."""
 
+    _last_state: str = OK  # the serving state the last new request found (logged when it changes)
+
     def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()) -> Route:
         """(decode-or-colocated worker, prefill worker or None, a P + D pair's disaggregation
         decision, the prompt blocks the worker computing it lacks), among the routable
@@ -36,6 +40,8 @@ class Routing:
         hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
         cands = reg.routable(self.clock.monotonic(), avoid)
         how = plan(cands)
+        if not avoid:
+            self._note_plan(how)
         if how == PREFILL_DECODE:
             queued = self._queued_blocks()
             prefill = reg.workers[choose_prefill(reg.views(cands["prefill"], hashes, queued), policy, self.rng,
@@ -58,6 +64,15 @@ class Routing:
         assert how == NONE
         raise RouteError("no live worker can serve this request (prefill+decode, decode or colocated)",
                          "unavailable", self.config.retry_after_s)
+
+    def _note_plan(self, how: str) -> None:
+        """Log the deployment entering or leaving a degraded mode (as a new request finds it)."""
+        state = serving_state(how)
+        if state != self._last_state:
+            why = {DECODE_LOCAL: ": no live prefill worker, the decode workers prefill every prompt",
+                   NONE: ": no live worker can serve a request; requests wait for one"}.get(how, "")
+            print(f"router: serving {state}{why}", file=sys.stderr, flush=True)
+            self._last_state = state
 
     async def _route_held(self, prep: Prepared, avoid: frozenset[str], since: float) -> Route:
         """`route`, and where nothing can serve the request, wait for a worker to register or
