@@ -27,7 +27,7 @@ class Routing:
     """Choosing a request's workers, and holding it where none can serve. Mixed into
     `Router`, whose constructor makes every attribute used here."""
 
-    _last_state: str = OK  # the serving state the last new request found (logged when it changes)
+    _last_state: str = OK  # the serving state the last request routed found (logged when it changes)
 
     def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()) -> Route:
         """(decode-or-colocated worker, prefill worker or None, a P + D pair's disaggregation
@@ -38,10 +38,10 @@ class Routing:
         "unavailable" when nothing can serve it."""
         reg, policy = self.registry, self.config.routing
         hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
-        cands = reg.routable(self.clock.monotonic(), avoid)
+        now = self.clock.monotonic()
+        cands = reg.routable(now, avoid)
         how = plan(cands)
-        if not avoid:
-            self._note_plan(how)
+        self._note_plan(plan(reg.routable(now)) if avoid else how)  # the deployment's state, not this request's
         if how == PREFILL_DECODE:
             queued = self._queued_blocks()
             prefill = reg.workers[choose_prefill(reg.views(cands["prefill"], hashes, queued), policy, self.rng,
@@ -66,7 +66,7 @@ class Routing:
                          "unavailable", self.config.retry_after_s)
 
     def _note_plan(self, how: str) -> None:
-        """Log the deployment entering or leaving a degraded mode (as a new request finds it)."""
+        """Log the deployment entering or leaving a degraded mode (as a request finds it)."""
         state = serving_state(how)
         if state != self._last_state:
             why = {DECODE_LOCAL: ": no live prefill worker, the decode workers prefill every prompt",
