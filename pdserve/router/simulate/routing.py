@@ -1,4 +1,4 @@
-"""The router's own routing, without its sockets: `Router.route` (router/core/router.py) runs
+"""The router's own routing, without its sockets: `Router.route` (router/core/routing.py) runs
 on a stand-in that holds exactly the state it reads -- a real WorkerRegistry fed real
 WorkerHello / WorkerStatus messages, the real Disaggregation (router/core/disagg_state.py)
 and its metrics, the config, the rng, the round-robin counters and the simulator's clock. The router's
@@ -11,18 +11,16 @@ import random
 from pdserve.common.clock import SYSTEM_CLOCK, Clock
 from pdserve.common.wire.messages import WorkerHello, WorkerStatus
 from pdserve.router.core.config import RouterConfig
-from pdserve.router.core.router import Router
+from pdserve.router.core.routing import Routing
 from pdserve.router.core.disagg_state import Disaggregation
 from pdserve.router.core.metrics import RouterMetrics
 from pdserve.router.core.registry import WorkerEntry, WorkerRegistry
 
 
-class SimRouter:
-    """The state `Router.route` reads, and that method itself."""
-
-    route = Router.route
-    _note_routed = Router._note_routed
-    _queued_blocks = Router._queued_blocks
+class SimRouter(Routing):
+    """The state `Router.route` reads, and that method itself (router/core/routing.py's
+    `Routing`, the part of `Router` that chooses workers; the simulator never holds a
+    request)."""
 
     def __init__(self, config: RouterConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
