@@ -166,7 +166,10 @@ def test_wrappers_go_where_their_faults_are_armed():
     w = _fake_worker()
     Faults(drop_transfer=1, kill_mid_transfer=1, fault_token=5).wrap_prefill(w)
     assert isinstance(w.server, HandOffFaults) and isinstance(w.engine.runner.execute, PoisonToken)
-    assert isinstance(w.engine.runner.execute.execute, KillMidTransfer)
+    assert isinstance(w.engine.runner.execute.execute, KillMidTransfer) and not isinstance(w.step, DelayedStep)
+    w = _fake_worker()
+    Faults(delay_step_ms=1).wrap_prefill(w)  # a slow prefill worker: prompts stay in flight on it
+    assert isinstance(w.step, DelayedStep) and type(w.server) is Recorder
     w = _fake_worker()
     Faults(kill_mid_decode=1, delay_step_ms=1).wrap_decode(w)
     assert isinstance(w.server, KillAtToken) and isinstance(w.step, DelayedStep)

@@ -6,16 +6,13 @@ serves, the removed decode worker exits with code 0, the re-roled worker serves 
 decode worker, /health and /metrics show the pools, and blocks are back to baseline."""
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
-from tests.support.reliability_harness import complete, health, recoveries, serve, stop, wait_blocks_baseline, wait_gone
-from tests.support.serving import ROOT
+from tests.support.reliability_harness import (complete, health, recoveries, scale, serve, stop, wait_blocks_baseline,
+                                               wait_gone)
 
 MAX_NEW = 16
 STREAMS = 2  # requests in flight at once, each client sending the next as soon as one ends
@@ -32,14 +29,6 @@ def _stream(served, prompts, results: list, stop: threading.Event, offset: int) 
         i += STREAMS
 
 
-def _scale(served, *flags: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "pdserve", "scale", "--router", served.info["control"],
-           "--secret-file", served.info["secret_file"], "--json", "--wait", "120", *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
-    assert out.returncode == 0, f"pdserve scale failed ({out.returncode}):\n{out.stderr}\n{served.log_tail()}"
-    return json.loads(out.stdout)
-
-
 def test_scale_prefill_up_and_decode_down_under_a_steady_stream(tmp_path, prompts, greedy):
     served = serve(tmp_path, ["--prefill", "1", "--decode", "2"])
     try:
@@ -51,7 +40,7 @@ def test_scale_prefill_up_and_decode_down_under_a_steady_stream(tmp_path, prompt
         try:
             time.sleep(1.0)
             before = len(results)
-            pools = {w["worker_id"]: w for w in _scale(served, "--prefill", "+1", "--decode", "-1")}
+            pools = {w["worker_id"]: w for w in scale(served, "--prefill", "+1", "--decode", "-1")}
             (gone,) = [w for w in pools.values() if w["state"] == "exited"]
             (new,) = [w for w in pools.values() if w["role"] == "prefill" and w["worker_id"] != "prefill-0"]
             assert gone["role"] == "decode" and gone["exit_code"] == 0 and gone["managed"], pools
@@ -59,7 +48,7 @@ def test_scale_prefill_up_and_decode_down_under_a_steady_stream(tmp_path, prompt
             assert new["state"] == "serving"
             _wait_routed(served, new["worker_id"])  # it takes traffic once registered
             mid = len(results)
-            pools = {w["worker_id"]: w for w in _scale(served, "--role-of", f"{new['worker_id']}=decode")}
+            pools = {w["worker_id"]: w for w in scale(served, "--role-of", f"{new['worker_id']}=decode")}
             assert (pools[new["worker_id"]]["role"], pools[new["worker_id"]]["state"]) == ("decode", "serving")
             _wait_routed(served, new["worker_id"])
             time.sleep(0.5)

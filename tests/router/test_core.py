@@ -46,15 +46,18 @@ def test_request_goes_to_the_worker_and_tokens_come_back(model_dirs):
 
 
 def test_inflight_request_fails_when_its_worker_goes_silent(model_dirs):
+    """With no other worker to retry on and no hold (worker_wait_s 0), the client hears
+    at once that nothing can serve it (HTTP: 503 + Retry-After), naming the dead worker."""
     async def scenario():
-        h = Harness(model_dirs["qwen3"], stale_after_s=0.4)
+        h = Harness(model_dirs["qwen3"], stale_after_s=0.4, worker_wait_s=0)
         try:
             w = await h.registered("c0")
             job = asyncio.create_task(collect(h.router, submit("r1")))
             assert await w.next_request() is not None  # received, never answered, no heartbeats
             outs = await asyncio.wait_for(job, 10)
             assert len(outs) == 1 and isinstance(outs[0], ErrorReply)
-            assert outs[0].code == "worker_failed" and "c0" in outs[0].message
+            assert outs[0].code == "unavailable" and "c0 stopped responding" in outs[0].message
+            assert "no worker to retry on" in outs[0].message
             (err,) = await collect(h.router, submit("r2"))
             assert isinstance(err, ErrorReply) and err.code == "unavailable"
         finally:

@@ -135,6 +135,50 @@ def test_hello_from_new_address_is_a_restart():
     assert fresh.hello.address == "tcp://127.0.0.1:7002" and live_ids(reg) == {"p0"}
 
 
+# ---- suspicion: no new requests before death (router/core/availability.py) ---------------
+
+def routable_ids(reg: WorkerRegistry, now: float, avoid: frozenset[str] = frozenset()) -> dict[str, list[str]]:
+    return {r: [e.worker_id for e in es] for r, es in reg.routable(now, avoid).items()}
+
+
+def test_a_silent_worker_is_suspected_long_before_it_is_dead():
+    reg = WorkerRegistry(stale_after_s=5.0, suspect_after_s=1.0)
+    reg.hello(hello("p0"), now=0.0)
+    reg.hello(hello("d0", role="decode"), now=0.0)
+    reg.heartbeat(status("d0", role="decode"), now=1.5)
+    assert routable_ids(reg, 1.0) == {"prefill": ["p0"], "decode": ["d0"], "colocated": []}
+    assert routable_ids(reg, 1.6) == {"prefill": [], "decode": ["d0"], "colocated": []}  # p0 missed its beats
+    assert [e.worker_id for e in reg.suspected(1.6)] == ["p0"] and reg.in_doubt(reg.workers["p0"], 1.6)
+    assert reg.expire(now=1.6) == [] and live_ids(reg) == {"p0", "d0"}  # suspected is not dead: nothing re-routed
+    reg.heartbeat(status("p0"), now=2.0)  # heard again: routable again
+    assert routable_ids(reg, 2.0)["prefill"] == ["p0"] and reg.suspected(2.0) == []
+
+
+def test_a_failed_connection_suspects_at_once_until_the_worker_is_heard():
+    reg = WorkerRegistry(stale_after_s=5.0, suspect_after_s=1.0)
+    e = reg.hello(hello("d0", role="decode"), now=0.0)
+    assert reg.suspect(e, "its connection closed") is True
+    assert reg.suspect(e, "its connection closed") is False  # reported once
+    assert routable_ids(reg, 0.1)["decode"] == [] and e.connection_error == "its connection closed"
+    reg.heartbeat(status("d0", role="decode"), now=0.2)
+    assert routable_ids(reg, 0.2)["decode"] == ["d0"]
+    reg.suspect(e, "its connection closed")
+    reg.hello(hello("d0", role="decode"), now=0.3)  # a hello clears it too
+    assert routable_ids(reg, 0.3)["decode"] == ["d0"]
+
+
+def test_suspicion_never_comes_after_death():
+    assert WorkerRegistry(stale_after_s=0.4, suspect_after_s=1.5).suspect_after_s == 0.4
+
+
+def test_routable_avoids_the_addresses_that_failed_a_request():
+    reg = WorkerRegistry(suspect_after_s=1.0)
+    reg.hello(hello("p0", address="tcp://127.0.0.1:7001"), now=0.0)
+    reg.hello(hello("p1", address="tcp://127.0.0.1:7002"), now=0.0)
+    assert routable_ids(reg, 0.0, frozenset({"tcp://127.0.0.1:7001"}))["prefill"] == ["p1"]
+    assert routable_ids(reg, 0.0, frozenset({"tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"}))["prefill"] == []
+
+
 # ---- refusal at registration: block size and model must be the router's ---------------
 
 def test_refusal_accepts_a_matching_worker():

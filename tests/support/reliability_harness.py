@@ -9,11 +9,15 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
-from tests.support.serving import Served, _alive, _children, start_server, stop_server
+from tests.support.serving import ROOT, Served, _alive, _children, start_server, stop_server
 
 MAX_MODEL_LEN = 256
 # short timeouts: every failure here is detected within a second or two
@@ -43,23 +47,60 @@ def start_server_with(workdir: Path, args: list[str], max_model_len: int) -> Ser
 def complete(served: Served, prompt_ids: list[int], max_tokens: int, timeout: float = 120) -> dict:
     """A greedy completion over HTTP, streamed (so a resumed stream is what is checked);
     returns {"token_ids", "error"}."""
-    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "ignore_eos": True, "return_token_ids": True}).encode()
-    req = urllib.request.Request(served.http + "/completions", body, {"Content-Type": "application/json"})
+    return stream_completion(served.http, {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+                                           "ignore_eos": True}, timeout=timeout, catch=False)
+
+
+def stream_completion(http: str, body: dict, on_tokens: Callable[[], object] | None = None, timeout: float = 120,
+                      catch: bool = True) -> dict:
+    """POST `body` streamed to `http` (the /v1 URL) + /completions; {"token_ids", "error"}:
+    an error event's error, or (`catch`) an HTTP error or a cut stream as text.
+    `on_tokens()` runs at each chunk that brought tokens."""
+    req = urllib.request.Request(http + "/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
     ids: list[int] = []
     error = None
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                error = chunk["error"]
-                continue
-            for choice in chunk.get("choices", []):
-                ids += choice.get("token_ids") or []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for line in resp:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                error = error or chunk.get("error")
+                new = [t for choice in chunk.get("choices", []) for t in choice.get("token_ids") or []]
+                ids += new
+                if new and on_tokens is not None:
+                    on_tokens()
+    except Exception as e:  # the client saw an error
+        if not catch:
+            raise
+        error = f"{type(e).__name__}: {e}"
     return {"token_ids": ids, "error": error}
+
+
+class Streams:
+    """Streamed greedy completions at `http` (the /v1 URL), one thread each, started at once;
+    `first` is set at the first token any of them receives. Each result: {"token_ids",
+    "error"} (an HTTP error or a cut stream is an error). EOS ends each, as transformers'
+    generate."""
+
+    def __init__(self, http: str, prompts: list[list[int]], max_tokens: int = 16) -> None:
+        self.results: list[dict | None] = [None] * len(prompts)
+        self.first = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(http, i, p, max_tokens))
+                        for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, http: str, i: int, prompt: list[int], max_tokens: int) -> None:
+        self.results[i] = stream_completion(http, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                                            self.first.set)
+
+    def join(self) -> list[dict]:
+        for t in self.threads:
+            t.join(180)
+        assert all(r is not None for r in self.results), "a stream hangs"
+        return self.results  # type: ignore[return-value]
 
 
 def complete_all(served: Served, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -107,6 +148,22 @@ def wait_blocks_baseline(served: Served, workers: list[str], timeout: float = 30
         time.sleep(0.3)
 
 
+def counters(served: Served, name: str) -> dict[str, float]:
+    """A labelled metric of /metrics by its one label's value ({"": v} for an unlabelled one)."""
+    text = urllib.request.urlopen(served.base + "/metrics", timeout=10).read().decode()
+    return {m.group(1) or "": float(m.group(2))
+            for m in re.finditer(rf'^{re.escape(name)}(?:\{{\w+="([\w-]+)"\}})? ([\d.e+-]+)$', text, re.M)}
+
+
+def scale(served: Served, *flags: str) -> list[dict]:
+    """`pdserve scale` against the deployment (docs/deploy.md); the pools as it prints them."""
+    cmd = [sys.executable, "-m", "pdserve", "scale", "--router", served.info["control"],
+           "--secret-file", served.info["secret_file"], "--json", "--wait", "120", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert out.returncode == 0, f"pdserve scale failed ({out.returncode}):\n{out.stderr}\n{served.log_tail()}"
+    return json.loads(out.stdout)
+
+
 def stop(served: Served) -> None:
     """SIGTERM to serve; every worker still alive must go with it (the killed ones were
     reaped by serve: they are no longer its children)."""
@@ -130,5 +187,5 @@ def wait_gone(pids: list[int], timeout: float) -> float:
     return time.monotonic() - start
 
 
-__all__ = ["FAST", "Served", "complete", "complete_all", "health", "kill_worker", "metrics", "recoveries", "serve",
-           "stop", "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]
+__all__ = ["FAST", "Served", "Streams", "complete", "stream_completion", "complete_all", "counters", "health", "kill_worker", "metrics", "recoveries",
+           "scale", "serve", "stop", "stop_server", "wait_blocks_baseline", "wait_gone", "_children"]

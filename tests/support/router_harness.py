@@ -15,10 +15,12 @@ from pdserve.router.core.router import Router
 
 
 class FakeWorker:
-    """A colocated worker's server socket; answers nothing unless told to."""
+    """A colocated (or decode) worker's server socket; answers nothing unless told to."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, fingerprint: str, auth: Authenticator) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, fingerprint: str, auth: Authenticator,
+                 role: str = "colocated") -> None:
         self.worker_id = worker_id
+        self.role = role
         self.auth = auth  # signs with the router's deployment secret, as a launched worker would
         self.fingerprint = fingerprint  # the router refuses a worker of another model
         self.sock = ctx.socket(zmq.ROUTER)
@@ -26,7 +28,7 @@ class FakeWorker:
         self.address = bind_address(self.sock, "tcp://127.0.0.1:0")
 
     def hello(self) -> WorkerHello:
-        return WorkerHello(self.worker_id, "colocated", self.address, "cpu", total_blocks=64, block_size=16,
+        return WorkerHello(self.worker_id, self.role, self.address, "cpu", total_blocks=64, block_size=16,
                            model_fingerprint=self.fingerprint)
 
     async def next_request(self, timeout_s: float = 5.0) -> tuple[bytes, GenerateRequest] | None:
@@ -42,9 +44,13 @@ class FakeWorker:
 class Harness:
     """A Router on this loop, a socket to report as workers, and fake workers."""
 
-    def __init__(self, model_dir: str, stale_after_s: float = 30.0, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, model_dir: str, stale_after_s: float = 30.0, clock: Clock = SYSTEM_CLOCK, **config) -> None:
+        """`config`: more RouterConfig fields (worker_wait_s, suspect_after_s, ...). Fake
+        workers do not heartbeat: silence suspects them only past `stale_after_s` unless
+        `suspect_after_s` says otherwise."""
+        config.setdefault("suspect_after_s", stale_after_s)
         self.router = Router(RouterConfig(model_dir=model_dir, http_port=0, zmq_port=0, max_model_len=512,
-                                          stale_after_s=stale_after_s), clock=clock)
+                                          stale_after_s=stale_after_s, **config), clock=clock)
         self.router.start()
         self.ctx = zmq.asyncio.Context()
         self.report = self.ctx.socket(zmq.DEALER)
@@ -53,20 +59,29 @@ class Harness:
         self.workers: list[FakeWorker] = []
         self.auth = Authenticator(self.router.key, "test harness")
 
-    def worker(self, worker_id: str) -> FakeWorker:
-        w = FakeWorker(self.ctx, worker_id, self.router.model_fingerprint, Authenticator(self.router.key, worker_id))
+    def worker(self, worker_id: str, role: str = "colocated") -> FakeWorker:
+        w = FakeWorker(self.ctx, worker_id, self.router.model_fingerprint, Authenticator(self.router.key, worker_id),
+                       role)
         self.workers.append(w)
         return w
 
     async def send(self, msg) -> None:
         await self.report.send(self.auth.seal(msg))
 
-    async def registered(self, worker_id: str) -> FakeWorker:
-        """A fake colocated worker that said hello and that the router has taken in."""
-        w = self.worker(worker_id)
+    async def registered(self, worker_id: str, role: str = "colocated") -> FakeWorker:
+        """A fake colocated (or decode) worker that said hello and that the router has taken in."""
+        w = self.worker(worker_id, role)
         await self.send(w.hello())
-        await self.router.wait_for_workers(0, 0, 1, timeout=5)
+        await self.known(worker_id)
         return w
+
+    async def known(self, worker_id: str, timeout_s: float = 5.0) -> None:
+        """Until the router has registered `worker_id` (its hello crosses a real socket)."""
+        for _ in range(int(timeout_s / 0.01)):
+            if worker_id in self.router.registry.workers:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the router never registered {worker_id}")
 
     async def send_raw(self, payload: bytes) -> None:
         """Signed, whatever the payload: a malformed message from inside the deployment."""

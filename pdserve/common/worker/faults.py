@@ -18,7 +18,7 @@ nothing is wrapped (the worker runs its own objects):
 | delay_transfer_ms=MS | prefill | `HandOffFaults` | KVReady number `delay_transfer_at` (default 1) waits MS ms (a slow writer) |
 | kill_mid_transfer=N | prefill | `KillMidTransfer` (runner's `execute`) | the Nth step that writes KV layer by layer: SIGKILL itself after half the layers |
 | kill_mid_decode=N | decode | `KillAtToken` (server socket) | the outgoing message holding its Nth token: SIGKILL itself instead of sending it |
-| delay_step_ms=MS | decode | `DelayedStep` (worker's `step`) | every step waits MS ms first (a slow worker: a long output outlasts a test's timeouts) |
+| delay_step_ms=MS | any | `DelayedStep` (worker's `step`) | every step waits MS ms first (a slow worker: a long output outlasts a test's timeouts, prompts stay in flight on a prefill worker) |
 
 One more, for the step-isolation tests: `PDSERVE_TEST_FAULT_TOKEN=<token id>` (any worker)
 wraps the runner's `execute` in `PoisonToken`: a step that samples for a sequence holding
@@ -111,6 +111,8 @@ class Faults:
         runner = worker.engine.runner
         if self.kill_mid_transfer:
             runner.execute = KillMidTransfer(runner.execute, self, worker.config.model.num_layers)
+        if self.delay_step_ms:
+            worker.step = DelayedStep(worker.step, self.delay_step_ms)
         self._wrap_fault_token(worker)
 
     def wrap_decode(self, worker: WorkerBase) -> None:

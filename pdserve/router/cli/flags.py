@@ -31,7 +31,7 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
     "": ("host", "http_port", "zmq_port", "routing", "curve"),
     "tls": ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "zmq_curve"),
     "limits": ("max_prompt_chars", "max_body_bytes"),
-    "faults": ("retries", "stale_after_s", "client_timeout_s"),
+    "faults": ("retries", "stale_after_s", "suspect_after_s", "worker_wait_s", "client_timeout_s"),
     "chat": ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
     "disagg": ("disagg", "disagg_threshold_tokens", "disagg_max_prefill_queue", "disagg_latency_model",
                "disagg_tpot_guard_ms"),

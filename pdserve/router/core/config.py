@@ -10,6 +10,7 @@ from pdserve.router.core.policy import POLICIES
 from pdserve.router.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 PLANNERS = ("none", "slo")
+MAX_WORKER_WAIT_S = 3600.0  # a held request holds an admission slot: an hour is already generous
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class RouterConfig:
     max_model_len: int = 2048
     block_size: int = CacheConfig.block_size  # the workers' (the engine's default): prefix hashes are per block
     stale_after_s: float = option(5.0, "a worker silent this long (s) is dead")
+    suspect_after_s: float = option(1.5, "a worker silent this long (s) gets no new requests until it is heard "
+                                         "again (at most --stale-after; ~3 heartbeats)")
+    worker_wait_s: float = option(10.0, "a request no live worker can serve waits this long (s) for one to "
+                                        "register, then is refused (HTTP 503 + Retry-After); 0: refused at once")
     seed: int = 0
     enable_http: bool = True
     # admission: requests being prepared or in flight (queued on a worker included);
@@ -118,8 +123,10 @@ class RouterConfig:
         self._check_planner()
         if self.retries < 0:
             raise ConfigError(f"retries must be >= 0, got {self.retries}")
-        if not self.stale_after_s > 0 or not self.client_timeout_s > 0:
-            raise ConfigError("stale_after_s and client_timeout_s must be > 0 seconds")
+        if not self.stale_after_s > 0 or not self.client_timeout_s > 0 or not self.suspect_after_s > 0:
+            raise ConfigError("stale_after_s, suspect_after_s and client_timeout_s must be > 0 seconds")
+        if not 0 <= self.worker_wait_s <= MAX_WORKER_WAIT_S:
+            raise ConfigError(f"worker_wait_s must be in [0, {MAX_WORKER_WAIT_S:g}] seconds, got {self.worker_wait_s}")
         for name in ("http_port", "zmq_port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")

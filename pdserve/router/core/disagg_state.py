@@ -37,8 +37,9 @@ class Disaggregation:
         return choice
 
     def mark(self, timeline: Timeline, choice: Decision | None, at: float) -> None:
-        """Stamp the decision (`route_disagg` / `route_local`) where the mode can vary it."""
-        if choice is not None and self.policy.mode != "always":
+        """Stamp the decision (`route_disagg` / `route_local`) where the mode can vary it, and
+        a prompt prefilled on its decode worker for want of a prefill worker (degraded)."""
+        if choice is not None and (self.policy.mode != "always" or not choice.disaggregate):
             mark(timeline, Stamp.ROUTE_DISAGG if choice.disaggregate else Stamp.ROUTE_LOCAL, at)
 
 

@@ -45,6 +45,14 @@ class RouterMetrics:
         self.pool_workers = Gauge("pdserve_pool_workers", "Workers by role and state (serving, draining, "
                                   "exiting, dead)", ["role", "state"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "Workers found dead, by how", ["how"], registry=r)
+        self.degraded_requests = Counter("pdserve_degraded_requests", "Requests served in a degraded mode, by "
+                                         "reason: no_prefill (prefilled on a decode worker for want of a prefill "
+                                         "worker), held (waited for a worker to register)", ["reason"], registry=r)
+        self.degraded = Gauge("pdserve_degraded", "1 while prompts are prefilled on decode workers for want of a "
+                              "live prefill worker, else 0 (/health: status degraded)", registry=r)
+        self.unavailable = Gauge("pdserve_unavailable", "1 while no live worker can serve a request (requests are "
+                                 "held, then refused with 503), else 0", registry=r)
+        self.held = Gauge("pdserve_requests_held", "Requests waiting now for a worker to register", registry=r)
         self.disagg_decisions = Counter("pdserve_disagg_decisions", "Prefill + decode routing: prompts sent via the "
                                         "prefill worker (disagg) or prefilled on the decode worker (local), by reason",
                                         ["decision", "reason"], registry=r)
@@ -117,6 +125,11 @@ class RouterMetrics:
         self._pool_labels.update(counts)
         for role, state in self._pool_labels:
             self.pool_workers.labels(role, state).set(counts.get((role, state), 0))
+
+    def serving_state(self, state: str) -> None:
+        """The deployment's serving state (router/core/availability.py: ok, degraded, unavailable)."""
+        self.degraded.set(state == "degraded")
+        self.unavailable.set(state == "unavailable")
 
     def routed_prefix(self, hashes: list[int], cached: set[int]) -> None:
         from pdserve.router.core.policy import prefix_overlap

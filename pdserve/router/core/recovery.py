@@ -11,8 +11,11 @@ used by `Router.generate` (router/core/router.py). docs/reliability.md has the w
   restarts its generator from the seed at the resume point (a different, still
   reproducible stream).
 
-Each request is retried at most `RouterConfig.retries` times; then the client gets the
-last error."""
+A retry never goes back to a worker that failed the request (`blamed`, accumulated over
+its attempts), nor to a suspected one (router/core/availability.py): with no other
+prefill worker, the decode worker prefills it itself; with no other decode worker, it
+waits for one up to `worker_wait_s`. Each request is retried at most
+`RouterConfig.retries` times; then the client gets the last error."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +31,20 @@ RETRYABLE = frozenset({"worker_failed", "transfer_error", "transfer_timeout", "w
 
 def retryable(err: ErrorReply, attempts_done: int, max_retries: int) -> bool:
     return err.code in RETRYABLE and attempts_done < max_retries
+
+
+def blamed(code: str, decode: str, prefill: str | None, unhealthy: frozenset[str]) -> frozenset[str]:
+    """The workers (addresses) that failed an attempt on `decode` (via `prefill`, None when
+    D computed the prompt) with error `code`: those of them the router has found dead or
+    suspected (`unhealthy`); else the decode worker when it refused the request (draining)
+    or computed the prompt itself; else the prefill worker -- the decode worker answered,
+    so its prefill worker or the transfer from it failed."""
+    mine = unhealthy & {decode, prefill}
+    if mine:
+        return frozenset(mine)
+    if code == "worker_draining" or prefill is None:
+        return frozenset({decode})
+    return frozenset({prefill})
 
 
 def resume_prompt(prompt_ids: list[int], output_ids: list[int], block_size: int) -> tuple[list[int], list[int]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.engine.kv_layout import fingerprint_parts
 from pdserve.common.wire.messages import WorkerHello, WorkerStatus
+from pdserve.router.core.availability import Liveness, routable, suspected
 from pdserve.router.core.policy import WorkerView, prefix_overlap
 
 
@@ -38,6 +39,12 @@ class WorkerEntry:
     state: str = SERVING
     state_since: float = 0.0  # when it entered `state` (monotonic s)
     routed: int = 0  # requests routed to it (each attempt counts)
+    connection_error: str = ""  # why its connection failed since it was last heard ("" none): suspected
+
+    def liveness(self, now: float) -> Liveness:
+        """What routing knows of its health at `now` (router/core/availability.py)."""
+        return Liveness(self.worker_id, self.hello.address, self.role, self.alive and self.state == SERVING,
+                        now - self.last_seen, bool(self.connection_error))
 
     def take(self) -> None:
         """One more request routed to it."""
@@ -74,10 +81,14 @@ def refusal(hello: WorkerHello, block_size: int, model_fingerprint: str) -> str 
 
 
 class WorkerRegistry:
-    """Owns the worker table. Time is passed in (monotonic seconds), never read here."""
+    """Owns the worker table. Time is passed in (monotonic seconds), never read here.
+    A worker silent past `suspect_after_s` (or whose connection failed) is suspected: no
+    new requests (router/core/availability.py); past `stale_after_s` it is dead."""
 
-    def __init__(self, stale_after_s: float = 3.0, retire_memory_s: float = 30.0) -> None:
+    def __init__(self, stale_after_s: float = 3.0, retire_memory_s: float = 30.0,
+                 suspect_after_s: float = float("inf")) -> None:
         self.stale_after_s = stale_after_s
+        self.suspect_after_s = min(suspect_after_s, stale_after_s)  # suspicion comes before death
         self.retire_memory_s = retire_memory_s
         self.workers: dict[str, WorkerEntry] = {}
         self.retired: dict[str, tuple[str, float]] = {}  # worker id -> (address, until when it is remembered)
@@ -95,14 +106,14 @@ class WorkerRegistry:
         if entry is None or entry.hello.address != msg.address:  # new, or restarted elsewhere
             entry = self.workers[msg.worker_id] = WorkerEntry(msg, now, state_since=now)
             self.retired.pop(msg.worker_id, None)
-        entry.last_seen, entry.alive = now, True
+        entry.last_seen, entry.alive, entry.connection_error = now, True, ""
         return entry
 
     def heartbeat(self, msg: WorkerStatus, now: float) -> WorkerEntry | None:
         entry = self.workers.get(msg.worker_id)
         if entry is None or entry.exited:
             return None  # heartbeat before hello (or a late one from an exited process): ignored
-        entry.status, entry.last_seen, entry.alive = msg, now, True
+        entry.status, entry.last_seen, entry.alive, entry.connection_error = msg, now, True, ""
         entry.cached.update(msg.kv_stored)
         entry.cached.difference_update(msg.kv_evicted)
         return entry
@@ -125,8 +136,30 @@ class WorkerRegistry:
         return was_alive
 
     def live(self, roles: tuple[str, ...]) -> list[WorkerEntry]:
-        """The workers requests may be routed to: alive and serving."""
+        """The workers in the pools: alive and serving (suspected ones too: see `routable`)."""
         return [e for e in self.workers.values() if e.alive and e.state == SERVING and e.role in roles]
+
+    def suspect(self, entry: WorkerEntry, why: str) -> bool:
+        """Its connection failed (`why`): no new requests until it is heard again (a hello or
+        a heartbeat clears it); True if it was not suspected for that already."""
+        was, entry.connection_error = entry.connection_error, why
+        return not was and entry.alive
+
+    def in_doubt(self, entry: WorkerEntry, now: float) -> bool:
+        """Dead, or suspected at `now`."""
+        return not entry.alive or suspected(entry.liveness(now), self.suspect_after_s)
+
+    def routable(self, now: float, avoid: frozenset[str] = frozenset()) -> dict[str, list[WorkerEntry]]:
+        """Role -> the workers a request may go to at `now`: serving, not suspected, not at
+        an address in `avoid` (they failed this request): router/core/availability.py."""
+        ids = routable([e.liveness(now) for e in self.workers.values()], self.suspect_after_s, avoid)
+        return {role: [self.workers[w] for w in wids] for role, wids in ids.items()}
+
+    def suspected(self, now: float) -> list[WorkerEntry]:
+        """Serving workers that get no new requests: silent past `suspect_after_s`, or whose
+        connection failed."""
+        return [e for e in self.workers.values() if e.alive and e.state == SERVING
+                and suspected(e.liveness(now), self.suspect_after_s)]
 
     # ---- the pool life cycle ---------------------------------------------------------------
     def can_serve_without(self, entries: list[WorkerEntry]) -> bool:
@@ -179,11 +212,6 @@ class WorkerRegistry:
             key = (e.role, e.state if e.alive else "dead")
             counts[key] = counts.get(key, 0) + 1
         return counts
-
-    def live_except(self, role: str, avoid: frozenset[str]) -> list[WorkerEntry]:
-        """The live workers of `role` not in `avoid`; all live ones if only those are left."""
-        entries = self.live((role,))
-        return [e for e in entries if e.worker_id not in avoid] or entries
 
     def views(self, entries: list[WorkerEntry], prompt_hashes: list[int] | None = None,
               queued_blocks: dict[str, int] | None = None) -> list[WorkerView]:

@@ -68,6 +68,7 @@ its workers, its queue of worker outputs, and its choices (`SamplingParams.n`)."
     attempts: int = 0  # attempts after the first (re-routed after a worker failed)
     num_cached_tokens: int = 0  # the current attempt's, from its first output
     route: Decision | None = None  # the current attempt's disaggregation decision (P + D pairs)
+    avoid: frozenset[str] = frozenset()  # addresses of the workers that failed it: its retries go elsewhere
 
     @property
     def streamed(self) -> int:

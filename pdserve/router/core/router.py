@@ -27,13 +27,14 @@ from pdserve.common.text.detokenizer import IncrementalDetokenizer
 from pdserve.common.text.tokenizer import Tokenizer
 from pdserve.common.wire.transport import Authenticator, bind_address
 from pdserve.router.core.config import RouterConfig
-from pdserve.router.core.disagg_state import Decision, Disaggregation
+from pdserve.router.core.disagg_state import Disaggregation
+from pdserve.router.core.hold import WorkerWait
 from pdserve.router.core.metrics import RouterMetrics
-from pdserve.router.core.policy import choose_decode, choose_prefill, prefix_overlap
 from pdserve.router.core.prompts import check_request, prepare, tokenize
-from pdserve.router.core.recovery import attempt_id, resume_params, resume_prompt, retryable
-from pdserve.router.core.registry import WorkerEntry, WorkerRegistry
+from pdserve.router.core.recovery import attempt_id, blamed, resume_params, resume_prompt, retryable
+from pdserve.router.core.registry import WorkerRegistry
 from pdserve.router.core.requests import Choice, InFlight, Prepared, RouteError, drain_outputs, last_timeline
+from pdserve.router.core.routing import Routing
 from pdserve.router.core.worker_links import WorkerLinks
 
 
@@ -41,10 +42,10 @@ ABORT_REPLY_WAIT_S = 2.0  # how long a stop-string finish waits for its worker's
 FINISHED_LOG = 4096  # finished requests the router remembers for the SLO planner (router/planner/loop.py)
 
 
-class Router(WorkerLinks):
+class Router(Routing, WorkerLinks):
     """Owns the worker registry, the sockets to workers, the requests in flight, admission
-    (how many may be prepared or in flight at once, `config.max_inflight`) and the
-    deployment's secret: the control socket and the worker sockets accept only messages
+    (how many may be prepared, held for a worker or in flight at once, `config.max_inflight`)
+    and the deployment's secret: the control socket and the worker sockets accept only messages
     signed with it (common.wire.auth), CurveZMQ-encrypted when `curve`; `secret` "" makes
     a fresh one (single host)."""
 
@@ -58,7 +59,8 @@ class Router(WorkerLinks):
         self._worker_auth = Authenticator(self.key, "router worker sockets")  # one signer for every worker
         self.tokenizer = Tokenizer(config.model_dir)
         self.model_fingerprint = model_fingerprint(config.model_dir, config.dtype, config.quantization)  # a worker must match it to register
-        self.registry = WorkerRegistry(config.stale_after_s)
+        self.registry = WorkerRegistry(config.stale_after_s, suspect_after_s=config.suspect_after_s)
+        self.waits = WorkerWait(clock)  # requests held for a worker (router/core/hold.py)
         self.metrics = RouterMetrics(config.model_name)
         self.rng = random.Random(config.seed)
         self.disagg = Disaggregation(config, self.metrics)  # per request: via a prefill worker or prefilled on D
@@ -72,6 +74,8 @@ class Router(WorkerLinks):
         self.worker_socks: dict[str, zmq.asyncio.Socket] = {}
         self._worker_addr: dict[str, str] = {}
         self._worker_tasks: dict[str, asyncio.Task] = {}
+        # worker id -> the monitor socket of its connection and the task that watches it
+        self._watches: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task]] = {}
         self.inflight: dict[str, InFlight] = {}
         # finished requests, newest last: (monotonic s, TTFT s, TPOT s or None, sent at, prompt
         # tokens, output tokens of the longest choice); the SLO planner's window
@@ -92,9 +96,11 @@ class Router(WorkerLinks):
         self._tasks.append(asyncio.create_task(log_handshake_failures(self.control, "router control socket")))
 
     async def close(self) -> None:
-        for t in [*self._tasks, *self._worker_tasks.values()]:
+        for t in [*self._tasks, *self._worker_tasks.values(), *(w for _, w in self._watches.values())]:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)  # the handshake log closes its monitor socket
+        for monitor, _ in self._watches.values():
+            monitor.close(0)
         for sock in self.worker_socks.values():
             sock.close(0)
         self.control.close(0)
@@ -104,8 +110,8 @@ class Router(WorkerLinks):
     # ---- requests -----------------------------------------------------------------------
     @property
     def busy(self) -> int:
-        """Requests being prepared (tokenized) or in flight."""
-        return len(self.inflight) + self.preparing
+        """Requests being prepared (tokenized), held for a worker, or in flight."""
+        return len(self.inflight) + self.preparing + self.waits.held
 
     def admit(self) -> None:
         """RouteError "overloaded" when `max_inflight` requests are already being prepared
@@ -114,7 +120,8 @@ class Router(WorkerLinks):
         if busy >= self.config.max_inflight:
             self.metrics.request_done("overloaded")
             wait = self.config.retry_after_s
-            raise RouteError(f"server overloaded: {busy} requests in flight (limit {self.config.max_inflight}); "
+            raise RouteError(f"server overloaded: {busy} requests in flight or waiting for a worker "
+                             f"(limit {self.config.max_inflight}); "
                              f"retry after {wait} s", "overloaded", wait)
 
     def prepare(self, sub: SubmitRequest) -> Prepared:
@@ -139,50 +146,6 @@ class Router(WorkerLinks):
         check_request(sub, self.tokenizer.vocab_size, self.config)
         return await asyncio.get_running_loop().run_in_executor(self._pool, tokenize, self.tokenizer, sub)
 
-    def route(self, prep: Prepared, avoid: frozenset[str] = frozenset()
-              ) -> tuple[WorkerEntry, WorkerEntry | None, Decision | None, int]:
-        """(decode-or-colocated worker, prefill worker or None, a P + D pair's disaggregation
-        decision, the prompt blocks the worker computing it lacks); workers in `avoid`
-        (that just failed this request) only when no other is live."""
-        reg, policy = self.registry, self.config.routing
-        hashes = prep.block_hashes[:(len(prep.token_ids) - 1) // self.config.block_size]  # what a cache can match
-        prefills, decodes = reg.live_except("prefill", avoid), reg.live_except("decode", avoid)
-        if prefills and decodes:
-            queued = self._queued_blocks()
-            prefill = reg.workers[choose_prefill(reg.views(prefills, hashes, queued), policy, self.rng,
-                                                 next(self._rr_prefill))]
-            decode = reg.workers[choose_decode(reg.views(decodes), policy, self.rng, next(self._rr_decode))]
-            choice = self.disagg.decide(len(prep.token_ids), hashes, decode, prefill, self.inflight.values())
-            blocks = self._note_routed(prefill if choice.disaggregate else decode, hashes, len(prep.token_ids))
-            return decode, prefill if choice.disaggregate else None, choice, blocks
-        colocated = reg.live_except("colocated", avoid)
-        if colocated:
-            views = reg.views(colocated, hashes, self._queued_blocks())
-            c_id = choose_prefill(views, policy, self.rng, next(self._rr_prefill))
-            return reg.workers[c_id], None, None, self._note_routed(reg.workers[c_id], hashes, len(prep.token_ids))
-        raise RouteError("no live worker can serve this request (prefill+decode or colocated)", "unavailable")
-
-    def _note_routed(self, entry: WorkerEntry, hashes: list[int], num_tokens: int) -> int:
-        """Count the routing hit and return the prompt blocks `entry` lacks (past its cached
-        prefix); then assume it will cache this prompt's blocks: the next request with the
-        same prefix should follow it before the worker's heartbeat confirms (evictions
-        still arrive as events)."""
-        self.metrics.routed_prefix(hashes, entry.cached)
-        blocks = -(-num_tokens // self.config.block_size) - prefix_overlap(hashes, entry.cached)
-        entry.cached.update(hashes)
-        return blocks
-
-    def _queued_blocks(self) -> dict[str, int]:
-        """Worker id -> prompt blocks it has been sent to compute and has not yet (requests
-        in flight without a first token), read from the requests themselves: no count to
-        keep in step with every way a request ends."""
-        queued: dict[str, int] = {}
-        for r in self.inflight.values():
-            if r.first_token_at is None:
-                wid = (r.prefill or r.decode).worker_id
-                queued[wid] = queued.get(wid, 0) + r.prompt_blocks
-        return queued
-
     async def generate(self, request: SubmitRequest | Prepared) -> AsyncIterator[TokenOutput | ErrorReply]:
         """Route one request and yield its outputs (text deltas filled), each for choice
         `index` of the request's n; each choice's last has finished=True, or the last
@@ -190,7 +153,7 @@ class Router(WorkerLinks):
         A SubmitRequest is prepared here; the HTTP front end prepares before it answers."""
         try:
             prep = request if isinstance(request, Prepared) else await self.prepare_async(request)
-            decode, prefill, choice, blocks = self.route(prep)
+            decode, prefill, choice, blocks = await self._route_held(prep, frozenset(), prep.arrival)
         except RouteError as e:
             if e.code != "overloaded":  # admit() counted that one
                 self.metrics.request_done("error")
@@ -215,13 +178,14 @@ class Router(WorkerLinks):
                     if out.request_id != req.wire_id:
                         continue  # a late reply to an earlier attempt
                     if isinstance(out, ErrorReply):
+                        await self._abort_attempt(req)  # given up: its decode worker frees what it holds now
                         # n > 1 resumes nothing: its choices retry only before any was streamed
                         if retryable(out, req.attempts, self.config.retries) and (len(choices) == 1 or not req.streamed):
                             try:
                                 await self._retry(req, prep, out)
                                 continue
                             except RouteError as e:
-                                out = ErrorReply(req.request_id, f"{out.message}; no worker to retry on: {e}", out.code)
+                                out = ErrorReply(req.request_id, f"{out.message}; no worker to retry on: {e}", e.code)
                         finished = True
                         self.metrics.request_done("error")
                         out.request_id = req.request_id
@@ -250,9 +214,10 @@ class Router(WorkerLinks):
 
     async def _abort_attempt(self, req: InFlight, index: int = -1) -> None:
         """Tell the current attempt's worker to stop and free the request (its replies
-        from now on find no request here and are dropped), or, `index` >= 0, that choice."""
+        from now on find no request here and are dropped), or, `index` >= 0, that choice.
+        A worker that already ended the attempt ignores it; a dead one is not written to."""
         sock = self.worker_socks.get(req.decode.worker_id)
-        if sock is not None:
+        if sock is not None and req.decode.alive:
             await sock.send_multipart([self._worker_auth.seal(AbortRequest(req.wire_id, index))])
 
     async def _send_attempt(self, req: InFlight, prep: Prepared, ids: list[int], hashes: list[int],
@@ -268,30 +233,35 @@ class Router(WorkerLinks):
 
     async def _retry(self, req: InFlight, prep: Prepared, err: ErrorReply) -> None:
         """Route the request again after `err` (router/core/recovery.py): re-prefill if nothing
-        was streamed, else resume from prompt + streamed tokens. RouteError: no worker."""
-        failed = {req.decode.worker_id}
-        if req.prefill is not None and req.decode.alive:  # D reported it: its prefill worker or transfer failed
-            failed = {req.prefill.worker_id}
-        old_wire, old_decode = req.wire_id, req.decode
+        was streamed, else resume from prompt + streamed tokens; never on a worker that
+        failed it (a worker whose connection failed is suspected too), waiting for one up
+        to `worker_wait_s` where none is left. RouteError: no worker."""
+        now = self.clock.monotonic()
+        attempt = [e for e in (req.decode, req.prefill) if e is not None]
+        unhealthy = frozenset(e.hello.address for e in attempt if self.registry.in_doubt(e, now))
+        failed = blamed(err.code, req.decode.hello.address, req.prefill.hello.address if req.prefill else None,
+                        unhealthy)
+        for e in attempt:
+            if e.hello.address in failed and err.code == "worker_failed" and self.registry.suspect(e, err.message):
+                print(f"router: {e.role} worker {e.worker_id} suspected: {err.message}", file=sys.stderr, flush=True)
+        req.avoid |= failed
+        self._by_wire.pop(req.wire_id, None)  # the failed attempt's late replies are dropped from here on
         streamed = req.choices[0].output_ids if len(req.choices) == 1 else []  # n > 1 retries only unstreamed
         ids, hashes = resume_prompt(prep.token_ids, streamed, self.config.block_size)
         params = resume_params(prep.params, len(streamed))
-        decode, prefill, req.route, req.prompt_blocks = self.route(Prepared(prep.sub, ids, params, hashes, prep.arrival),
-                                                                   frozenset(failed))
+        decode, prefill, route, blocks = await self._route_held(Prepared(prep.sub, ids, params, hashes, prep.arrival),
+                                                                req.avoid, self.clock.time())
         self._give_load(req)
         req.attempts += 1
-        req.decode, req.prefill, req.prefill_released = decode, prefill, False
-        self._by_wire.pop(old_wire, None)
+        req.decode, req.prefill, req.prefill_released, req.route, req.prompt_blocks = decode, prefill, False, route, blocks
         req.wire_id = attempt_id(req.request_id, req.attempts)
         self._by_wire[req.wire_id] = req
         self._take_load(req)
         kind = "resume" if streamed else "reprefill"
         self.metrics.recoveries.labels(kind).inc()
         print(f"router: request {req.request_id}: {err.code} ({err.message}); {kind} on {decode.worker_id}"
-              f"{' via ' + prefill.worker_id if prefill else ''} (attempt {req.attempts + 1})",
+              f"{' via ' + prefill.worker_id if prefill else ' (prefilled there)'} (attempt {req.attempts + 1})",
               file=sys.stderr, flush=True)
-        if old_decode.alive and (sock := self.worker_socks.get(old_decode.worker_id)):
-            await sock.send_multipart([self._worker_auth.seal(AbortRequest(old_wire))])  # whatever it still holds
         await self._send_attempt(req, prep, ids, hashes, params)
 
     def _take_load(self, req: InFlight) -> None:

@@ -1,8 +1,11 @@
 """The router's links to its workers: hellos and heartbeats on the control socket (the
 registration check, then the registry), a socket per decode or colocated worker and the
 loop that hands its outputs to the requests waiting for them, and liveness -- a worker
-silent past `stale_after_s` or whose process exited is dead, and every request that
-still needs it is told so (router/core/router.py re-routes it: router/core/recovery.py).
+whose connection closes is suspected at once (no new requests until it is heard again,
+router/core/availability.py), a worker silent past `stale_after_s` or whose process
+exited is dead, and every request that still needs it is told so (router/core/router.py
+re-routes it: router/core/recovery.py). A hello or heartbeat wakes the requests held for
+a worker (router/core/hold.py).
 
 `WorkerLinks` is a part of `Router` (router/core/router.py), which owns the state it reads: the
 registry, the sockets, the requests in flight, the clock and the deployment's key."""
@@ -13,6 +16,7 @@ import sys
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.wire import messages
 from pdserve.common.wire.auth import AuthError
@@ -61,10 +65,12 @@ class WorkerLinks:
             if msg.role in ("decode", "colocated") and self._worker_addr.get(msg.worker_id) != msg.address:
                 self._connect_worker(msg)  # new, or restarted at a new address
             self.registry.hello(msg, now)
+            self.waits.changed()
         elif isinstance(msg, WorkerStatus):
             entry = self.registry.heartbeat(msg, now)
             if entry:
                 self.metrics.worker_status(msg)
+                self.waits.changed()
         elif isinstance(msg, (PoolsRequest, ScalePool, DrainWorker, ChangeRole)) and self.control_api is not None:
             self.control_api(parts[0], msg)
         else:
@@ -86,13 +92,33 @@ class WorkerLinks:
         self.worker_socks[wid] = sock
         self._worker_addr[wid] = hello.address
         self._worker_tasks[wid] = asyncio.create_task(self._worker_loop(wid, sock))
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._watches[wid] = (monitor, asyncio.create_task(self._watch_connection(wid, hello.address, monitor)))
 
     def disconnect_worker(self, worker_id: str) -> None:
         """Close the socket to a decode/colocated worker (a retired or restarted one)."""
         if (task := self._worker_tasks.pop(worker_id, None)) is not None:
             task.cancel()
-            self.worker_socks.pop(worker_id).close(0)
+            monitor, watch = self._watches.pop(worker_id)
+            watch.cancel()
+            sock = self.worker_socks.pop(worker_id)
+            sock.disable_monitor()
+            monitor.close(0)
+            sock.close(0)
             self._worker_addr.pop(worker_id, None)
+
+    async def _watch_connection(self, worker_id: str, address: str, monitor: zmq.asyncio.Socket) -> None:
+        """Suspect the worker at `address` whenever its connection closes (its process died,
+        its host went away, or the network did): it gets no new requests from that moment
+        until it is heard again. Runs until cancelled (`disconnect_worker`, `close` close
+        the monitor socket)."""
+        while True:
+            parse_monitor_message(await monitor.recv_multipart())
+            entry = self.registry.workers.get(worker_id)
+            if entry is not None and entry.hello.address == address and \
+                    self.registry.suspect(entry, "its connection closed"):
+                print(f"router: {entry.role} worker {worker_id} suspected: its connection closed",
+                      file=sys.stderr, flush=True)
 
     def reply_control(self, identity: bytes, msg: object) -> None:
         """Answer a control-socket peer (signed with the deployment secret)."""

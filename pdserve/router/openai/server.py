@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.common.wire.messages import ErrorReply, SubmitRequest, TokenOutput
 from pdserve.common.sampling_params import MAX_N, SamplingParams
+from pdserve.router.core.availability import DEGRADED, UNAVAILABLE
 from pdserve.router.core.router import Router
 from pdserve.router.core.requests import Prepared, RouteError
 from pdserve.router.openai.protocol import (ChatBody, CompletionBody, DetokenizeBody, StructuredOutputError, TokenizeBody, sampling_fields,
@@ -42,6 +43,13 @@ def _route_error(e: RouteError) -> JSONResponse:
     headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
     return error(_status_for(e.code), str(e), code="rate_limit_exceeded" if e.code == "overloaded" else e.code,
                  headers=headers)
+
+
+def _reply_error(out: ErrorReply, retry_after_s: int) -> JSONResponse:
+    """A worker's or the router's error for a whole (unstreamed) response; a 503 (no worker
+    could serve it) says when to try again."""
+    headers = {"Retry-After": str(retry_after_s)} if out.code == "unavailable" else None
+    return error(_status_for(out.code), out.message, code=out.code, headers=headers)
 
 
 def _version() -> str:
@@ -165,20 +173,26 @@ class OpenAIServer:
                                             "owned_by": "pdserve", "max_model_len": self.router.config.max_model_len}]}
 
     async def health(self) -> JSONResponse:
+        """status ok, degraded (served, prompts prefilled on decode workers: HTTP 200) or
+        unavailable (nothing can serve: 503); the live workers by role, the suspected and
+        the dead ones, and every worker's pool state (docs/reliability.md, docs/deploy.md)."""
         reg = self.router.registry
         live = {r: len(reg.live((r,))) for r in ("prefill", "decode", "colocated")}
-        ok = (live["prefill"] and live["decode"]) or live["colocated"]
+        state = self.router.serving_state()
         dead = sorted(e.worker_id for e in reg.workers.values() if not e.alive)  # docs/reliability.md
         pools = {e.worker_id: {"role": e.role, "state": e.state if e.alive else "dead", "inflight": e.inflight,
                                "routed": e.routed} for e in reg.workers.values()}  # docs/deploy.md
         failed = {w: {"role": role, "state": "failed", "reason": why} for w, (role, why) in self.router.failed.items()
                   if w not in pools}  # its launcher gave up starting it (router/pools/ray_pool.py)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": live, "dead": dead,
-                             "failed": sorted(failed), "pools": {**pools, **failed}},
-                            status_code=200 if ok else 503)
+        body: dict[str, Any] = {"status": state, "workers": live, "dead": dead,
+                                "suspected": sorted(e.worker_id for e in self.router.suspected()),
+                                "failed": sorted(failed), "pools": {**pools, **failed}}
+        if state == DEGRADED:
+            body["degraded"] = "no live prefill worker: the decode workers prefill every prompt"
+        return JSONResponse(body, status_code=503 if state == UNAVAILABLE else 200)
 
     async def metrics(self) -> Response:
-        self.router.metrics.pools(self.router.registry.pool_counts())
+        self.router.observe_pools()
         return Response(self.router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- one request -----------------------------------------------------------------------
@@ -270,13 +284,18 @@ class OpenAIServer:
         envelope = Envelope(shape, preps[0].sub.request_id, self.model_name, self.router.clock.time(), self.token_text,
                             self.prompt_echo(body, preps), shaping)
         if body.stream:
+            try:  # where no worker can serve it, a stream is answered 503 (after the hold), not 200 + an error
+                for prep in preps:
+                    await self.router.servable(prep)
+            except RouteError as e:
+                return _route_error(e)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.sse(preps, envelope, include_usage), media_type="text/event-stream")
         outs: list[list[TokenOutput]] = [[] for _ in range(len(preps) * body.n)]
         async with contextlib.aclosing(self.outputs(preps)) as stream:
             async for i, out in stream:
                 if isinstance(out, ErrorReply):
-                    return error(_status_for(out.code), out.message, code=out.code)
+                    return _reply_error(out, self.router.config.retry_after_s)
                 outs[i].append(out)
         return envelope.whole([merge_outputs(o) for o in outs])
 

@@ -1,30 +1,30 @@
-"""The router's own routing, without its sockets: `Router.route` (router/core/router.py) runs
+"""The router's own routing, without its sockets: `Router.route` (router/core/routing.py) runs
 on a stand-in that holds exactly the state it reads -- a real WorkerRegistry fed real
 WorkerHello / WorkerStatus messages, the real Disaggregation (router/core/disagg_state.py)
-and its metrics, the config, the rng and the round-robin counters. The router's
+and its metrics, the config, the rng, the round-robin counters and the simulator's clock. The router's
 constructor binds sockets and loads a tokenizer, so the simulator does not build one."""
 from __future__ import annotations
 
 import itertools
 import random
 
+from pdserve.common.clock import SYSTEM_CLOCK, Clock
 from pdserve.common.wire.messages import WorkerHello, WorkerStatus
 from pdserve.router.core.config import RouterConfig
-from pdserve.router.core.router import Router
+from pdserve.router.core.routing import Routing
 from pdserve.router.core.disagg_state import Disaggregation
 from pdserve.router.core.metrics import RouterMetrics
 from pdserve.router.core.registry import WorkerEntry, WorkerRegistry
 
 
-class SimRouter:
-    """The state `Router.route` reads, and that method itself."""
+class SimRouter(Routing):
+    """The state `Router.route` reads, and that method itself (router/core/routing.py's
+    `Routing`, the part of `Router` that chooses workers; the simulator never holds a
+    request)."""
 
-    route = Router.route
-    _note_routed = Router._note_routed
-    _queued_blocks = Router._queued_blocks
-
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock  # routing reads how long each worker has been silent (never suspected here)
         self.registry = WorkerRegistry(stale_after_s=float("inf"))
         self.metrics = RouterMetrics(config.model_name)
         self.rng = random.Random(config.seed)

@@ -130,7 +130,7 @@ class Simulation:
     def __init__(self, dep: Deployment, model: LatencyModel, config: RouterConfig) -> None:
         self.dep, self.model, self.config = dep, model, config
         self.clock = ManualClock(start=0.0, epoch=0.0)
-        self.router = SimRouter(config)
+        self.router = SimRouter(config, self.clock)
         self.workers: dict[str, SimWorker] = {}
         for role, n in (("prefill", dep.prefill), ("decode", dep.decode), ("colocated", dep.colocated)):
             for i in range(n):
