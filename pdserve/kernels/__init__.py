@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from . import reference
+from . import crossover, reference
 
 __all__ = [
     "reference",
@@ -240,16 +240,12 @@ def decode_rows(on: bool = True):
         _DECODE_ROWS.reset(token)
 
 
-# A bf16 weight's product over at least this many prompt rows goes through torch's bf16
-# matmul where the CPU has bf16 dot-product hardware (`bf16_dot_cpu`)
-BF16_DOT_ROWS = 32
-
-
 def bf16_dot_cpu() -> bool:
     """Whether torch's bf16 matmul runs on bf16 dot-product hardware here -- AMX tiles or
     AVX512_BF16, as torch.cpu reports them -- where oneDNN multiplies a prompt chunk's bf16
     rows several times faster than the native tile's float32 arithmetic over widened bf16
-    weights (an AMX Xeon, 2 threads, 2048^3: 631-1447 against 169 GFLOP/s). Not under
+    weights (an AMX Xeon, 2 threads, 2048^3: 631-1447 against 169 GFLOP/s); from how many
+    rows, per weight shape, `kernels.crossover` measures. Not under
     `--emulate-avx2` (PDSERVE_EMULATE_AVX2=1) or an AVX2 kernel build; PDSERVE_CPU_BF16_DOT=1
     or 0 says yes or no whatever the CPU."""
     forced = os.environ.get("PDSERVE_CPU_BF16_DOT", "").strip()
@@ -276,15 +272,15 @@ class LinearPlan:
     packed copy (``PDSERVE_CPU_LINEAR=torch``: plain `F.linear`). Either packed copy is a
     second copy of the weight in memory. A bf16 weight on the CPU is packed in bf16 and
     multiplies float32 activations into float32 (widened in registers: half the bytes
-    streamed); where the CPU has bf16 dot products (`bf16_dot_cpu`), BF16_DOT_ROWS rows
-    or more outside a pure decode step (`decode_rows`: a prompt chunk, and the decode rows
-    that share its step) are instead rounded to bf16 and multiplied by torch's bf16 matmul
-    (oneDNN: AMX or AVX512_BF16) on the weight as stored, the product widened to float32
-    -- vLLM's CPU arithmetic in bf16, which compute-bound prefill rows gain from and
-    decode rows (bound by the weight stream) do not; off the native path its product is
-    `F.linear` on the weight widened to the activations' dtype. A plan is for the weight as
-    it is now: re-plan after writing it (`common.models.layers.Linear` does, by the
-    weight's version).
+    streamed); where the CPU has bf16 dot products (`bf16_dot_cpu`), `bf16_rows` rows or
+    more -- the crossover measured for the weight's shape (`kernels.crossover`: from there
+    on the bf16 product is faster), decode rows and prompt rows alike -- are instead rounded
+    to bf16 and multiplied by torch's bf16 matmul (oneDNN: AMX or AVX512_BF16) on the
+    weight as stored, the product widened to float32: vLLM's CPU arithmetic in bf16, which
+    compute-bound rows gain from and a few decode rows (bound by the weight stream) do
+    not; off the native path its product is `F.linear` on the weight widened to the
+    activations' dtype. A plan is for the weight as it is now: re-plan after writing it
+    (`common.models.layers.Linear` does, by the weight's version).
 
     `quant` (a `kernels.quant.QuantWeight`): the weight is that weight-only int8 / int4 one
     instead, multiplied natively (`kind` says which: PD_W_* of kernels/csrc/gemm_tile.h;
@@ -298,7 +294,8 @@ class LinearPlan:
         self.native = False
         self.kind = 0  # PD_W_F32
         self._onednn: torch.Tensor | None = None
-        self._bf16_dot = False  # prompt chunks through torch's bf16 matmul (bf16_dot_cpu)
+        # rows from which a product goes through torch's bf16 matmul (bf16_dot_cpu); NEVER: none
+        self.bf16_rows = crossover.NEVER
         native = _cpu_native()
         cpu = (weight.device.type == "cpu" and weight.dim() == 2 and (bias is None or bias.dtype == torch.float32)
                and os.environ.get("PDSERVE_CPU_LINEAR", "").strip().lower() != "torch")
@@ -318,28 +315,19 @@ class LinearPlan:
             self.native = True
             self.packed = native.pack_weight(weight)  # in the weight's own dtype
             self.kind = int(self.packed.dtype == torch.bfloat16)  # PD_W_BF16
-            self._bf16_dot = self.kind == 1 and bf16_dot_cpu()
             lib = native.library()
             self._fn = lib.pd_gemm_bf16 if self.kind else lib.pd_gemm
+            if self.kind == 1 and bf16_dot_cpu():
+                self.bf16_rows = crossover.rows_for("bf16", self._n, self._k, self._native_gemm, self._bf16_matmul)
         elif cpu_f32 and torch.backends.mkldnn.is_available():
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (self.native and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k
                 and x.device.type == "cpu"):
-            m, n = x.shape[0], self._n
-            if self._takes_bf16_dot(m):
+            if x.shape[0] >= self.bf16_rows:
                 return self._bf16_matmul(x)
-            y = torch.empty((m, n), dtype=torch.float32)
-            args = (x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr())
-            if self.kind > 1:  # quantized: int8 dot products for decode rows (any count) and short chunks
-                fn = self._qdot if _DECODE_ROWS.get() else self._fn
-                status = m and fn(*args, self.kind, self._bp, y.data_ptr(), n, n, torch.get_num_threads())
-            else:
-                status = m and self._fn(*args, self._bp, y.data_ptr(), n, n, torch.get_num_threads())
-            if status:
-                raise _cpu_native().NativeKernelError("native gemm: bad arguments")
-            return y
+            return self._native_gemm(x)
         if self._onednn is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
         if self.weight is None:  # a quantized weight, off the native path
@@ -349,9 +337,20 @@ class LinearPlan:
             return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
-    def _takes_bf16_dot(self, rows: int) -> bool:
-        """Whether these rows go through torch's bf16 matmul (`_bf16_matmul`)."""
-        return self._bf16_dot and rows >= BF16_DOT_ROWS and not _DECODE_ROWS.get()
+    def _native_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] float32 (unit stride along k) @ the packed weight^T (+ bias) by the native
+        GEMM -> [m, n] float32."""
+        m, n = x.shape[0], self._n
+        y = torch.empty((m, n), dtype=torch.float32)
+        args = (x.data_ptr(), x.stride(0), m, self._k, self.packed.data_ptr())
+        if self.kind > 1:  # quantized: int8 dot products for decode rows (any count) and short chunks
+            fn = self._qdot if _DECODE_ROWS.get() else self._fn
+            status = m and fn(*args, self.kind, self._bp, y.data_ptr(), n, n, torch.get_num_threads())
+        else:
+            status = m and self._fn(*args, self._bp, y.data_ptr(), n, n, torch.get_num_threads())
+        if status:
+            raise _cpu_native().NativeKernelError("native gemm: bad arguments")
+        return y
 
     def _bf16_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x rounded to bf16 @ the bf16 weight^T by torch (oneDNN), widened to float32, + bias."""
@@ -366,7 +365,7 @@ class LinearPlan:
         inter = self._n // 2 if self.native else 0
         if (self.native and self._b is None and self._n % (2 * _cpu_native().PANEL) == 0 and x.dim() == 2
                 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == self._k and x.device.type == "cpu"
-                and not self._takes_bf16_dot(x.shape[0])):
+                and x.shape[0] < self.bf16_rows):
             if self.kind > 1:
                 from .quant import gemm_silu_q
                 return gemm_silu_q(x, self.quant, dequant=False if _DECODE_ROWS.get() else None)

@@ -11,6 +11,11 @@ results up to float rounding in the q/k norm and rotary step). In a real step ea
 left in Python costs tens of microseconds, not a few: the weights streamed through the
 caches have evicted the interpreter's code and data.
 
+A batch of as many rows as the crossover of one of its linears (`kernels.crossover`: from
+there on torch's bf16 matmul beats the native tile on bf16 hardware) is not the stack's:
+`DecodeStack.takes_rows` says so, and the caller runs the per-op path, where each linear
+picks its own product.
+
 `DecodeStack.build` returns None where it does not apply (not CPU float32 activations,
 norms, float32, bf16 or weight-only int8 / int4 packed weights, a float32 or bf16 KV cache
 and embedding table, float32 rotary tables, the native library unavailable or turned off
@@ -26,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import cpu_native, quant
+from . import cpu_native, crossover, quant
 
 _POINTERS = ("input_norm", "post_norm", "qkv_p", "qkv_b", "q_norm", "k_norm", "o_p", "gate_up_p", "down_p",
              "k_cache", "v_cache")
@@ -219,13 +224,19 @@ def _eligible(layer: LayerTensors, d: StackDims) -> bool:
 
 
 class DecodeStack:
-    """Every layer's pointers, set up once: a call runs them all for a decode batch."""
+    """Every layer's pointers, set up once: a call runs them all for a decode batch.
 
-    def __init__(self, layers: list[LayerTensors], dims: StackDims, model: ModelTensors) -> None:
+    `layer_rows` / `head_rows`: the fewest rows at which a layer's linear / the lm_head
+    would take another product than the stack's (`kernels.LinearPlan.bf16_rows`; NEVER:
+    none), so that batches of that many rows are left to the per-op path (`takes_rows`)."""
+
+    def __init__(self, layers: list[LayerTensors], dims: StackDims, model: ModelTensors,
+                 layer_rows: int = crossover.NEVER, head_rows: int = crossover.NEVER) -> None:
         if not _head_fits(model, dims):
             model = replace(model, head_p=None, head_b=None, head_n=0, head_kind=0)
         self.layers, self.dims, self.model = layers, dims, model
         self.has_head = model.head_p is not None  # `logits` applies
+        self.layer_rows, self.head_rows = layer_rows, min(layer_rows, head_rows)
         # float64 [len(PARTS) + 2] or None: each call adds its seconds by part, its whole
         # time and 1 (at PART_TOTAL, PART_CALLS); None, the default, times nothing
         self.parts: torch.Tensor | None = None
@@ -248,14 +259,20 @@ class DecodeStack:
         self.num_blocks, self.block_size = layers[0].k_cache.shape[:2] if layers else (0, 1)
 
     @classmethod
-    def build(cls, layers: list[LayerTensors], dims: StackDims, model: ModelTensors) -> DecodeStack | None:
+    def build(cls, layers: list[LayerTensors], dims: StackDims, model: ModelTensors,
+              layer_rows: int = crossover.NEVER, head_rows: int = crossover.NEVER) -> DecodeStack | None:
         """The stack, or None where the native path does not apply to these tensors (a
         stack without logits, `has_head` False, where only the lm_head does not)."""
         if (not layers or not cpu_native.enabled() or cpu_native.library() is None
                 or dims.head_dim % 2 or not all(_eligible(layer, dims) for layer in layers)
                 or len({tuple(layer.k_cache.shape[:2]) for layer in layers}) != 1 or not _model_fits(model, dims)):
             return None
-        return cls(layers, dims, model)
+        return cls(layers, dims, model, layer_rows, head_rows)
+
+    def takes_rows(self, m: int, head: bool = False) -> bool:
+        """Whether a batch of m rows is the stack's: fewer than the crossover of every linear
+        it would multiply by (its layers', and the lm_head's with `head`: `logits`)."""
+        return m < (self.head_rows if head else self.layer_rows)
 
     @staticmethod
     def takes(ids: torch.Tensor) -> bool:

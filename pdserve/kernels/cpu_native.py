@@ -58,7 +58,7 @@ def enabled() -> bool:
     return os.environ.get("PDSERVE_CPU_ATTENTION", "native").strip().lower() != "torch"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model and feature flags: `-march=native` code must not load on a CPU
     (or a VM) that lacks an instruction set it was built with."""
     try:
@@ -87,7 +87,7 @@ def build(cache_dir: Path | None = None) -> Path:
     flags = FLAGS + shlex.split(os.environ.get("PDSERVE_KERNEL_CFLAGS", ""))
     key = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(flags + LINK_FLAGS + [*VECTOR_EXP[0], *VECTOR_EXP[1]]),
                                     _compiler_version(cc),
-                                    _cpu_model()]).encode()).hexdigest()[:16]
+                                    cpu_model()]).encode()).hexdigest()[:16]
     root = cache_dir or Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
     lib = root / f"pdserve_cpu-{key}.so"
     if lib.is_file():

@@ -169,11 +169,12 @@ class DecoderForCausalLM(nn.Module):
         rows alone (a prompt's hidden states are read only at its last token; llama.cpp does
         the same), which spares 1/num_layers of a long prefill's MLP work.
         `layer_hook(i)` runs once layer i's K/V are in the cache (layer-wise KV push).
-        A pure decode batch of a few sequences on CPU runs every layer in one native call
-        (`kernels.cpu_decode`) where that applies; the layers below otherwise."""
+        A pure decode batch on CPU runs every layer in one native call
+        (`kernels.cpu_decode`) where that applies and the batch is below the crossover of
+        its linears (`DecodeStack.takes_rows`); the layers below otherwise."""
         if layer_hook is None and meta.num_decode == input_ids.shape[0] and DecodeStack.takes(input_ids):
             stack = self.decode_stack()
-            if stack is not None:
+            if stack is not None and stack.takes_rows(input_ids.shape[0]):
                 out = stack(input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
                 return out if keep is None else out.index_select(0, keep)
         x = self.model.embed_tokens(input_ids).to(self.activation_dtype)  # bf16 table, float32 stream (precision)
@@ -192,11 +193,12 @@ class DecoderForCausalLM(nn.Module):
         """A pure decode batch from its token ids to (logits [N, V] float32, each row's
         argmax) in the native stack's one call, lm_head included (`DecodeStack.logits`:
         the logits are its buffer, valid until the next decode step); None where that does
-        not apply (the caller runs `forward` and `compute_logits` then; the same logits)."""
+        not apply, or the batch reaches the crossover of a linear (`DecodeStack.takes_rows`):
+        the caller runs `forward` and `compute_logits` then."""
         if not cpu_native.enabled():
             return None
         stack = self.decode_stack()
-        if stack is None or not stack.has_head:
+        if stack is None or not stack.has_head or not stack.takes_rows(len(rows.ids), head=True):
             return None
         return stack.logits(rows)
 
@@ -238,7 +240,9 @@ class DecoderForCausalLM(nn.Module):
         rope = self.model.rope
         around = ModelTensors(self.model.embed_tokens.weight, rope.cos, rope.sin_signed, self.model.norm.weight,
                               head.packed, head.bias, self.lm_head.out_features, head.kind)
-        self._stack = DecodeStack.build(layers, dims, around) if len(layers) == len(self.model.layers) else None
+        layer_rows = min((plan.bf16_rows for four in plans for plan in four), default=kernels.crossover.NEVER)
+        self._stack = (DecodeStack.build(layers, dims, around, layer_rows, head.bf16_rows)
+                       if len(layers) == len(self.model.layers) else None)
         self._stack_of = (self.kv_caches, self._stack_fingerprint())
         return self._stack
 
