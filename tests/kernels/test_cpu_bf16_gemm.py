@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import kernels
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native, crossover
 
 from tests.support.paged_utils import with_threads
 
@@ -165,29 +165,83 @@ def test_bf16_dot_cpu_follows_the_cpus_flags_and_the_overrides(monkeypatch):
     assert not kernels.bf16_dot_cpu()
 
 
+def bf16_matmul_rows(monkeypatch) -> list[int]:
+    """The row counts of every product that went through torch's bf16 matmul from here on."""
+    rows: list[int] = []
+    real = kernels.LinearPlan._bf16_matmul
+    monkeypatch.setattr(kernels.LinearPlan, "_bf16_matmul", lambda self, x: rows.append(x.shape[0]) or real(self, x))
+    return rows
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_prompt_rows_take_torchs_bf16_matmul_where_the_cpu_has_bf16_dot_products(monkeypatch, with_bias):
-    """With bf16 dot products (forced here, so the dispatch runs on every CPU): a chunk of
-    BF16_DOT_ROWS rows or more is torch's bf16 product of the bf16-rounded rows, widened,
-    plus the bias; fewer rows, and decode rows of any count, take the widened tile, the same
-    bits as on a CPU without them; the fused SwiGLU follows the same rule."""
+def test_rows_from_the_crossover_take_torchs_bf16_matmul_where_the_cpu_has_bf16_dot_products(monkeypatch, with_bias):
+    """With bf16 dot products (forced here, so the dispatch runs on every CPU) and the
+    crossover fixed at 8 rows: 8 rows or more -- prompt rows and decode rows alike -- are
+    torch's bf16 product of the bf16-rounded rows, widened, plus the bias; fewer take the
+    widened tile, the same bits as on a CPU without them; the fused SwiGLU follows."""
     torch.manual_seed(0)
     k, n = 96, 64
     w, b = torch.randn(n, k).to(torch.bfloat16), (torch.randn(n) if with_bias else None)
     monkeypatch.setenv("PDSERVE_CPU_BF16_DOT", "0")
     widened = kernels.LinearPlan(w, b)
+    assert widened.bf16_rows == crossover.NEVER
     monkeypatch.setenv("PDSERVE_CPU_BF16_DOT", "1")
+    monkeypatch.setenv("PDSERVE_CPU_BF16_DOT_ROWS", "8")
     plan = kernels.LinearPlan(w, b)
-    assert plan.native and plan.packed.dtype == torch.bfloat16
-    rows = kernels.BF16_DOT_ROWS
-    chunk, short = torch.randn(rows + 5, k), torch.randn(rows - 1, k)
+    assert plan.native and plan.packed.dtype == torch.bfloat16 and plan.bf16_rows == 8
+    ran = bf16_matmul_rows(monkeypatch)
+    chunk, at, short = torch.randn(37, k), torch.randn(8, k), torch.randn(7, k)
     want = F.linear(chunk.to(torch.bfloat16), w).float() + (0 if b is None else b)
-    assert torch.equal(plan(chunk), want)
+    assert torch.equal(plan(chunk), want) and ran == [37]
     # bf16-rounded inputs and output: within a few bf16 steps of the float64 product
     torch.testing.assert_close(plan(chunk), expected(chunk, w, b), rtol=2 ** -6, atol=2 ** -6 * k ** 0.5)
-    assert torch.equal(plan(short), widened(short))
+    assert torch.equal(plan(short), widened(short)) and ran == [37, 37]
     with kernels.decode_rows():
-        assert torch.equal(plan(chunk), widened(chunk))
+        assert torch.equal(plan(at), F.linear(at.to(torch.bfloat16), w).float() + (0 if b is None else b))
+        assert torch.equal(plan(short), widened(short))
+    assert ran == [37, 37, 8]
     if b is None:
         assert torch.equal(plan.silu_mul(chunk), kernels.silu_mul(want))
         assert torch.equal(plan.silu_mul(short), widened.silu_mul(short))
+        assert ran == [37, 37, 8, 37]
+
+
+@pytest.mark.skipif(kernels._bf16_dot_hardware(), reason="this CPU has bf16 dot products: by default it takes them")
+def test_without_bf16_dot_products_nothing_is_measured_and_no_row_count_takes_them(monkeypatch):
+    """The default on a CPU without AMX or AVX512_BF16 (an AVX2 chip): no crossover is
+    measured, and every row count, decode or prompt, multiplies on the widened tile."""
+    for var in ("PDSERVE_CPU_BF16_DOT", "PDSERVE_CPU_BF16_DOT_ROWS"):
+        monkeypatch.delenv(var, raising=False)
+    measured = []
+    monkeypatch.setattr(crossover, "measure", lambda *a, **kw: measured.append(a))
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    plan = kernels.LinearPlan(w)
+    assert plan.bf16_rows == crossover.NEVER and not measured
+    ran = bf16_matmul_rows(monkeypatch)
+    for m in (1, 8, 64, 300):
+        x = torch.randn(m, 96)
+        want = cpu_native.gemm(x, cpu_native.pack_weight(w), 64)
+        with kernels.decode_rows(m < 64):
+            assert torch.equal(plan(x), want)
+    assert not ran
+
+
+@pytest.mark.skipif(not kernels._bf16_dot_hardware(), reason="needs AMX or AVX512_BF16 (this CPU has neither)")
+def test_with_bf16_dot_products_each_shape_measures_its_crossover_and_follows_it(monkeypatch):
+    """The default on an AMX or AVX512_BF16 chip: a bf16 plan measures its shape once per
+    process, and each row count takes the product its crossover says."""
+    for var in ("PDSERVE_CPU_BF16_DOT", "PDSERVE_CPU_BF16_DOT_ROWS", "PDSERVE_EMULATE_AVX2", "PDSERVE_KERNEL_CFLAGS",
+                "PDSERVE_CPU_CROSSOVER_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    crossover.forget()
+    measured = []
+    real = crossover.measure
+    monkeypatch.setattr(crossover, "measure", lambda *a, **kw: measured.append(real(*a, **kw)) or measured[-1])
+    w = torch.randn(1024, 1024).to(torch.bfloat16)
+    plan = kernels.LinearPlan(w)
+    assert len(measured) == 1 and plan.bf16_rows == crossover.crossover(measured[0])
+    assert kernels.LinearPlan(w).bf16_rows == plan.bf16_rows and len(measured) == 1
+    ran = bf16_matmul_rows(monkeypatch)
+    for m in crossover.ROWS:
+        plan(torch.randn(m, 1024))
+    assert ran == [m for m in crossover.ROWS if m >= plan.bf16_rows]

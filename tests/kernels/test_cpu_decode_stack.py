@@ -85,9 +85,10 @@ def spy(monkeypatch):
 
 @pytest.fixture(scope="module", autouse=True)
 def widened_bf16_prompts():
-    """Prompt chunks through the widened bf16 tile on every CPU (not torch's bf16 matmul
-    where the CPU has bf16 dot products, `kernels.bf16_dot_cpu`): the stack and the torch
-    path are compared from the same prefilled state everywhere."""
+    """Every product through the widened bf16 tile on every CPU (not torch's bf16 matmul
+    from a shape's crossover where the CPU has bf16 dot products, `kernels.bf16_dot_cpu`):
+    the stack takes every batch, and it and the torch path are compared from the same
+    prefilled state everywhere."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PDSERVE_CPU_BF16_DOT", "0")
         yield
