@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.c"
 SOURCES = (SOURCE, SOURCE.with_name("gemm_cpu.c"), SOURCE.with_name("gemm_tile_cpu.c"), SOURCE.with_name("gemm_quant_cpu.c"),
-           SOURCE.with_name("qdot_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
+           SOURCE.with_name("qdot_cpu.c"), SOURCE.with_name("qdot_avxvnni_cpu.c"),
+           SOURCE.with_name("qdot_avx512vnni_cpu.c"), SOURCE.with_name("elementwise_cpu.c"),
            SOURCE.with_name("decode_layers_cpu.c"), SOURCE.with_name("prefill_attention_cpu.c"),
            # the two attention kernels again, reading a bf16 cache (they include the files above)
            SOURCE.with_name("paged_decode_attention_bf16_cpu.c"),
@@ -167,6 +168,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_quantize_rows_q8
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+    for name in ("pd_qdot_variants", "pd_qdot_variant", "pd_qdot_set_variant"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int] if name.endswith("set_variant") else []
+    lib.pd_qdot_set_variant(qdot_variant_for(lib.pd_qdot_variants()))
     fn = lib.pd_store_kv
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -178,6 +183,29 @@ def library() -> ctypes.CDLL | None:
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 7
                    + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 3)
     return lib
+
+
+# The int8 dot products' variants (kernels/csrc/qdot_cpu.c, "VNNI"): the same bits each
+QDOT_VARIANTS = {0: "maddubs", 1: "avx_vnni", 2: "avx512_vnni"}
+
+
+def qdot_variant_for(available: int) -> int:
+    """Which int8 dot products to run, of those the library says the CPU and OS allow
+    (`available`: bits 1 << variant, from pd_qdot_variants): AVX-VNNI's vpdpbusd where
+    there, else AVX512-VNNI's (256-bit), else maddubs. AVX2's maddubs alone under
+    ``PDSERVE_CPU_VNNI=0`` and under `--emulate-avx2` (PDSERVE_EMULATE_AVX2=1); no AVX-512
+    under an AVX2 build (``-mno-avx512f``)."""
+    if os.environ.get("PDSERVE_CPU_VNNI", "").strip() == "0" or os.environ.get("PDSERVE_EMULATE_AVX2") == "1":
+        return 0
+    if "-mno-avx512f" in os.environ.get("PDSERVE_KERNEL_CFLAGS", ""):
+        available &= ~(1 << 2)
+    return next((v for v in (1, 2) if available >> v & 1), 0)
+
+
+def qdot_variant() -> str:
+    """The int8 dot products the loaded library runs (QDOT_VARIANTS' names)."""
+    lib = library()
+    return "none" if lib is None else QDOT_VARIANTS[lib.pd_qdot_variant()]
 
 
 # What a KV cache may hold for the native kernels: float32, or bf16 (stored rounded to

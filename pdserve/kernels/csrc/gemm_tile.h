@@ -13,6 +13,13 @@
 #define PD_W_Q8 2    /* int8, a float16 scale per 32 along k (GGUF Q8_0) */
 #define PD_W_Q4 3    /* int4 with offset 8, a float16 scale per 32 (GGUF Q4_0) */
 #define PD_W_Q4M 4   /* int4, a float16 scale and minimum per 32 (GGUF Q4_1) */
+
+/* Whether qdot_cpu.c's VNNI copies are built (its header): AVX2 code, and a gcc that knows
+   the targets (11 or later: avxvnni) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__GNUC__) && !defined(__clang__) \
+    && __GNUC__ >= 11
+#define PD_QVNNI 1
+#endif
 #if defined(__AVX512F__)
 #define PD_MR 8 /* rows per tile: by two panels, 16 accumulators of 16 lanes */
 #else

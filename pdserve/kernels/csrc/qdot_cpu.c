@@ -28,6 +28,24 @@
  * 1/1.12 (int8) of the time one panel per pass took (benchmarks/decode_parts.py); its
  * layers' matrices at 2 / 3 / 4 rows 1/1.10, 1/1.07, 1/1.07 (int4) and 1/1.00, 1/1.17,
  * 1/1.09 (int8).
+ *
+ * VNNI. qdot_avxvnni_cpu.c and qdot_avx512vnni_cpu.c compile this file again with
+ * PD_QDOT_DPBUSD set, under a target pragma (gcc 11 or later): each quad's integer sums by
+ * one vpdpbusd (u8 x s8, four products summed into each int32 lane) where the code here
+ * takes maddubs (u8 x s8, pairs summed into int16 lanes) and madd (int16 pairs into int32).
+ * The same integers, so the same bits after the same float steps: every product and sum
+ * is exact on both paths. Q8: maddubs(|w|, sign(x, w)) has |w| <= 128 and |x| <= 127 (a
+ * group's codes are round(x 127 / max |x|)), so a pair is at most 32512 < 2^15 (no
+ * saturation), and madd's and vpdpbusd's int32 sums of a group's 32 products stay under
+ * 32 128 127 < 2^31. Q4: codes 0..15, pairs at most 3810, eight quads' int16 sums at most
+ * 30480 < 2^15 (below); vpdpbusd sums the same four bytes of each int32 lane in int32 at
+ * once, and group_into skips the madd that widens the int16 sums. pd_gemm_qdot and
+ * pd_gemm_silu_qdot (in the plain compile of this file) run the variant
+ * pd_qdot_set_variant chose (kernels/cpu_native.py: where the CPU reports the feature and
+ * the OS enables its state, as __builtin_cpu_supports checks). x is quantized by the one
+ * pd_quantize_rows_q8 of the plain compile for every variant. Built with
+ * -DPD_QDOT_EMULATE_VNNI, the AVX-VNNI copy takes vpdpbusd's exact sum in AVX2 instructions
+ * instead and runs anywhere: the tests run the variants' code on a CPU without VNNI so.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,6 +57,30 @@
 #endif
 
 #include "quant_block.h"
+
+/* Which integer dot products this compile makes (the header's VNNI): 0 maddubs (the plain
+ * compile), 1 AVX-VNNI, 2 AVX512-VNNI (256-bit, with VL), 3 vpdpbusd emulated in AVX2 */
+#ifndef PD_QDOT_DPBUSD
+#define PD_QDOT_DPBUSD 0
+#endif
+#if PD_QDOT_DPBUSD == 1 || PD_QDOT_DPBUSD == 2 || PD_QDOT_DPBUSD == 3
+#define QDOT_FN(name) name##_avxvnni
+#if PD_QDOT_DPBUSD == 1
+#pragma GCC target("avxvnni")
+#define PD_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif PD_QDOT_DPBUSD == 3
+#define PD_DPBUSD(acc, u, s) dpbusd_emulated(acc, u, s)
+#endif
+#endif
+#if PD_QDOT_DPBUSD == 2
+#undef QDOT_FN
+#define QDOT_FN(name) name##_avx512vnni
+#pragma GCC target("avx512vnni,avx512vl")
+#define PD_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
+#if PD_QDOT_DPBUSD == 0
+#define QDOT_FN(name) name##_maddubs
+#endif
 
 #define NR PD_NR
 #define QG PD_QGROUP
@@ -63,6 +105,7 @@ typedef struct {
     float *ds;
 } qrows_t;
 
+#if PD_QDOT_DPBUSD == 0
 /* One group of 32 floats: codes, scale, code sum (the header's formulas) */
 static void quantize_group(const float *x, int8_t *q, float *d, int32_t *s) {
 #ifdef PD_QAVX2
@@ -110,6 +153,9 @@ int pd_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k, int8_
             quantize_group(x + i * ldx + g * QG, q + i * k + g * QG, d + i * (k / QG) + g, s + i * (k / QG) + g);
     return 0;
 }
+#else
+int pd_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *q, float *d, int32_t *s);
+#endif
 
 #ifdef PD_QAVX2
 #define PIN(v) __asm__("" : "+x"(v))
@@ -119,7 +165,7 @@ int pd_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k, int8_
  * (and minimums) widened, dx the row's scale, xs its code sum, xds its d s */
 static AI void group_into(const int KIND, __m256i s0, __m256i s1, __m256 d0, __m256 d1, __m256 m0, __m256 m1,
                           __m256 dx, int32_t xs, float xds, __m256 *a0, __m256 *a1) {
-    if (KIND != PD_W_Q8) {
+    if (KIND != PD_W_Q8 && !PD_QDOT_DPBUSD) { /* int16 sums to int32 (vpdpbusd's are int32 already) */
         const __m256i ones = _mm256_set1_epi16(1);
         s0 = _mm256_madd_epi16(s0, ones);
         s1 = _mm256_madd_epi16(s1, ones);
@@ -157,8 +203,43 @@ static AI __m256i codes4(const int8_t *q) {
 /* One quad of a block (its codes at qd) against R rows' four codes each (at xq[i] + at),
    into the group's integer sums is[i][0:2] (columns 0-7, 8-15); the weights' loads (and
    |w|) serve every row, each row's codes broadcast as it comes */
+#if PD_QDOT_DPBUSD == 3
+/* vpdpbusd's arithmetic in AVX2: acc + the four products u8 x s8 of each 32-bit lane, each
+   exact in int16 (|u s| <= 255 128 < 2^15) and madd's pairs exact in int32 */
+static AI __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
+    const __m256i even_u = _mm256_and_si256(u, _mm256_set1_epi16(0xff)), odd_u = _mm256_srli_epi16(u, 8);
+    const __m256i even_s = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), odd_s = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(even_u, even_s), _mm256_madd_epi16(odd_u, odd_s)));
+}
+#endif
+
 static AI void quad_into(const int R, const int KIND, const uint8_t *qd, const int8_t *const xq[], int64_t at,
                          __m256i is[][2]) {
+#if PD_QDOT_DPBUSD
+    if (KIND == PD_W_Q8) { /* |w| by sign(x, w), as below, summed by vpdpbusd */
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(qd + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int i = 0; i < R; i++) {
+            const __m256i xb = codes4(xq[i] + at);
+            is[i][0] = PD_DPBUSD(is[i][0], a0, _mm256_sign_epi8(xb, w0));
+            is[i][1] = PD_DPBUSD(is[i][1], a1, _mm256_sign_epi8(xb, w1));
+            PIN(is[i][0]);
+            PIN(is[i][1]);
+        }
+    } else { /* codes 0..15 unsigned, int32 sums */
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)qd);
+        const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int i = 0; i < R; i++) {
+            const __m256i xb = codes4(xq[i] + at);
+            is[i][0] = PD_DPBUSD(is[i][0], w0, xb);
+            is[i][1] = PD_DPBUSD(is[i][1], w1, xb);
+            PIN(is[i][0]);
+            PIN(is[i][1]);
+        }
+    }
+#else
     if (KIND == PD_W_Q8) { /* |w| by sign(x, w): signed x signed in maddubs' unsigned x signed */
         const __m256i ones = _mm256_set1_epi16(1);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)qd);
@@ -185,6 +266,7 @@ static AI void quad_into(const int R, const int KIND, const uint8_t *qd, const i
             PIN(is[i][1]);
         }
     }
+#endif
 }
 
 /* x's rows r0 .. r0 + R - 1 as qdot_group reads them */
@@ -416,8 +498,8 @@ static int threads_for(int64_t macs, int64_t panels, int num_threads) {
 /* y[0:m, 0:n] = x @ w^T (+ bias) for a quantized weight w (p: its packed panels) by
  * integer dot products (the header). Threads split the panels. Returns 0, 1 (bad
  * arguments) or 2 (out of memory). */
-int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
-                 int64_t ldy, int64_t n, int num_threads) {
+int QDOT_FN(pd_gemm_qdot)(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind,
+                          const float *bias, float *y, int64_t ldy, int64_t n, int num_threads) {
     if (m < 0 || n < 0 || k <= 0 || k % QG || ldx < k || ldy < n || num_threads < 1 || !pd_quant_block_size(kind))
         return 1;
     if (m == 0 || n == 0) return 0;
@@ -471,8 +553,8 @@ int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *
 /* act = silu(x @ gate^T) * (x @ up^T) as pd_gemm_silu, for a quantized [gate; up] weight
  * (inter a multiple of 16) by pd_gemm_qdot's products: gate panel j and up panel inter / 16 + j
  * per pass. */
-int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
-                      int64_t lda, int64_t inter, int num_threads) {
+int QDOT_FN(pd_gemm_silu_qdot)(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind,
+                               float *act, int64_t lda, int64_t inter, int num_threads) {
     if (m < 0 || k <= 0 || k % QG || inter <= 0 || inter % NR || ldx < k || lda < inter || num_threads < 1
         || !pd_quant_block_size(kind))
         return 1;
@@ -506,3 +588,61 @@ int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const v
     free(r.q);
     return 0;
 }
+
+#if PD_QDOT_DPBUSD == 0
+/* The variants (the header's VNNI) and which one pd_gemm_qdot and pd_gemm_silu_qdot run */
+#ifdef PD_QVNNI
+int pd_gemm_qdot_avxvnni(const float *, int64_t, int64_t, int64_t, const void *, int, const float *, float *, int64_t,
+                         int64_t, int);
+int pd_gemm_qdot_avx512vnni(const float *, int64_t, int64_t, int64_t, const void *, int, const float *, float *,
+                            int64_t, int64_t, int);
+int pd_gemm_silu_qdot_avxvnni(const float *, int64_t, int64_t, int64_t, const void *, int, float *, int64_t, int64_t,
+                              int);
+int pd_gemm_silu_qdot_avx512vnni(const float *, int64_t, int64_t, int64_t, const void *, int, float *, int64_t,
+                                 int64_t, int);
+#endif
+
+static int qdot_variant = 0; /* 0 maddubs, 1 AVX-VNNI, 2 AVX512-VNNI: set by pd_qdot_set_variant */
+
+/* The variants this CPU (and OS) can run, as bits 1 << variant: maddubs always (bit 0) */
+int pd_qdot_variants(void) {
+    int bits = 1;
+#ifdef PD_QVNNI
+    __builtin_cpu_init();
+#ifdef PD_QDOT_EMULATE_VNNI
+    bits |= 1 << 1; /* the AVX-VNNI copy is emulated in AVX2 */
+#else
+    if (__builtin_cpu_supports("avxvnni")) bits |= 1 << 1;
+#endif
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) bits |= 1 << 2;
+#endif
+    return bits;
+}
+
+/* Run `variant` from now on: 0 on success, 1 (nothing changed) where it cannot run here */
+int pd_qdot_set_variant(int variant) {
+    if (variant < 0 || variant > 2 || !(pd_qdot_variants() >> variant & 1)) return 1;
+    qdot_variant = variant;
+    return 0;
+}
+
+int pd_qdot_variant(void) { return qdot_variant; }
+
+int pd_gemm_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, const float *bias, float *y,
+                 int64_t ldy, int64_t n, int num_threads) {
+#ifdef PD_QVNNI
+    if (qdot_variant == 1) return pd_gemm_qdot_avxvnni(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
+    if (qdot_variant == 2) return pd_gemm_qdot_avx512vnni(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
+#endif
+    return pd_gemm_qdot_maddubs(x, ldx, m, k, p, kind, bias, y, ldy, n, num_threads);
+}
+
+int pd_gemm_silu_qdot(const float *x, int64_t ldx, int64_t m, int64_t k, const void *p, int kind, float *act,
+                      int64_t lda, int64_t inter, int num_threads) {
+#ifdef PD_QVNNI
+    if (qdot_variant == 1) return pd_gemm_silu_qdot_avxvnni(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
+    if (qdot_variant == 2) return pd_gemm_silu_qdot_avx512vnni(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
+#endif
+    return pd_gemm_silu_qdot_maddubs(x, ldx, m, k, p, kind, act, lda, inter, num_threads);
+}
+#endif
