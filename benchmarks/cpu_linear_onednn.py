@@ -25,6 +25,8 @@ is bound by arithmetic). Contestants, float32 activations in and out unless said
   int8 weights (the same weight quantized)
     pdserve_int8_decode Q8_0 (a float16 scale per 32 inputs) by int8 dot products, the
                         engine's product for decode rows (`kernels.decode_rows`)
+    pdserve_int8_decode_maddubs  the same on AVX2's maddubs, where the library runs VNNI's
+                        vpdpbusd (`cpu_native.qdot_variant()`; the same bits): their A/B
     pdserve_int8_prompt Q8_0 as a prompt chunk's rows take it (the dequantizing tile past
                         `quant.QDOT_ROWS`)
     torch_int8_weight   `torch._weight_int8pack_mm`: int8 weight, a scale per output
@@ -81,8 +83,9 @@ class Contestant:
     `prep(x)` converts x before the clock starts."""
 
     def __init__(self, name: str, make: Callable, prep: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                 decode: bool = False) -> None:
+                 decode: bool = False, qdot_variant: int | None = None) -> None:
         self.name, self.make, self.prep, self.decode = name, make, prep, decode
+        self.qdot_variant = qdot_variant  # the int8 dot products it runs (cpu_native.QDOT_VARIANTS); None: as loaded
 
 
 def bf16_plan(w):
@@ -140,17 +143,26 @@ def to_bf16(x):
 CONTESTANTS = [
     Contestant("pdserve_bf16", bf16_plan), Contestant("native_bf16_tile", bf16_tile),
     Contestant("onednn_bf16", onednn_bf16, to_bf16), Contestant("onednn_bf16_packed", onednn_bf16_packed, to_bf16),
-    Contestant("pdserve_int8_decode", q8_plan, decode=True), Contestant("pdserve_int8_prompt", q8_plan),
+    Contestant("pdserve_int8_decode", q8_plan, decode=True),
+    Contestant("pdserve_int8_decode_maddubs", q8_plan, decode=True, qdot_variant=0),
+    Contestant("pdserve_int8_prompt", q8_plan),
     Contestant("torch_int8_weight", torch_int8_weight, to_bf16), Contestant("torch_int8_dynamic", torch_int8_dynamic),
 ]
 
 
-def run_pass(fns: list, x: torch.Tensor, decode: bool) -> float:
-    with kernels.decode_rows(decode):
-        t0 = time.perf_counter()
-        for fn in fns:
-            fn(x)
-        return (time.perf_counter() - t0) / len(fns)
+def run_pass(fns: list, x: torch.Tensor, c: Contestant) -> float:
+    lib = cpu_native.library()
+    loaded = lib.pd_qdot_variant()
+    if c.qdot_variant is not None:
+        lib.pd_qdot_set_variant(c.qdot_variant)
+    try:
+        with kernels.decode_rows(c.decode):
+            t0 = time.perf_counter()
+            for fn in fns:
+                fn(x)
+            return (time.perf_counter() - t0) / len(fns)
+    finally:
+        lib.pd_qdot_set_variant(loaded)
 
 
 def max_rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -162,6 +174,8 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], args, g: torch.Gener
     w = torch.randn(n, k, generator=g) / k ** 0.5
     forms, skipped = {}, {}
     for c in CONTESTANTS:
+        if c.qdot_variant is not None and cpu_native.library().pd_qdot_variant() == c.qdot_variant:
+            continue  # the loaded variant already: pdserve_int8_decode is it
         try:
             fn, wf, nbytes = c.make(w)
         except (RuntimeError, ValueError) as e:
@@ -183,7 +197,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], args, g: torch.Gener
         for r in range(args.repeats):
             order = list(forms) if r % 2 == 0 else list(reversed(forms))
             for c in order:
-                best[c.name] = min(best[c.name], run_pass(fns[c], xs[c], c.decode))
+                best[c.name] = min(best[c.name], run_pass(fns[c], xs[c], c))
         flop = 2 * m * n * k
         row = {"shape": name, "n": n, "k": k, "rows": m, "copies": {c.name: len(f) for c, f in fns.items()},
                "ms": {c: t * 1e3 for c, t in best.items()}, "gflops": {c: flop / t / 1e9 for c, t in best.items()},
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     results = [r for name, n, k in shapes for r in bench_shape(name, n, k, rows, args, g)]
     cpu = cpu_facts()
     report = {**run_facts(), "threads": args.threads, "torch": torch.__version__,
-              "bf16_dot_cpu": kernels.bf16_dot_cpu(), "repeats": args.repeats, "stream_mb": args.stream_mb,
+              "bf16_dot_cpu": kernels.bf16_dot_cpu(), "qdot_variant": cpu_native.qdot_variant(), "repeats": args.repeats, "stream_mb": args.stream_mb,
               "crossovers": {f"{name} [{n}, {k}]": kernels.LinearPlan(torch.zeros(n, k, dtype=torch.bfloat16)).bf16_rows
                              for name, n, k in shapes},
               "never": crossover.NEVER, "results": results}
