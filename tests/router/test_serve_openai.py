@@ -111,7 +111,8 @@ def test_models_health_metrics(oai, pd):
     assert health.status_code == 200
     body = health.json()
     pools = body.pop("pools")
-    assert body == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "colocated": 0}, "dead": [], "failed": []}
+    assert body == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "colocated": 0}, "dead": [], "failed": [],
+                    "suspected": []}
     assert {w: (p["role"], p["state"]) for w, p in pools.items()} == {"prefill-0": ("prefill", "serving"),
                                                                       "decode-0": ("decode", "serving")}
 
