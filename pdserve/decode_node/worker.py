@@ -64,7 +64,7 @@ class DecodeWorker(WorkerBase):
         """The engine over a KV cache the transfer backend can reach."""
         dev = self.config.device
         self.backend = resolve_backend(self.wconfig.kv_transfer, dev.device)
-        shape = kv_cache_shape(self.config, decide_num_blocks(self.config))
+        shape = kv_cache_shape(self.config, decide_num_blocks(self.config, speculates=True))
         self.receiver = make_receiver(self.backend, shape, kv_cache_dtype(dev), dev.device,
                                       shm_name_hint(self.worker_id, self.key.deployment_id))
         return LLMEngine(self.config, self.receiver.kv_cache, warm_up=True)

@@ -16,11 +16,13 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.grammar import GrammarError
 from pdserve.common.engine.graph_runner import GraphRunner
 from pdserve.common.hashing import block_hashes
-from pdserve.common.engine.model_runner import ModelRunner, Sampled
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.sampler import Sampled
 from pdserve.common.logprobs import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.common.engine.sequence import SeqIdCounter, Sequence, SequenceStatus
+from pdserve.common.engine.spec.speculator import Speculator
 from pdserve.common.text.tokenizer import Tokenizer, eos_token_id
 from pdserve.common.validation import RequestError, check_sampling, prompt_token_ids
 
@@ -42,6 +44,10 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
     # prefill-only engine, n > 1: the first tokens of the other choices, sampled from the same logits
     forks: list["StepOutput"] = field(default_factory=list)
+    # speculative decoding: a step may give a sequence several outputs, one per token; the last of
+    # them carries how many draft tokens it verified and how many of those it accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -75,17 +81,21 @@ class LLMEngine:
                  prefill_only: bool = False, warm_up: bool = False) -> None:
         self.config = config
         self.prefill_only = prefill_only
+        spec = None if prefill_only else config.speculative  # speculation is the decoding side's
         runner_cls = GraphRunner if config.decode_graphs else ModelRunner
-        self.runner: ModelRunner = runner_cls(config, kv_cache)
+        self.runner: ModelRunner = runner_cls(config, kv_cache, speculates=spec is not None)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.scheduler.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   num_lookahead=spec.num_speculative_tokens if spec is not None else 0)
         self.eos_token_ids = set(config.model.eos_token_ids)
         tokenizer_eos = eos_token_id(config.model.model_dir)
         if tokenizer_eos is not None:
             self.eos_token_ids.add(tokenizer_eos)
         self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # what min_tokens hides
         self.runner.grammars.stop_token_ids = sorted(self.eos_token_ids)  # what ends a grammar
+        self.speculator = None if spec is None else Speculator(config, spec, self.runner.num_blocks,
+                                                               frozenset(self.eos_token_ids), self.runner.model)
         self._tokenizer: Tokenizer | None = None
         self._ids = SeqIdCounter()
         self.warm_up_s = self.warm_up() if warm_up else None
@@ -223,6 +233,9 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq.seq_id)
         seq.grammar = None
+        seq.spec_token_ids = []
+        if self.speculator is not None:
+            self.speculator.release(seq.seq_id)
         for child in seq.forks:
             child.status, child.finish_reason = SequenceStatus.FINISHED, reason
             self.runner.release(child.seq_id)
@@ -240,7 +253,12 @@ class LLMEngine:
         """Schedule and run one step; one output per sequence that sampled a token. A
         finished sequence has released everything; a prefill-only engine's sequences are
         PREFILLED after their first token and hold their blocks until `release`."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)  # draft tokens, verified in this step
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            for victim in batch.preempted:  # its draft KV went with its blocks
+                self.speculator.release(victim.seq_id)
         if not batch.seqs:
             return []
         layer_hook = None
@@ -255,7 +273,10 @@ class LLMEngine:
         failed: dict[int, str] = {}
         generators = self.runner.generator_states([r for s in batch.seqs for r in (s, *s.forks)])
         try:
+            t0 = time.perf_counter()
             sampled = self.runner.execute(batch, layer_hook)
+            if self.speculator is not None:
+                self.speculator.observe_step(batch, time.perf_counter() - t0)
         except Exception as e:
             sampled, failed = self._isolate(batch, e, generators)
             if kv_writer is not None and layer_hook is not None:
@@ -268,6 +289,7 @@ class LLMEngine:
                 outputs.append(StepOutput(seq, -1, True, error=failed[seq.seq_id]))
             keep = [i for i, s in enumerate(batch.seqs) if s.seq_id not in failed]
             batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
+        kept = self._take_verified(batch, sampled) if self.speculator is not None else {}
         self.scheduler.advance(batch)
         for seq in batch.seqs:
             s = sampled.get(seq.seq_id)
@@ -276,6 +298,15 @@ class LLMEngine:
             prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # None unless asked; sent once
             if seq.sampling_params.max_tokens == 0:  # the prompt is scored: nothing is sampled
                 outputs.append(self._unsampled(seq, prompt_lps))
+                continue
+            if seq.seq_id in kept:  # verified: one output per kept token, the last one's stop checked as ever
+                tokens = kept[seq.seq_id]
+                outputs += [StepOutput(seq, t, False, logprobs=lp) for t, lp in tokens[:-1]]
+                token, lps = tokens[-1]
+                seq.token_ids.append(token)
+                out = self._finish_if_stopped(seq, token, lps)
+                out.num_draft_tokens, out.num_accepted_tokens = s.num_draft, len(s.more)
+                outputs.append(out)
                 continue
             seq.token_ids.append(s.token)
             choices = [seq, *seq.forks]
@@ -293,6 +324,37 @@ class LLMEngine:
             outs[0].prompt_logprobs = prompt_lps  # once per request: on choice 0's first output
             outputs += outs
         return outputs
+
+    def _take_verified(self, batch: ScheduledBatch, sampled: dict[int, Sampled]
+                       ) -> dict[int, list[tuple[int, TokenLogprobs | None]]]:
+        """The step's verified sequences: the tokens each keeps (its accepted drafts and the
+        target's next token, up to the first that ends it), by seq_id. Each gets the kept
+        tokens but the last appended, and its count in `batch` set to its rows whose KV
+        stands (its last token and those), so `Scheduler.advance` counts and hashes only
+        accepted tokens. Every sequence's drafts are consumed."""
+        kept = {}
+        for i, seq in enumerate(batch.seqs):
+            s = sampled.get(seq.seq_id)
+            if seq.spec_token_ids and s is not None and s.num_draft:
+                tokens = [(s.token, s.logprobs), *s.more]
+                tokens = tokens[:self._kept(seq, [t for t, _ in tokens])]
+                seq.token_ids += [t for t, _ in tokens[:-1]]
+                batch.num_tokens[i] = len(tokens)
+                kept[seq.seq_id] = tokens
+                self.speculator.record(seq, s.num_draft, len(s.more))
+            seq.spec_token_ids = []
+        return kept
+
+    def _kept(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many of `tokens`, appended to `seq` in order, come before it stops (the one
+        that stops it included): `check_stop`'s rules but the grammar's (`verify` ends a
+        grammar's tokens where it ends)."""
+        n_out, length = seq.num_output_tokens, len(seq)
+        for j, t in enumerate(tokens[:-1], 1):
+            n_out, length = n_out + 1, length + 1
+            if self._stops(seq.sampling_params, t, n_out, length):
+                return j
+        return len(tokens)
 
     def _unsampled(self, seq: Sequence, prompt_logprobs: list[TokenLogprobs | None] | None) -> StepOutput:
         """A max_tokens 0 sequence whose prompt is computed: it ends ("length"), or, prefill
@@ -359,11 +421,16 @@ class LLMEngine:
                     return "stop"  # the grammar accepted its stop token: ends even with ignore_eos
             except ValueError:  # only a first token handed over from elsewhere can break it
                 return "abort"
-        if seq.num_output_tokens >= p.min_tokens:
+        return self._stops(p, last, seq.num_output_tokens, len(seq))
+
+    def _stops(self, p: SamplingParams, last: int, num_output: int, length: int) -> str | None:
+        """`check_stop` without the grammar, for a sequence of `length` tokens, `num_output`
+        of them output, ending in `last`."""
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 return "stop"
             if p.stop_token_ids and last in p.stop_token_ids:
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.scheduler.max_model_len:
+        if num_output >= p.max_tokens or length >= self.config.scheduler.max_model_len:
             return "length"
         return None

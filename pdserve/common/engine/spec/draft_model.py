@@ -1,0 +1,132 @@
+"""Draft-model proposals (vLLM's `draft_model` method): a smaller model with the target's
+tokenizer, or the target itself in another precision (`"model": "self"`, e.g. int4
+weights: common/quantization.py), proposes the next tokens greedily, one pass per token.
+
+The draft model has its own KV cache of as many blocks as the target's, paged by the
+target's block tables: a sequence's draft KV of position p lies in the draft cache at the
+slot where its target KV lies in the target's. So the draft needs no blocks of its own, and
+the slots the scheduler holds for a verification (`Scheduler.lookahead`) hold the drafts'
+KV too. What the draft cache holds for a sequence is tracked here: a sequence starts with
+none (its prompt's draft KV is computed on its first proposal, also for a prompt whose
+target KV came from a prefill worker or the prefix cache), and after a verification the
+draft KV stays valid up to the first rejected draft."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.common.config import ConfigError, EngineConfig, EngineOptions, ModelConfig, SpeculativeConfig
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.scheduler import ScheduledBatch
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.sampling_params import SamplingParams
+
+CATCH_UP_ROWS = 8  # a catch-up of up to this many tokens runs as one-query rows (the native decode stack)
+
+
+def draft_config(target: EngineConfig, spec: SpeculativeConfig, num_blocks: int) -> EngineConfig:
+    """The draft model's engine config: the target's options (dtype, device, threads,
+    block size, max_model_len) with the draft's folder and quantization, and a KV cache of
+    the target's `num_blocks`. ConfigError if its tokenizer is not the target's."""
+    options = {**target.to_dict(), "quantization": spec.quantization, "num_kv_blocks": num_blocks,
+               "speculative_config": None, "decode_graphs": False}
+    draft = EngineOptions.of(**options).engine_config(spec.draft_dir(target.model.model_dir))
+    check_same_tokenizer(target.model, draft.model)
+    return draft
+
+
+def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
+    """ConfigError unless the draft reads and writes the target's token ids: the same
+    vocabulary size and the same token -> id map."""
+    if Path(draft.model_dir).resolve() == Path(target.model_dir).resolve():
+        return
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"speculative_config: the draft model {draft.model_dir} has a vocabulary of "
+                          f"{draft.vocab_size}, the target {target.vocab_size}: it must share the target's tokenizer")
+    from tokenizers import Tokenizer  # the one time the two are compared
+    try:
+        same = (Tokenizer.from_file(str(Path(draft.model_dir) / "tokenizer.json")).get_vocab()
+                == Tokenizer.from_file(str(Path(target.model_dir) / "tokenizer.json")).get_vocab())
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ConfigError(f"speculative_config: cannot compare the draft model's tokenizer with the target's: {e}") \
+            from None
+    if not same:
+        raise ConfigError(f"speculative_config: the draft model {draft.model_dir} has another tokenizer than "
+                          f"the target {target.model_dir}")
+
+
+def shadow_params(params: SamplingParams) -> SamplingParams:
+    """What a draft samples by: greedily, with the request's logit bias, min_tokens and
+    penalties (they shape what the target will accept), without its grammar."""
+    return dataclasses.replace(params, temperature=0.0, seed=None, n=1, logprobs=None, prompt_logprobs=None,
+                               structured=None, stop=None)
+
+
+@dataclasses.dataclass
+class _DraftState:
+    """One sequence as the draft model sees it: `shadow` holds the target's tokens then the
+    drafts of the last proposal, the target's block table, and (num_computed_tokens) how
+    many leading positions have draft KV; `base`: the target's length at that proposal."""
+
+    shadow: Sequence
+    base: int = 0
+
+
+class DraftModelProposer:
+    """Owns the draft model's runner (its weights, its KV cache) and each proposing
+    sequence's draft state."""
+
+    free = False
+
+    def __init__(self, target: EngineConfig, spec: SpeculativeConfig, num_blocks: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.runner = ModelRunner(draft_config(target, spec, num_blocks))
+        self.runner.rows_per_chunk = CATCH_UP_ROWS
+        self.runner.sampler.eos_token_ids = eos_token_ids  # what min_tokens hides from drafts too
+        self._states: dict[int, _DraftState] = {}
+        self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) of each draft pass
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+        shadows = [self._catch_up(s) for s in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        while active:  # the first pass catches each shadow up to its target's last token, then one token each
+            batch = ScheduledBatch([shadows[i] for i in active],
+                                   [len(shadows[i]) - shadows[i].num_computed_tokens for i in active])
+            t0 = time.perf_counter()
+            sampled = self.runner.execute(batch)
+            if self.on_pass is not None:
+                self.on_pass(batch.total_tokens, time.perf_counter() - t0)
+            for i in active:
+                shadow = shadows[i]
+                shadow.num_computed_tokens = len(shadow)
+                token = sampled[shadow.seq_id].token
+                drafts[i].append(token)
+                shadow.token_ids.append(token)  # fed in the next pass (the last draft never is)
+            active = [i for i in active if len(drafts[i]) < num_tokens[i]]
+        return drafts
+
+    def _catch_up(self, seq: Sequence) -> Sequence:
+        """`seq`'s shadow, its tokens the target's again and its draft KV counted up to
+        the first position where the last proposal's drafts and the target's tokens part."""
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            params = shadow_params(seq.sampling_params)
+            state = self._states[seq.seq_id] = _DraftState(
+                Sequence(seq.seq_id, [], params, num_prompt_tokens=seq.num_prompt_tokens))
+        shadow = state.shadow
+        old, new = shadow.token_ids, seq.token_ids
+        valid = state.base  # tokens [0, base) were the target's at the last proposal: still its
+        end = min(len(old), len(new))
+        while valid < end and old[valid] == new[valid]:
+            valid += 1
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, valid, len(new) - 1)
+        shadow.token_ids = list(new)
+        shadow.block_table = seq.block_table  # the same slots (the list itself: never changed here)
+        state.base = len(new)
+        return shadow
+
+    def release(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
