@@ -134,6 +134,7 @@ class AdaptivePolicy:
             if i in chosen:
                 out.append(min(best_k, caps[i]))
             elif caps[i] > 0 and st.idle + 1 >= PROBE_EVERY:
+                st.idle = 0
                 out.append(min(PROBE_TOKENS, caps[i]))  # a probe: what does this text accept now?
             else:
                 st.idle += 1

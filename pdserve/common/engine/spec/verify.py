@@ -23,6 +23,8 @@ Logprobs are the target's raw ones (as without speculation) of the kept rows.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pdserve.common.engine.grammar import Grammars
@@ -47,9 +49,12 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], top: list[int] | None, sa
         num_prompt = [s.num_prompt_tokens for s, n in zip(seqs, counts) for _ in range(n)]
     logits, top = sampler.process(logits, params, history, num_prompt, bitmask, top)
     argmax = top if top is not None else greedy(logits) if any(p.greedy for p in params) else None
+    starts = list(itertools.accumulate(counts, initial=0))
+    random = [i for i, p in enumerate(params) if not p.greedy]  # rows; all of a sequence's or none
+    probs = sampler.probs(logits[random], [params[i] for i in random]) if random else None  # [len(random), V]
     kept: list[list[int]] = []
-    r = 0
-    for s, n, gen in zip(seqs, counts, generators):
+    j = 0  # the next random sequence's first row in `probs`
+    for s, n, r, gen in zip(seqs, counts, starts, generators):
         drafts = s.spec_token_ids
         if s.sampling_params.greedy:
             a = 0
@@ -57,13 +62,12 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], top: list[int] | None, sa
                 a += 1
             tokens = [*drafts[:a], argmax[r + a]]
         else:
-            tokens = _rejection_sample(sampler.probs(logits[r:r + n], [s.sampling_params] * n), drafts,
-                                       gen or sampler.generator)
+            tokens = _rejection_sample(probs[j:j + n], drafts, gen or sampler.generator)
+            j += n
         end = ends.get(s.seq_id)
         if end is not None and len(tokens) > end:  # a kept draft ended the grammar: nothing follows it
             tokens = tokens[:end]
         kept.append(tokens)
-        r += n
     lps = {}
     if raw is not None:  # the kept tokens' logprobs from their rows (other rows: any token, unread)
         row_tokens = [t for tokens, n in zip(kept, counts) for t in (tokens + [0] * n)[:n]]
@@ -78,20 +82,18 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], top: list[int] | None, sa
 
 
 def _rejection_sample(probs: torch.Tensor, drafts: list[int], gen: torch.Generator) -> list[int]:
-    """probs [k + 1, V]: each row's distribution; drafts [k] deterministic proposals ->
-    the tokens emitted (the accepted drafts, then one drawn token)."""
-    out: list[int] = []
-    for i, d in enumerate(drafts):
-        p = probs[i]
-        if torch.rand(1, generator=gen, device=p.device).item() < p[d].item():
-            out.append(d)
-            continue
-        residual = p.clone()
-        residual[d] = 0.0
-        if not residual.sum().item() > 0.0:  # p(d) rounded to 1: nothing else to draw
-            out.append(d)
-            continue
-        out.append(int(torch.multinomial(residual, 1, generator=gen)[0]))
-        return out
-    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=gen)[0]))
-    return out
+    """probs [k + 1, V]: each row's distribution; drafts [k], proposed deterministically ->
+    the tokens emitted: the drafts kept (each with probability p(d), while kept), then one
+    drawn from the first rejected draft's row without it, or from the last row."""
+    k = len(drafts)
+    u = torch.rand(k, generator=gen, device=probs.device)  # [k]
+    p_draft = probs[torch.arange(k, device=probs.device), torch.tensor(drafts, device=probs.device)]  # [k]
+    kept = (u < p_draft).tolist()
+    a = kept.index(False) if False in kept else k
+    if a == k:
+        return [*drafts, int(torch.multinomial(probs[k], 1, generator=gen)[0])]
+    residual = probs[a].clone()  # [V]
+    residual[drafts[a]] = 0.0
+    if not residual.sum().item() > 0.0:  # rounding left p(d) just below 1 and nothing else: d it is
+        return drafts[:a + 1]
+    return [*drafts[:a], int(torch.multinomial(residual, 1, generator=gen)[0])]
