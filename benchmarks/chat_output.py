@@ -1,4 +1,4 @@
-"""The router's cost per streamed chunk of a chat answer's shaping (router/chat_output.py):
+"""The router's cost per streamed chunk of a chat answer's shaping (router/openai/chat_output.py):
 plain text (no tools, no reasoning parser: the path every other request takes) against
 the reasoning split and against "auto" tool calls after reasoning, side by side in one
 process, taking turns.
@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdserve.common.wire.messages import TokenOutput  # noqa: E402
-from pdserve.router.chat_output import ChoiceOutput  # noqa: E402
-from pdserve.router.http_envelope import CHAT, Envelope  # noqa: E402
-from pdserve.router.tools import tool_plan  # noqa: E402
+from pdserve.router.openai.chat_output import ChoiceOutput  # noqa: E402
+from pdserve.router.openai.envelope import CHAT, Envelope  # noqa: E402
+from pdserve.router.openai.tools import tool_plan  # noqa: E402
 
 
 def answer(chars: int) -> str:

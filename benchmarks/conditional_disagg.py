@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script from any directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # and its sibling modules
 
 from pdserve.common.config import ModelConfig  # noqa: E402
-from pdserve.router.bench.metrics import RequestRecord, attainment, summarize  # noqa: E402
+from pdserve.router.stats.latency import RequestRecord, attainment, summarize  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.workloads import BenchRequest, mooncake_workload  # noqa: E402
 from servers import MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, log, start_pdserve  # noqa: E402
@@ -67,7 +67,7 @@ def workload(args: argparse.Namespace, vocab: int, trace: Path = TRACE) -> list[
 
 def profile(args: argparse.Namespace, out: Path) -> Path:
     """`pdserve profile` with the servers' engine flags (benchmarks/servers.py)."""
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "profile", args.model, "--out", str(out), "--num-threads", "1",
+    cmd = [sys.executable, "-m", "pdserve", "profile", args.model, "--out", str(out), "--num-threads", "1",
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", "float32"]
     t0 = time.monotonic()

@@ -12,7 +12,7 @@ Q4_K_M tensor types for this model (llama.cpp's `llama_tensor_get_type`): Q4_K, 
 for attn_v and ffn_down in the layers `use_more_bits` picks (the first and last eighth,
 every third between) and for the tied embedding / output; where a row's length is not a
 multiple of 256 (SmolLM2's hidden size 576: every matrix but ffn_down) llama.cpp's
-fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K. The blocks come from tests/gguf_fixture.py
+fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K. The blocks come from tests/support/gguf_fixture.py
 (llama.cpp's layout; K-quant scales by plain rounding, not llama.cpp's search, so the
 file's quality is a little below a real llama-quantize file's). Both engines load the same
 file's conversion: `--quantization gguf` (common/loading/gguf_quant.py: Q4_K as int4, the
@@ -43,7 +43,7 @@ from pdserve.common.loading.gguf_convert import convert_gguf  # noqa: E402
 from pdserve.common.quantization import kept_linears  # noqa: E402
 from tests.common.test_bf16_precision import TEXT  # noqa: E402
 from tests.common.test_quantization import greedy  # noqa: E402
-from tests.gguf_fixture import QK_K, write_gguf  # noqa: E402
+from tests.support.gguf_fixture import QK_K, write_gguf  # noqa: E402
 
 PROMPTS = ("The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
            "The three primary colors are", "Water boils at", "My favourite book is")

@@ -199,7 +199,7 @@ def check_graph_speed(args, models) -> dict:
 def check_pair(args, models) -> dict:
     """A real prefill worker and decode worker on the device, through the test driver:
     greedy tokens against transformers for every architecture, blocks all returned."""
-    from tests.disagg.driver import engine_options, start_pair
+    from tests.support.disagg_driver import engine_options, start_pair
     backends = ("cuda_ipc", "nccl") if on_gpu(args.device) else ("shm", "gloo")
     res: dict = {}
     nccl_ok = getattr(args, "nccl_ok", None)  # set by the nccl check, when it ran
@@ -250,7 +250,7 @@ def check_pair(args, models) -> dict:
 def _nccl_pair_refused(model_dir: str, device: str) -> dict:
     """Where NCCL cannot form a group (one GPU for both), a P/D pair must fail at start-up
     with NCCL's reason, not start and then hang on the first transfer."""
-    from tests.disagg.driver import engine_options, start_pair
+    from tests.support.disagg_driver import engine_options, start_pair
     t0 = time.perf_counter()
     try:
         dep = start_pair(model_dir, "nccl", {**engine_options(), "device": device}, together=True, timeout_s=120)
@@ -273,7 +273,7 @@ def check_serving(args, models) -> dict:
     greedy tokens over HTTP against transformers (at --serving-dtype bfloat16: against our
     offline engine, a prompt at a time), then a Poisson sweep with pdserve bench."""
     from pdserve.router.bench.arrivals import arrival_times
-    from pdserve.router.bench.metrics import summarize
+    from pdserve.router.stats.latency import summarize
     from pdserve.router.bench.runner import run_workload
     from pdserve.router.bench.workloads import random_workload
     d = models[args.speed_model]

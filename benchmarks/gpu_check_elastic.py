@@ -97,7 +97,7 @@ def _wait_done(results: list, n: int, s, timeout_s: float = 120) -> None:
 
 
 def _scale(s, *flags: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "scale", "--router", s.info["control"],
+    cmd = [sys.executable, "-m", "pdserve", "scale", "--router", s.info["control"],
            "--secret-file", s.info["secret_file"], "--json", "--wait", "180", *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240,
                          env={**os.environ, "PYTHONPATH": repo_pythonpath()})

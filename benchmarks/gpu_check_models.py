@@ -40,5 +40,5 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: st
 
 def prompts_for(model_dir: str) -> list[list[int]]:
     from pdserve.common.config import ModelConfig
-    from tests.helpers import mixed_prompts  # the prompts the CPU tests use: block edges, shared prefixes
+    from tests.support.helpers import mixed_prompts  # the prompts the CPU tests use: block edges, shared prefixes
     return mixed_prompts(ModelConfig.from_dir(model_dir).vocab_size, seed=7)

@@ -131,7 +131,7 @@ def _dist_rank(rank: int, init: str, backend: str, device: str, conn) -> None:
 
 def check_nccl(args, models) -> dict:
     """Two processes join a group over the backend the nccl transfer uses and move 256 MiB."""
-    from pdserve.router.launch import free_port
+    from pdserve.router.launch.local import free_port
     backend = "nccl" if on_gpu(args.device) else "gloo"
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")

@@ -89,7 +89,7 @@ def main() -> int:
     url = args.url
     if url is None:
         from pdserve.common.loading.model_factory import make_model
-        from tests.router.serving import start_server, stop_server
+        from tests.support.serving import start_server, stop_server
         work = Path(tempfile.mkdtemp(prefix="health_bench_"))
         model = make_model(work / "qwen3", "qwen3", "tiny", seed=1)
         extra = ["--max-inflight", str(args.max_inflight)] if args.max_inflight else []

@@ -1,6 +1,6 @@
 """How soon a new worker takes traffic (target: within 5 s of being ready). A `pdserve
 serve --prefill 1 --decode 1` of the tiny model serves a steady stream of requests;
-`pdserve scale`'s request (router/control_client.py) adds one worker of each `--roles`,
+`pdserve scale`'s request (router/pools/client.py) adds one worker of each `--roles`,
 one at a time. For each new worker, from the router's /health (polled every 20 ms):
 
 - spawn_to_registered_s: from the scale request's answer to the worker's hello (process
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.router.control_client import ControlClient  # noqa: E402
+from pdserve.router.pools.client import ControlClient  # noqa: E402
 
 POLL_S = 0.02
 
@@ -33,7 +33,7 @@ POLL_S = 0.02
 def start(model: str, workdir: Path) -> tuple[subprocess.Popen, dict]:
     """`pdserve serve --prefill 1 --decode 1` at its default routing, once ready."""
     ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model, "--prefill", "1", "--decode", "1", "--http-port", "0",
+    cmd = [sys.executable, "-m", "pdserve", "serve", model, "--prefill", "1", "--decode", "1", "--http-port", "0",
            "--zmq-port", "0", "--num-kv-blocks", "512", "--max-model-len", "512", "--num-threads", "1",
            "--ready-file", str(ready)]
     proc = subprocess.Popen(cmd, stdout=open(workdir / "serve.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT)

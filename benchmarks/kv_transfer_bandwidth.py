@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from pdserve.router.launch import free_port
+from pdserve.router.launch.local import free_port
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire.messages import AbortRequest, KVReady, PrefillRequest
 from pdserve.common.wire.transport import Client, Server

@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.common.worker.spec import WorkerSpec
 from pdserve.common.wire.auth import DeploymentKey
-from pdserve.router.launch import Launcher, free_port
+from pdserve.router.launch.local import Launcher, free_port
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire.messages import ErrorReply, GenerateRequest, StepOutputs
 from pdserve.common.wire.transport import Client

@@ -37,7 +37,9 @@ QUANT_KINDS = ("q8_0", "q4_1")  # weight-only int8 / int4 (kernels.quant), multi
 
 def baseline_module(checkout: str) -> types.ModuleType:
     """`checkout`'s kernels/cpu_native.py as a module of its own (its sources, its build)."""
-    path = Path(checkout) / "kernels" / "cpu_native.py"
+    path = Path(checkout) / "pdserve" / "kernels" / "cpu_native.py"
+    if not path.exists():  # a checkout from before the one `pdserve` package
+        path = Path(checkout) / "kernels" / "cpu_native.py"
     mod = types.ModuleType("baseline_cpu_native")
     mod.__file__ = str(path)
     source = path.read_text().replace("from . import huge_pages", "from pdserve.kernels import huge_pages")

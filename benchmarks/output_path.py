@@ -135,7 +135,7 @@ def start_serve(tree: Path, model_dir: str, workdir: Path) -> tuple[subprocess.P
     """`pdserve serve --colocated 1` of the checkout at `tree`, ready: (process, ready file)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model_dir, "--colocated", "1", "--http-port", "0",
+    cmd = [sys.executable, "-m", "pdserve", "serve", model_dir, "--colocated", "1", "--http-port", "0",
            "--zmq-port", "0", "--num-kv-blocks", "512", "--max-model-len", "2048", "--num-threads", "1",
            "--ready-file", str(ready)]
     log = open(workdir / "serve.log", "wb")

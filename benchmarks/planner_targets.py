@@ -59,7 +59,7 @@ from servers import Server, cpu_by_pid, cpu_split, log, start_pdserve, start_vll
 
 from pdserve.common.config import ModelConfig  # noqa: E402
 from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
-from pdserve.router.bench.metrics import goodput_rate, summarize  # noqa: E402
+from pdserve.router.stats.latency import goodput_rate, summarize  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.workloads import random_workload  # noqa: E402
 

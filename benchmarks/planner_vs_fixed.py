@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from servers import log, start_pdserve  # noqa: E402
 
 from pdserve.common.config import ModelConfig  # noqa: E402
-from pdserve.router.bench.metrics import RequestRecord, meets_slo  # noqa: E402
+from pdserve.router.stats.latency import RequestRecord, meets_slo  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.shifting_trace import Phase, shifting_mix, write_trace  # noqa: E402
 from pdserve.router.bench.workloads import mooncake_workload  # noqa: E402

@@ -27,7 +27,7 @@ FAST = ["--stale-after", "2", "--heartbeat", "0.2", "--peer-timeout", "2", "--ro
 
 def start(model: str, workdir: Path, roles: list[str]) -> tuple[subprocess.Popen, dict]:
     ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model, *roles, "--http-port", "0", "--zmq-port", "0",
+    cmd = [sys.executable, "-m", "pdserve", "serve", model, *roles, "--http-port", "0", "--zmq-port", "0",
            "--num-kv-blocks", "512", "--max-model-len", "512", "--num-threads", "1", "--routing", "round_robin",
            "--ready-file", str(ready), *FAST]
     proc = subprocess.Popen(cmd, stdout=open(workdir / "serve.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT)

@@ -19,7 +19,7 @@ from benchmarks.routing_harness import (BLOCK_SIZE, COUNTERS, ROUTED, SEGMENTS, 
                                         breakdown, check, drive)
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.model_runner import bytes_per_block
-from pdserve.router.bench.metrics import RequestRecord, phase_breakdown, summarize
+from pdserve.router.stats.latency import RequestRecord, phase_breakdown, summarize
 from pdserve.router.bench.runner import run_workload
 from pdserve.router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload
 from pdserve.router.client import AsyncClient

@@ -27,7 +27,7 @@ from pdserve.common.wire.auth import DeploymentKey, new_secret
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire.messages import ErrorReply, GenerateRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus
 from pdserve.common.wire.transport import Authenticator, Client
-from pdserve.router.bench.metrics import RequestRecord
+from pdserve.router.stats.latency import RequestRecord
 from pdserve.router.bench.workloads import BenchRequest
 from pdserve.router.client import AsyncClient
 
@@ -46,7 +46,7 @@ class Server:
     def __init__(self, name: str, model: Path, layout: list[str], routing: str, num_kv_blocks: int,
                  max_model_len: int, workdir: Path) -> None:
         self.name, self.ready_file, self.log_path = name, workdir / f"{name}.ready.json", workdir / f"{name}.log"
-        self.cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", str(model), *layout, "--routing", routing,
+        self.cmd = [sys.executable, "-m", "pdserve", "serve", str(model), *layout, "--routing", routing,
                     "--http-port", "0", "--zmq-port", "0", "--ready-file", str(self.ready_file),
                     "--num-kv-blocks", str(num_kv_blocks), "--max-model-len", str(max_model_len),
                     "--block-size", str(BLOCK_SIZE), "--num-threads", "1"]

@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.router.latency_model import LatencyModel
-from pdserve.router.simulate import cli as sim_cli
+from pdserve.common.latency_model import LatencyModel
+from pdserve.router.cli import simulate as sim_cli
 
 TRACE_HOUR_S = 3537.0  # the conversation trace's span
 

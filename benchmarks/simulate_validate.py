@@ -64,10 +64,10 @@ from servers import MAX_BATCHED, MAX_MODEL_LEN, MAX_NUM_SEQS, log, start_pdserve
 
 from benchmarks.report import write_report  # noqa: E402
 from pdserve.common.config import ModelConfig, SchedulerConfig  # noqa: E402
-from pdserve.router.bench.metrics import RequestRecord, attainment  # noqa: E402
+from pdserve.router.stats.latency import RequestRecord, attainment  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
-from pdserve.router.config import RouterConfig  # noqa: E402
-from pdserve.router.latency_model import Curve, DecodeFit, LatencyModel  # noqa: E402
+from pdserve.router.core.config import RouterConfig  # noqa: E402
+from pdserve.common.latency_model import Curve, DecodeFit, LatencyModel  # noqa: E402
 from pdserve.router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 KV_BLOCKS = 2048  # benchmarks/servers.py's --num-kv-blocks
@@ -84,7 +84,7 @@ PROFILE_SIZES = ["--prefill-tokens", "16,64,256,1023", "--batches", "1,4,8", "--
 
 def profile(model: str, threads: int, out: Path, device: str = "cpu", dtype: str = "float32") -> LatencyModel:
     """`pdserve profile` with a worker's engine flags (benchmarks/servers.py)."""
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "profile", model, "--out", str(out), "--num-threads", str(threads),
+    cmd = [sys.executable, "-m", "pdserve", "profile", model, "--out", str(out), "--num-threads", str(threads),
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-num-batched-tokens", str(MAX_BATCHED), "--dtype", dtype, "--device", device, *PROFILE_SIZES]
     t0 = time.monotonic()

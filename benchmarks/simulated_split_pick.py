@@ -31,8 +31,8 @@ from simulate_validate import KV_BLOCKS, LAYOUTS  # noqa: E402
 
 from pdserve.common.config import ModelConfig, SchedulerConfig  # noqa: E402
 from pdserve.router.bench.workloads import mooncake_workload  # noqa: E402
-from pdserve.router.config import RouterConfig  # noqa: E402
-from pdserve.router.latency_model import LatencyModel  # noqa: E402
+from pdserve.router.core.config import RouterConfig  # noqa: E402
+from pdserve.common.latency_model import LatencyModel  # noqa: E402
 from pdserve.router.simulate.sim import Deployment, Simulation  # noqa: E402
 
 

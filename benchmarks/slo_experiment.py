@@ -62,7 +62,7 @@ from pdserve.common.config import ModelConfig  # noqa: E402
 from pdserve.common.gc_tuning import freeze_startup_heap  # noqa: E402
 from pdserve.router.bench import plots  # noqa: E402
 from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
-from pdserve.router.bench.metrics import RequestRecord, attainment, goodput_rate, phase_breakdown, summarize  # noqa: E402
+from pdserve.router.stats.latency import RequestRecord, attainment, goodput_rate, phase_breakdown, summarize  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload  # noqa: E402
 
@@ -113,7 +113,7 @@ class Server:
         self.name = name
         ready = workdir / f"{name.split(':')[0]}-{time.time_ns()}.json"
         self.log_path = ready.with_suffix(".log")
-        cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", model, *role_flags, *engine_flags,
+        cmd = [sys.executable, "-m", "pdserve", "serve", model, *role_flags, *engine_flags,
                "--http-port", "0", "--zmq-port", "0", "--ready-file", str(ready)]
         t0 = time.monotonic()
         with open(self.log_path, "wb") as f:

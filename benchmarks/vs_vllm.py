@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pdserve.common.config import ModelConfig  # noqa: E402
 from pdserve.common.gc_tuning import freeze_startup_heap  # noqa: E402
 from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
-from pdserve.router.bench.metrics import goodput_rate, summarize  # noqa: E402
+from pdserve.router.stats.latency import goodput_rate, summarize  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.workloads import random_workload  # noqa: E402
 from vs_vllm_plot import plot  # noqa: E402

@@ -11,9 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from tests.helpers import hf_reference_cache  # noqa: E402
+from tests.support.helpers import ARCHS, hf_reference_cache  # noqa: E402
 
-ARCHS = ("qwen3", "qwen2", "llama")
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +55,7 @@ def _cached_default() -> bool:
 #   unit          everything else: in-process
 #   slow          > ~10 s on a 2-core machine (SLOW, from a `--durations=0` run), any tier
 
-PROCESS_STARTERS = {"subprocess", "multiprocessing", "pdserve.router.launch.Launcher"}
+PROCESS_STARTERS = {"subprocess", "multiprocessing", "pdserve.router.launch.local.Launcher"}
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Parametrized fixtures that load the real model for one param only: (file, fixture) -> param.

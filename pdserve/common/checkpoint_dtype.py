@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.config import ConfigError, parse_dtype, read_json
+from pdserve.common.config_base import ConfigError, parse_dtype, read_json
 
 AUTO = "auto"
 

@@ -7,52 +7,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from pdserve.common import schema
-
-if TYPE_CHECKING:
-    from pdserve.common.rope_config import RopeConfig
+from pdserve.common.checkpoint_dtype import resolve_dtype
+from pdserve.common.config_base import DTYPES, ConfigError, parse_dtype, read_json
+from pdserve.common.quantization import QUANTIZATIONS, resolve_quantization
+from pdserve.common.rope_config import RopeConfig, parse_rope
 
 # The names other parts choose from, defined once (CLI choices, validation, launcher).
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
 ROLES = ("prefill", "decode", "colocated")
 BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl", "tcp")  # KV transfer backends
 KV_TRANSFER_CHOICES = ("auto", *BACKENDS)  # `auto`: cuda_ipc on GPU, shm on CPU
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
-
-
-class ConfigError(ValueError):
-    """A user-supplied setting or model file is unusable; the message says which and why."""
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ConfigError(f"dtype {name!r} is not supported (choose from {sorted(set(_DTYPES))})")
-    return _DTYPES[name]
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from a model file, or ConfigError naming the file."""
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return data
-
-
 def _check_supported(cfg: dict, cfg_path: Path) -> None:
     """Refuse, naming the field and value, what the one decoder implementation cannot run."""
     act = cfg.get("hidden_act", "silu")
@@ -66,8 +38,8 @@ def _check_supported(cfg: dict, cfg_path: Path) -> None:
     # dtype is --dtype, and weights are converted on load
     for key in ("dtype", "torch_dtype"):
         value = cfg.get(key)
-        if value is not None and value not in _DTYPES:
-            raise ConfigError(f"{cfg_path}: {key} {value!r} is not supported (choose from {sorted(set(_DTYPES))})")
+        if value is not None and value not in DTYPES:
+            raise ConfigError(f"{cfg_path}: {key} {value!r} is not supported (choose from {sorted(set(DTYPES))})")
 
 
 @dataclass(frozen=True)
@@ -107,7 +79,6 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"{cfg_path} lacks required field(s): {', '.join(missing)}")
         _check_supported(cfg, cfg_path)
-        from pdserve.common.rope_config import parse_rope  # imports ConfigError from here
         rope = parse_rope(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -227,7 +198,6 @@ class DeviceConfig:
             parse_dtype(self.dtype)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
-        from pdserve.common.quantization import QUANTIZATIONS  # it imports this module
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -441,10 +411,8 @@ class EngineConfig(EngineOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.device.dtype == "auto":
-            from pdserve.common.checkpoint_dtype import resolve_dtype  # it imports this module
             dtype = resolve_dtype("auto", self.model.model_dir, self.device.device)
             object.__setattr__(self, "device", dataclasses.replace(self.device, dtype=dtype))
-        from pdserve.common.quantization import resolve_quantization  # it imports this module
         quantization = resolve_quantization(self.device.quantization, self.model.model_dir, self.device.device)
         object.__setattr__(self, "device", dataclasses.replace(self.device, quantization=quantization))
         if self.scheduler.max_model_len is None:
@@ -489,7 +457,7 @@ class WorkerConfig:
     # the router's process (same host); this worker exits when it is gone. 0: not watched
     # (a joined worker: it re-sends its hello every router_timeout_s until a router registers it)
     router_pid: int = 0
-    # the process that owns this worker (its Ray actor, router/ray_actor.py): the worker exits when
+    # the process that owns this worker (its Ray actor, router/launch/ray_actor.py): the worker exits when
     # it is gone, and reaches its router as a joined worker does (pings, hello again after an outage)
     parent_pid: int = 0
     router_timeout_s: float = option(3.0, "how often (s) a worker checks its router; it exits within this "

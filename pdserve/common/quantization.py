@@ -15,7 +15,8 @@
 Activations, norms, attention and the KV cache keep the engine dtype's policy
 (common.models.precision); the native GEMM multiplies a decode batch's rows by int8 dot
 products (each row rounded to int8 per 32 values, as llama.cpp does) and a prefill
-chunk's on the weights dequantized in registers (kernels/csrc/gemm_quant_cpu.c). CPU only.
+chunk's by the float32 tile on the weights dequantized slice by slice
+(kernels/csrc/gemm_quant_cpu.c). CPU only.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from pdserve.common.config import ConfigError
+from pdserve.common.config_base import ConfigError
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 GGUF_SOURCE = "gguf_source.json"  # in a converted folder: the GGUF file it came from

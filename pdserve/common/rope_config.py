@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.config import ConfigError
+from pdserve.common.config_base import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}

@@ -445,12 +445,4 @@ def _fork_firsts(ready: KVReady, n_forks: int) -> list[tuple[int, bytes, TokenLo
     return [(t, states[i] if states else b"", lps[i] if lps else None) for i, t in enumerate(ready.fork_tokens)]
 
 
-def serve(engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
-    if worker_config.role == "colocated":
-        from pdserve.decode_node.colocated import ColocatedWorker
-        ColocatedWorker(engine_config, worker_config).run()
-    else:
-        DecodeWorker(engine_config, worker_config).run()
-
-
-__all__ = ["DecodeWorker", "HandshakeError", "serve", "WorkerStatus"]
+__all__ = ["DecodeWorker", "HandshakeError", "WorkerStatus"]

@@ -264,8 +264,8 @@ class LinearPlan:
 
     `quant` (a `kernels.quant.QuantWeight`): the weight is that weight-only int8 / int4 one
     instead, multiplied natively (`kind` says which: PD_W_* of kernels/csrc/gemm_tile.h;
-    `quant.gemm_q`: int8 dot products for a decode batch, dequantized in registers
-    for more rows); off the native path, `F.linear` on it
+    `quant.gemm_q`: int8 dot products for a decode batch, the float32 tile on dequantized
+    slices for more rows); off the native path, `F.linear` on it
     dequantized to float32 (`weight` may be empty then: it is not read)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quant=None) -> None:

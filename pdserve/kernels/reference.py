@@ -1,7 +1,8 @@
 """Pure-torch reference implementations of the KV-cache kernels.
 
-These run on any device and are the implementations the CPU engine uses in its
-hot path, so they are vectorized (no per-token Python loops).
+These run on any device: the contract the Triton and native kernels are tested
+against, and what runs where no faster flavor applies (gather/scatter on the CPU, the
+KV store for other dtypes), so they are vectorized (no per-token Python loops).
 
 KV cache layout (one layer): ``k_cache`` / ``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous. A token's slot is

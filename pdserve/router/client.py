@@ -30,7 +30,7 @@ from pdserve.common.wire.curve import connect_to
 from pdserve.common.logprobs import TokenLogprobs
 from pdserve.common.wire.messages import AbortRequest, ClientHeartbeat, ErrorReply, SubmitRequest, TokenOutput
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.router.text import merge_outputs
+from pdserve.router.core.text import merge_outputs
 
 
 class ServerError(RuntimeError):

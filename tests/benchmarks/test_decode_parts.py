@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.benchmarks.scripts import script
+from tests.support.bench_scripts import script
 
 
 @pytest.fixture(scope="module")

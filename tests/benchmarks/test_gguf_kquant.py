@@ -2,7 +2,7 @@
 wider layers and the fallbacks for rows that are not a multiple of 256."""
 from __future__ import annotations
 
-from tests.benchmarks.scripts import script
+from tests.support.bench_scripts import script
 
 
 def test_q4_k_m_types_follow_llama_cpps_rules_and_fallbacks():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.benchmarks.scripts import script
+from tests.support.bench_scripts import script
 
 TTFT_BOUND, TPOT_BOUND = "ttft1000_tpot100", "ttft2000_tpot15"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.benchmarks.scripts import script
+from tests.support.bench_scripts import script
 
 
 @pytest.fixture(scope="module")

@@ -237,7 +237,7 @@ def test_make_model_cli_writes_a_model_transformers_loads(tmp_path):
 
 
 def test_make_model_cli_rejects_unknown_arch(tmp_path, capsys):
-    from pdserve.router.cli import main
+    from pdserve.router.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["make-model", str(tmp_path / "x"), "--arch", "gpt2"])

@@ -12,6 +12,7 @@ from pdserve.common.config import DeviceConfig
 from pdserve.common.engine.scoring import Divergence, divergence, first_divergence, perplexity, rank, sequence_logits
 from pdserve.common.models.layers import Linear
 from pdserve.common.models.precision import activation_dtype, kv_cache_dtype
+from tests.support.engines import TEXT
 
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3's make-model ties the lm_head to the embeddings
 
@@ -74,17 +75,6 @@ def test_real_model_bf16_against_float32(real_model_dir):
     ids = tok.encode(TEXT)[:300]
     ppl = [perplexity(sequence_logits(llm.engine, ids), ids) for llm in (f32, bf)]
     assert abs(ppl[1] / ppl[0] - 1) < 0.01, ppl
-
-
-TEXT = ("pdserve is a prefill/decode disaggregated LLM serving system in Python. Prefill workers, batched and "
-        "compute-bound, and decode workers, continuously batched and bound by memory bandwidth, run as separate "
-        "processes, each on its own device, each with its own paged KV block manager. A finished prefill's KV "
-        "blocks move to a decode worker through the transfer layer. A router sends each request to a prefill "
-        "worker by prefix overlap and load, and to a decode worker by load. Clients submit over ZeroMQ or HTTP. "
-        "Its users launch prefill and decode processes on separate GPUs, submit traffic, and run latency "
-        "experiments comparing configurations, including the same workers run colocated as a baseline. The "
-        "correctness oracle is transformers' own generate, token for token, in float32 on the CPU; below float32 "
-        "the standard is vLLM's: where the two greedy streams first differ, each token is in the other's top five.")
 
 
 def test_divergence_helpers():

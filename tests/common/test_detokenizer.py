@@ -13,7 +13,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from pdserve.common.wire.messages import TokenOutput
 from pdserve.common.text.tokenizer import Tokenizer
 from pdserve.common.text.detokenizer import IncrementalDetokenizer, held_back_tail
-from pdserve.router.text import merge_outputs, usage
+from pdserve.router.core.text import merge_outputs, usage
 
 
 @pytest.fixture(scope="module", params=["tiny", "real"])

@@ -4,17 +4,13 @@ engine D reserved (D's own prefix-cached blocks are skipped); D starts decoding 
 first token and sampler state. The result is what one engine would have produced."""
 from __future__ import annotations
 
-import random
 
 import pytest
 
-from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import KVProgress, LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.engine.sequence import Sequence, SequenceStatus
-
-BLOCK = 16
-MAX_LEN = 128
+from tests.support.engines import BLOCK, MAX_LEN, check_baseline, config, prompt  # noqa: F401
 
 
 class BlockPush:
@@ -60,20 +56,9 @@ class BlockPush:
         self.copies, self.advanced = [], []
 
 
-def config(model_dir: str, **kw) -> EngineConfig:
-    opts = dict(block_size=BLOCK, num_kv_blocks=32, max_model_len=MAX_LEN, max_num_batched_tokens=64, num_threads=1)
-    opts.update(kw)
-    return EngineConfig.build(model_dir, **opts)
-
-
 @pytest.fixture(scope="module")
 def model_dir(model_dirs) -> str:
     return model_dirs["qwen3"]
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
 
 
 def disaggregate(p: LLMEngine, d: LLMEngine, waves: list[list[list[int]]], params: SamplingParams
@@ -113,16 +98,6 @@ def disaggregate(p: LLMEngine, d: LLMEngine, waves: list[list[list[int]]], param
     while d.has_work():
         d.step()
     return done, push, skips
-
-
-def check_baseline(*engines: LLMEngine) -> None:
-    for e in engines:
-        bm = e.block_manager
-        bm.check_invariants()
-        assert bm.num_free_blocks == bm.num_blocks
-        s = e.scheduler
-        assert not s.waiting and not s.running and not s.reserved
-        assert not e.runner._generators
 
 
 def test_greedy_handoff_matches_transformers(model_dir, hf_greedy, torch_one_thread):

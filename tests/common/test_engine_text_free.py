@@ -10,7 +10,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.text.tokenizer import Tokenizer, eos_token_id
-from tests.conftest import ARCHS
+from tests.support.helpers import ARCHS
 
 
 @pytest.mark.parametrize("which", [*ARCHS, "real"])

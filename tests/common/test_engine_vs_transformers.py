@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common import LLM, SamplingParams
-from tests.conftest import ARCHS
-from tests.helpers import mixed_prompts
+from tests.support.helpers import ARCHS
+from tests.support.helpers import mixed_prompts
 
 MAX_NEW = 24
 

@@ -3,7 +3,7 @@ qwen2, qwen3; every quant type the package can produce offline) convert to folde
 weights equal the dequantized tensors, and on which greedy output equals transformers'.
 The one real GGUF here, SmolLM2's Q4_1, is covered by the default-model tests.
 
-Q4_K / Q5_K / Q6_K, which `gguf` cannot write, are packed by tests/gguf_fixture.py and
+Q4_K / Q5_K / Q6_K, which `gguf` cannot write, are packed by tests/support/gguf_fixture.py and
 judged in tests/common/test_gguf_kquant.py. Untested: Q2_K, Q3_K and the IQ types;
 transformers' loader dequantizes them, so they are expected to work but are not checked
 here."""
@@ -21,8 +21,8 @@ from pdserve.common import LLM, SamplingParams
 from pdserve.common.config import ConfigError
 from pdserve.common.loading.gguf_convert import convert_gguf
 from pdserve.common.text.tokenizer import Tokenizer
-from tests.conftest import ARCHS
-from tests.gguf_fixture import QUANT_TYPES, write_gguf
+from tests.support.helpers import ARCHS
+from tests.support.gguf_fixture import QUANT_TYPES, write_gguf
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -83,7 +83,7 @@ def test_convert_gguf_cli_and_bad_input(model_dirs, tmp_path):
 
 def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatch, capsys):
     import pdserve.common.loading.default_model as dm
-    from pdserve.router.cli import main
+    from pdserve.router.cli.main import main
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "default_gguf", lambda: None)
     assert main(["generate"]) == 2
@@ -93,7 +93,7 @@ def test_default_model_without_the_wheel_says_how_to_get_it(tmp_path, monkeypatc
 
 
 def test_generate_says_which_kinds_its_linears_run_in(model_dirs, tmp_path, monkeypatch, capsys):
-    from pdserve.router.cli import main
+    from pdserve.router.cli.main import main
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     gguf_path = write_gguf(model_dirs["llama"], tmp_path / "m.gguf", "Q4_1", {"blk.0.ffn_down": "Q8_0"})
     argv = ["generate", str(gguf_path), "--prompt", "hello", "--max-tokens", "2", "--num-threads", "1",

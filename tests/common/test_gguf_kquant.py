@@ -1,7 +1,7 @@
 """GGUF K-quant linears kept quantized (common/loading/gguf_quant.py): Q4_K as q4_1 with
 float16 sub-block scales and minimums, Q5_K / Q6_K (and a fused group of mixed kinds)
 re-quantized to q8_0. Blocks are packed here from random codes and scales
-(tests/gguf_fixture.py; `gguf` has no K-quant quantizer) and judged against gguf-py's
+(tests/support/gguf_fixture.py; `gguf` has no K-quant quantizer) and judged against gguf-py's
 dequantize of the same bytes: within the stated bounds, in the GEMM, and end to end on a
 Q4_K_M-like file against its float32 conversion by vLLM's top-5 rule."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pdserve.common.loading.gguf_convert import convert_gguf
 from pdserve.common.loading.gguf_quant import repack
 from pdserve.common.models.layers import Linear
 from pdserve.kernels import quant
-from tests.common.test_quantization import assert_within_top5, make
-from tests.gguf_fixture import QK_K, pack_q4_k, pack_q5_k, pack_q6_k, write_gguf
+from tests.support.engines import assert_within_top5, make
+from tests.support.gguf_fixture import QK_K, pack_q4_k, pack_q5_k, pack_q6_k, write_gguf
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

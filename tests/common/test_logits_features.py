@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
 
 from pdserve.common import LLM, SamplingParams
 from pdserve.common.engine.sampler import Sampler, _filter_min_p, process_logits
-from tests.helpers import mixed_prompts
+from tests.support.helpers import mixed_prompts
 
 MAX_NEW = 20
 

@@ -10,7 +10,7 @@ import pytest
 from pdserve.common.engine.engine import LLMEngine
 from pdserve.common.engine.sequence import SequenceStatus
 from pdserve.common.sampling_params import SamplingParams
-from tests.common.test_engine_roles import BLOCK, check_baseline, config, prompt
+from tests.support.engines import BLOCK, check_baseline, config, prompt
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,23 @@
 """Prompt log-probabilities from the offline engine (SamplingParams.prompt_logprobs, vLLM's)
-equal transformers' float32 log_softmax of the same logits: every prompt position is
+equal transformers' log_softmax of the same logits within float32's reach of its float64 value: every prompt position is
 computed even when the prefix cache holds it, chunk by chunk when the prompt is longer
 than a step; max_tokens 0 scores the prompt and samples nothing, holding no block after."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.common import LLM, SamplingParams
 from pdserve.common.sampling_params import SamplingParamsError
-from tests.helpers import mixed_prompts
+from tests.support.helpers import mixed_prompts
+from tests.support.numerics import LogprobReference, logprob_reference
 
 K = 5
 
 
-def _hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()  # [S, V]
-    return torch.log_softmax(logits, dim=-1)
+def _hf_logprobs(model_dir: str, ids: list[int]) -> LogprobReference:
+    """transformers' log_softmax in float64 [S, V], with the float32 tolerance `tol`
+    (tests/support/numerics.py): at most 8x transformers' own float32 error."""
+    return logprob_reference(model_dir)(ids)
 
 
 def check_prompt_logprobs(model_dir: str, prompt: list[int], got: list, k: int) -> None:
@@ -28,10 +26,10 @@ def check_prompt_logprobs(model_dir: str, prompt: list[int], got: list, k: int) 
     assert len(got) == len(prompt) and got[0] is None
     for j in range(1, len(prompt)):
         lp, row = got[j], ref[j - 1]
-        assert lp.logprob == pytest.approx(row[prompt[j]].item(), abs=1e-4), j
-        assert lp.rank == int((row > row[prompt[j]]).sum()) + 1 or abs(lp.logprob - row[prompt[j]].item()) < 1e-4
+        assert lp.logprob == pytest.approx(row[prompt[j]].item(), abs=ref.tol), j
+        assert lp.rank == int((row > row[prompt[j]]).sum()) + 1 or abs(lp.logprob - row[prompt[j]].item()) < ref.tol
         want_vals, want_ids = row.topk(k)
-        assert lp.top_logprobs == pytest.approx(want_vals.tolist(), abs=1e-4)
+        assert lp.top_logprobs == pytest.approx(want_vals.tolist(), abs=ref.tol)
         assert len(lp.top_ids) == k and (set(lp.top_ids) == set(want_ids.tolist()) or k == 0)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdserve.common import LLM, SamplingParams
+from pdserve.common import LLM
 from pdserve.common.config import ConfigError, EngineConfig
 from pdserve.common.engine.kv_layout import layout_of, model_fingerprint
 from pdserve.common.engine.scoring import divergence, perplexity, sequence_logits
@@ -19,20 +19,11 @@ from pdserve.common.loading.gguf_convert import convert_gguf
 from pdserve.common.models.layers import Linear
 from pdserve.common.quantization import GGUF_SOURCE, gguf_source
 from pdserve.kernels import quant
-from tests.gguf_fixture import write_gguf
+from tests.support.gguf_fixture import write_gguf
+from tests.support.engines import assert_within_top5, make
+from tests.support.engines import greedy
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-PROMPTS = ([5, 6, 7, 8, 9, 10], list(range(100, 140)))
-
-
-def make(model_dir: str, quantization: str) -> LLM:
-    return LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=256, quantization=quantization,
-               enable_prefix_caching=False)
-
-
-def greedy(llm: LLM, prompt: list[int], n: int = 16) -> list[int]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
 
 
 def dequantized_reference(model_dir: str, quantized: LLM) -> LLM:
@@ -45,13 +36,6 @@ def dequantized_reference(model_dir: str, quantized: LLM) -> LLM:
             target = model.get_submodule(name)
             target.weight = torch.nn.Parameter(quant.dequantize(module.quant), requires_grad=False)
     return ref
-
-
-def assert_within_top5(ours: LLM, ref: LLM) -> None:
-    """vLLM's rule: where the greedy streams first differ, each token in the other's top 5."""
-    for prompt in PROMPTS:
-        d = divergence(prompt, greedy(ours, prompt), greedy(ref, prompt), ours.engine, ref.engine)
-        assert d.within_top(5), (prompt, d)
 
 
 @pytest.mark.parametrize("arch,quantization", [("qwen3", "int4"), ("qwen2", "int8"), ("llama", "int4")])
@@ -87,7 +71,7 @@ def test_fingerprint_and_config_carry_the_quantization(model_dirs):
 
 def test_router_refuses_a_worker_of_another_quantization(model_dirs):
     from pdserve.common.wire.messages import WorkerHello
-    from pdserve.router.registry import refusal
+    from pdserve.router.core.registry import refusal
     d = model_dirs["qwen3"]
     hello = WorkerHello(worker_id="d1", role="decode", address="tcp://x:1", device="cpu", total_blocks=8, block_size=16,
                         model_fingerprint=model_fingerprint(d, "float32", "int4"))
@@ -128,7 +112,7 @@ def test_real_model_quantized_against_float32(real_model_dir):
     re-quantized from those floats (int8, int4), greedy within the top 5 where the streams
     first differ, and perplexity of a fixed text (one prefill: the dequantizing tile) within
     1% (gguf, int8) / 10% (int4) of float32's."""
-    from tests.common.test_bf16_precision import TEXT
+    from tests.support.engines import TEXT
     llms = {q: LLM(real_model_dir, dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=512, quantization=q,
                    enable_prefix_caching=False, max_num_batched_tokens=512) for q in ("none", "gguf", "int8", "int4")}
     f32, tok = llms["none"], llms["none"].tokenizer

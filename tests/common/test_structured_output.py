@@ -18,7 +18,7 @@ from pdserve.common import LLM, SamplingParams
 from pdserve.common.engine.grammar import Grammars
 from pdserve.common.sampling_params import StructuredOutput
 from pdserve.common.validation import RequestError
-from tests.helpers import mixed_prompts
+from tests.support.helpers import mixed_prompts
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},

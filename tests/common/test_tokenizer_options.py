@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from pdserve.common.text.chat_template import ChatTemplateError
 from pdserve.common.text.tokenizer import Tokenizer
-from tests.helpers import bos_thinking_model
+from tests.support.helpers import bos_thinking_model
 
 MSGS = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Which worker decodes?"}]
 OPEN = [*MSGS, {"role": "assistant", "content": "The decode worker, which "}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.config import EngineConfig
-from tests.decode_node.harness import BLOCK, MAX_LEN, NUM_BLOCKS, make_harness
+from tests.support.decode_harness import BLOCK, MAX_LEN, NUM_BLOCKS, make_harness
 
 
 @pytest.fixture(scope="module")

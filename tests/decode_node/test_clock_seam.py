@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.common.clock import ManualClock
 from pdserve.common.wire.messages import ErrorReply
-from tests.decode_node.harness import NUM_BLOCKS, make_harness, prompt
+from tests.support.decode_harness import NUM_BLOCKS, make_harness, prompt
 from pdserve.decode_node.requests import State
 
 

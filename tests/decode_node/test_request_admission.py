@@ -4,7 +4,7 @@ own prefix cache already holds are not asked of the prefill worker."""
 from __future__ import annotations
 
 from pdserve.decode_node.requests import State
-from tests.decode_node.harness import NUM_BLOCKS, make_harness, nblocks, prompt
+from tests.support.decode_harness import NUM_BLOCKS, make_harness, nblocks, prompt
 
 
 def test_fifo_admission_when_blocks_run_out(h):

@@ -10,7 +10,7 @@ from pdserve.common.wire.messages import AbortRequest, ErrorReply, KVReady, Requ
 from pdserve.common.wire.transport import Incoming
 from pdserve.decode_node.peers import PeerMessage
 from pdserve.decode_node.requests import State
-from tests.decode_node.harness import make_harness, nblocks, prompt
+from tests.support.decode_harness import make_harness, nblocks, prompt
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pdserve.common.engine.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.decode_node.requests import State
 from pdserve.common.wire.messages import StepOutputs
-from tests.decode_node.harness import FakeTransfer, prompt
+from tests.support.decode_harness import FakeTransfer, prompt
 
 
 def test_local_greedy_matches_transformers(h, model_dirs, hf_greedy):

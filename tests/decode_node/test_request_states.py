@@ -14,7 +14,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire.transport import Incoming
 from pdserve.decode_node.peers import PeerLost, PeerMessage, PrefillPeer
 from pdserve.decode_node.requests import TRANSITIONS, RequestTable, State
-from tests.decode_node.harness import (NUM_BLOCKS, P_ADDR, FakeClient, FakeTransfer, nblocks, prompt)
+from tests.support.decode_harness import (NUM_BLOCKS, P_ADDR, FakeClient, FakeTransfer, nblocks, prompt)
 
 # every (from, to) a scenario of this module took, for the coverage check at the end
 SEEN: set[tuple[State, State]] = set()

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.decode_node.requests import TERMINAL, TRANSITIONS, DecodeRequest, RequestTable, State, TransitionError
-from tests.decode_node.harness import P_ADDR
+from tests.support.decode_harness import P_ADDR
 
 
 def _req(rid: str, seq_id: int) -> DecodeRequest:

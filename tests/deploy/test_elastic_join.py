@@ -16,8 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.router.launch import free_port
-from tests.deploy.test_join_rejoin import _health, _wait_ok
+from pdserve.router.launch.local import free_port
+from tests.support.serving import _health, _wait_ok
 
 MAX_NEW = 8
 
@@ -42,7 +42,7 @@ def test_router_alone_drains_a_joined_prefill_worker_which_exits_0(model_dirs, t
     http, control = free_port(), free_port()
     url, join = f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{control}"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    cli = [sys.executable, "-m", "pdserve.router.cli"]
+    cli = [sys.executable, "-m", "pdserve"]
 
     def start(argv: list[str], log: str) -> subprocess.Popen:
         with open(tmp_path / log, "ab") as f:

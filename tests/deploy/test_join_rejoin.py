@@ -14,25 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.router.launch import free_port
-
-
-def _health(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return json.load(r)
-    except urllib.error.HTTPError as e:
-        return json.load(e)
-    except OSError:
-        return None
-
-
-def _wait_ok(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while (h := _health(url)) is None or h["status"] != "ok":
-        assert all(p.poll() is None for p in procs), "a process exited"
-        assert time.monotonic() < deadline, f"not ok after {timeout:.0f} s: {h}"
-        time.sleep(0.2)
+from pdserve.router.launch.local import free_port
+from tests.support.serving import _wait_ok
 
 
 def _complete(url: str, model: str) -> list[int]:
@@ -49,7 +32,7 @@ def test_joined_worker_outlives_its_router_and_rejoins_a_new_one(model_dirs, tmp
     secret.chmod(0o600)
     http, zmq_port, control = free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{http}"
-    cli = [sys.executable, "-m", "pdserve.router.cli"]
+    cli = [sys.executable, "-m", "pdserve"]
     env = dict(os.environ, PYTHONPATH=os.getcwd())
 
     def start(argv: list[str], log: str) -> subprocess.Popen:

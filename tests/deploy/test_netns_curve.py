@@ -1,5 +1,5 @@
 """Trust across hosts, over a real interface: the router, a prefill and a decode worker in
-three network namespaces (tests/deploy/netns.py), the client in a
+three network namespaces (tests/support/netns.py), the client in a
 fourth, and a capture of every frame on the bridge between them (a raw AF_PACKET socket
 in the bridge's namespace). Internal traffic is CurveZMQ-encrypted: no internal message
 can be read in the capture, while the client's plain HTTP can (so the capture sees
@@ -19,7 +19,7 @@ import msgpack
 
 from pdserve.common import LLM, SamplingParams
 from pdserve.common.text.tokenizer import Tokenizer
-from tests.deploy.netns import CLI, CLIENT, CONTROL, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
+from tests.support.netns import CLI, CLIENT, CONTROL, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 PROMPTS = ["Hello there", "Curve keeps this prompt off the wire between hosts"]
 MAX_TOKENS = 8

@@ -1,5 +1,5 @@
 """A host dies mid-traffic: the router, two prefill hosts (p1, p2) and two decode hosts
-(d1, d2), each its own network namespace (tests/deploy/netns.py). A client in the
+(d1, d2), each its own network namespace (tests/support/netns.py). A client in the
 router's namespace streams greedy requests, a few in flight at once, in two phases. In
 the first, p1's cable is pulled and its processes SIGKILLed; the second starts once the
 router has found p1 dead, and d1 dies the same way in it. Nobody hears a reset, so the
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from pdserve.common import LLM, SamplingParams
-from tests.deploy.netns import CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
+from tests.support.netns import CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 WORKERS = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
 JOBS = [(f"Request {i} asks the cluster to keep going although hosts die", 16 + i % 9) for i in range(24)]

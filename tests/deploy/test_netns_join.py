@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pdserve.common import LLM, SamplingParams
-from tests.deploy.netns import CLIENT, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
+from tests.support.netns import CLIENT, HTTP, Hosts, read_logs, start_cluster, tails, write_secret
 
 PROMPTS = ["Hello there", "The router sends the request to a prefill worker"]
 MAX_TOKENS = 8

@@ -1,6 +1,6 @@
 """The router's host dies; the cluster does not. The router (`pdserve router`), a prefill
 worker and a decode worker (`pdserve worker --join`, tcp KV, CurveZMQ on) each in a
-network namespace of its own (tests/deploy/netns.py), the client in the router's. After
+network namespace of its own (tests/support/netns.py), the client in the router's. After
 greedy traffic, with two long streams still running, the router's host dies: its cable
 is pulled and every process in it (router and client) SIGKILLed. The workers hear no
 reset; their pings to the router go unanswered (--router-timeout), they give up the
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from pdserve.common.text.tokenizer import Tokenizer
 from pdserve.common.worker.router_link import EXIT_ROUTER_LOST
-from tests.deploy.netns import (CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, start_router, start_worker,
+from tests.support.netns import (CLIENT_PRELUDE, HTTP, Hosts, read_logs, start_cluster, start_router, start_worker,
                                 tails, wait_router_ready, write_secret)
-from tests.helpers import one_torch_thread
+from tests.support.helpers import one_torch_thread
 
 WORKERS = {"p": "prefill", "d": "decode"}
 QUITTER = "x"  # a prefill worker that waits less than the router's restart takes

@@ -1,4 +1,4 @@
-"""Ray places and restarts the workers (`pdserve serve --ray ADDRESS`, router/ray_launch.py)
+"""Ray places and restarts the workers (`pdserve serve --ray ADDRESS`, router/launch/ray.py)
 on a simulated cluster (`ray.cluster_utils.Cluster`: a head and three worker nodes, each
 with its own raylet and node id, all on loopback): each worker lands on a node with its
 role's custom resource, P and D on two node ids and so on two hosts (tcp, never shm), and
@@ -33,7 +33,7 @@ import pytest
 
 from pdserve.common.text.tokenizer import Tokenizer
 from pdserve.common.worker.liveness import process_alive
-from tests.helpers import one_torch_thread
+from tests.support.helpers import one_torch_thread
 
 MAX_TOKENS = 8
 TEXTS = ["The router sends each request to", "Hello, my name is", "A prefill worker computes the prompt",
@@ -141,7 +141,7 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
         with open(log, "wb") as f:
             serve = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.router.cli", "serve", model, "--ray", cluster.address, "--prefill", "2",
+                [sys.executable, "-m", "pdserve", "serve", model, "--ray", cluster.address, "--prefill", "2",
                  "--decode", "1", "--prefill-resources", '{"prefill_pool": 1}', "--decode-resources",
                  '{"decode_pool": 1}', "--secret-file", str(secret), "--dtype", "float32", "--num-threads", "1",
                  "--num-kv-blocks", "128", "--max-model-len", "256", "--http-port", "0", "--zmq-port", "0", "--routing", "round_robin", "--ready-file", str(ready),
@@ -178,7 +178,7 @@ def test_ray_places_pd_by_resources_and_restarts_a_lost_prefill_node(model_dirs,
         # the pool control API under the same traffic: one more prefill worker, placed by the
         # prefill resources (only the new node has one free), then drained: its actor ends for good
         def scale(*flags: str) -> list[dict]:
-            done = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "scale", "--router", info["control"],
+            done = subprocess.run([sys.executable, "-m", "pdserve", "scale", "--router", info["control"],
                                    "--secret-file", str(secret), "--json", *flags], capture_output=True, text=True,
                                   timeout=150)
             assert done.returncode == 0, done.stderr + log.read_text(errors="replace")[-3000:]

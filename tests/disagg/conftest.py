@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import one_torch_thread
+from tests.support.helpers import one_torch_thread
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire.messages import GenerateRequest
-from tests.disagg.driver import engine_options, start_colocated
-from tests.helpers import mixed_prompts
+from tests.support.disagg_driver import engine_options, start_colocated
+from tests.support.helpers import mixed_prompts
 
 MAX_NEW = 16
 

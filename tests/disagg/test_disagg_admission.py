@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.disagg.driver import engine_options, num_blocks, shm_segments, start_pair
+from tests.support.disagg_driver import engine_options, num_blocks, shm_segments, start_pair
 
 MAX_NEW = 16
 D_BLOCKS = 40

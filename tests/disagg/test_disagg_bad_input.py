@@ -8,10 +8,10 @@ import time
 import msgpack
 import pytest
 
-from pdserve.router.launch import free_port
+from pdserve.router.launch.local import free_port
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire.messages import PROTOCOL_VERSION, GenerateRequest, KVReady, StepOutputs, encode
-from tests.disagg.driver import Deployment, engine_options, start_pair, start_single
+from tests.support.disagg_driver import Deployment, engine_options, start_pair, start_single
 
 MAX_MODEL_LEN = 128
 MAX_NEW = 8

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common import LLM, SamplingParams
-from tests.disagg.driver import engine_options, start_pair
-from tests.helpers import mixed_prompts, one_torch_thread
+from tests.support.disagg_driver import engine_options, start_pair
+from tests.support.helpers import mixed_prompts, one_torch_thread
 
 MAX_NEW = 12
 OPTIONS = {**engine_options(num_kv_blocks=256, max_model_len=512), "dtype": "bfloat16"}

@@ -12,9 +12,9 @@ import pytest
 
 from pdserve.common.hashing import block_hashes, cacheable_prefix_hashes
 from pdserve.common.wire.messages import StepOutputs
-from tests.conftest import ARCHS
-from tests.disagg.driver import BLOCK_SIZE, Deployment, RunResult, engine_options, num_blocks, start_pair
-from tests.helpers import mixed_prompts
+from tests.support.helpers import ARCHS
+from tests.support.disagg_driver import BLOCK_SIZE, Deployment, RunResult, engine_options, num_blocks, start_pair
+from tests.support.helpers import mixed_prompts
 
 BACKENDS = ("shm", "gloo", "tcp")
 MAX_NEW = 16

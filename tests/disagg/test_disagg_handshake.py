@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from pdserve.router.launch import LaunchError, Launcher, WorkerProcess
-from tests.disagg.driver import engine_options, shm_segments, start_worker
+from pdserve.router.launch.local import LaunchError, Launcher, WorkerProcess
+from tests.support.disagg_driver import engine_options, shm_segments, start_worker
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.common import LLM, SamplingParams
 from pdserve.common.wire.messages import AbortRequest, ErrorReply, GenerateRequest, StepOutputs
-from tests.disagg.driver import Deployment, engine_options, num_blocks, start_colocated, start_pair
-from tests.helpers import mixed_prompts
+from tests.support.disagg_driver import Deployment, engine_options, num_blocks, start_colocated, start_pair
+from tests.support.helpers import mixed_prompts
 
 OPTIONS = engine_options(num_kv_blocks=128, max_model_len=256)
 

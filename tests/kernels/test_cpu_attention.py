@@ -7,7 +7,7 @@ import torch
 from pdserve import kernels
 from pdserve.kernels import cpu_attention
 
-from ._paged_utils import make_paged, naive_decode
+from tests.support.paged_utils import make_paged, naive_decode
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 

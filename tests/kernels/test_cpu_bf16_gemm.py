@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pdserve import kernels
 from pdserve.kernels import cpu_native
 
-from ._paged_utils import with_threads
+from tests.support.paged_utils import with_threads
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,7 +9,7 @@ import torch
 from pdserve import kernels
 from pdserve.kernels import cpu_native, reference
 
-from ._paged_utils import make_paged, naive_decode, with_threads
+from tests.support.paged_utils import make_paged, naive_decode, with_threads
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,7 @@ import torch
 from pdserve import kernels
 from pdserve.kernels import cpu_attention, cpu_native
 
-from ._paged_utils import make_paged, naive_decode
+from tests.support.paged_utils import make_paged, naive_decode
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pdserve import kernels
 from pdserve.kernels import cpu_native, quant
 
-from ._paged_utils import with_threads
+from tests.support.paged_utils import with_threads
 
 KINDS = tuple(quant.KIND_CODES)
 

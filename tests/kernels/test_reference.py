@@ -16,7 +16,7 @@ import torch
 from pdserve import kernels
 from pdserve.kernels import reference as R
 
-from ._paged_utils import make_paged, naive_decode
+from tests.support.paged_utils import make_paged, naive_decode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,10 +123,9 @@ def test_gather_scatter_ref_vs_naive(shape):
 
 def test_import_and_cpu_calls_do_not_import_triton():
     code = (
-        "import sys, kernels\n"
+        "import sys\n"
+        "from pdserve import kernels\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
-        "assert not hasattr(kernels, '__version__')\n"
-        "assert not hasattr(kernels, 'get_kernel')\n"
         "import torch\n"
         "assert kernels.triton_available() in (True, False)\n"
         "kc = torch.zeros(2, 4, 1, 4)\n"

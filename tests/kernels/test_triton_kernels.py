@@ -17,7 +17,7 @@ import torch
 from pdserve import kernels
 from pdserve.kernels import reference as R
 
-from ._paged_utils import make_paged
+from tests.support.paged_utils import make_paged
 
 pytest.importorskip("triton")
 

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from pdserve.router.launch import free_port
+from pdserve.router.launch.local import free_port
 
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys, time

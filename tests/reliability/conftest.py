@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.text.tokenizer import Tokenizer
-from tests.helpers import one_torch_thread
+from tests.support.helpers import one_torch_thread
+from tests.support.reliability_harness import MODEL
 
-MODEL: dict[str, str] = {}  # the session's tiny model dir, for the harness
 
 
 @pytest.fixture(scope="package", autouse=True)

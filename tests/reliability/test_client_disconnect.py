@@ -12,7 +12,7 @@ import msgpack
 import zmq
 
 from pdserve.common.wire.messages import PROTOCOL_VERSION
-from tests.reliability.harness import serve, stop, wait_blocks_baseline
+from tests.support.reliability_harness import serve, stop, wait_blocks_baseline
 
 LONG = 2000  # tokens, at >= 5 ms each (an injected slow decode step): far longer than each client stays
 SLOW_DECODE = "delay_step_ms=5@decode-0"  # the tiny model alone decodes 2000 tokens in ~2 s, as fast as an abort

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from tests.reliability.harness import complete, recoveries, serve, stop, wait_blocks_baseline, wait_gone
+from tests.support.reliability_harness import complete, recoveries, serve, stop, wait_blocks_baseline, wait_gone
 
 MAX_NEW = 48
 DRAIN_S = 3.0  # harness.FAST's --drain

@@ -14,8 +14,8 @@ import threading
 import time
 import urllib.request
 
-from tests.reliability.harness import complete, health, recoveries, serve, stop, wait_blocks_baseline, wait_gone
-from tests.router.serving import ROOT
+from tests.support.reliability_harness import complete, health, recoveries, serve, stop, wait_blocks_baseline, wait_gone
+from tests.support.serving import ROOT
 
 MAX_NEW = 16
 STREAMS = 2  # requests in flight at once, each client sending the next as soon as one ends
@@ -33,7 +33,7 @@ def _stream(served, prompts, results: list, stop: threading.Event, offset: int) 
 
 
 def _scale(served, *flags: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "scale", "--router", served.info["control"],
+    cmd = [sys.executable, "-m", "pdserve", "scale", "--router", served.info["control"],
            "--secret-file", served.info["secret_file"], "--json", "--wait", "120", *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert out.returncode == 0, f"pdserve scale failed ({out.returncode}):\n{out.stderr}\n{served.log_tail()}"

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from typing import Iterator
 
-from tests.reliability.harness import complete, health, recoveries, serve, stop, wait_blocks_baseline
+from tests.support.reliability_harness import complete, health, recoveries, serve, stop, wait_blocks_baseline
 
 MAX_NEW = 3
 STREAMS = 2
@@ -158,7 +158,7 @@ def test_planner_makes_no_split_its_latency_models_predict_worse(tmp_path, tok, 
     """The same TPOT-bound stream with latency models in which a decode step takes 0.1 us
     on two threads and 1 s on one: the simulated split misses the SLO everywhere, so the
     planner keeps the colocated worker and says why, every request served, its blocks back."""
-    from pdserve.router.latency_model import Curve, DecodeFit, LatencyModel
+    from pdserve.common.latency_model import Curve, DecodeFit, LatencyModel
     paths = []
     for threads, step_s in ((2, 1e-7), (1, 1.0)):
         m = LatencyModel(Curve(((0.0, 1e-6), (4096.0, 1e-6))), DecodeFit(step_s, 0.0, 0.0),

@@ -6,7 +6,7 @@ import glob
 import signal
 from pathlib import Path
 
-from tests.reliability.harness import _children, serve, wait_gone
+from tests.support.reliability_harness import _children, serve, wait_gone
 
 
 def mapped_segments(pid: int) -> set[str]:

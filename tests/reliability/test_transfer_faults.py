@@ -4,7 +4,7 @@ greedy output; a prefill worker whose loop is stuck for twice the liveness timeo
 not taken for dead (liveness is answered off the step loop)."""
 from __future__ import annotations
 
-from tests.reliability.harness import complete, health, recoveries, serve, stop, wait_blocks_baseline
+from tests.support.reliability_harness import complete, health, recoveries, serve, stop, wait_blocks_baseline
 
 MAX_NEW = 12
 

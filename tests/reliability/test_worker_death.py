@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tests.reliability.harness import complete_all, health, metrics, recoveries, serve, stop, wait_blocks_baseline
+from tests.support.reliability_harness import complete_all, health, metrics, recoveries, serve, stop, wait_blocks_baseline
 
 MAX_NEW = 16
 DEAD_WITHIN_S = 10.0  # the harness's --stale-after 2 s bounds it; the launcher's poll usually says it in 0.2 s

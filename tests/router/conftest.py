@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from pdserve.common.text.tokenizer import Tokenizer
-from tests.helpers import one_torch_thread
-from tests.router.serving import MAX_MODEL_LEN, RawClient, colocated_server, serving_pd
+from tests.support.helpers import one_torch_thread
+from tests.support.serving import MAX_MODEL_LEN, RawClient, colocated_server, serving_pd
 
 
 @pytest.fixture(scope="module")

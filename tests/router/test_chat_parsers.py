@@ -1,5 +1,5 @@
-"""The reasoning splitter and the Hermes tool-call parser (router/reasoning.py,
-router/tool_parsers.py) on whole outputs and streamed: an output fed in two pieces, cut at
+"""The reasoning splitter and the Hermes tool-call parser (router/parsers/reasoning.py,
+router/parsers/tool_calls.py) on whole outputs and streamed: an output fed in two pieces, cut at
 every character, adds up to the whole answer's parse."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pdserve.router.reasoning import ReasoningSplitter, split_reasoning, thinking_on
-from pdserve.router.tool_parsers import HermesParser, ToolCall, parse_tool_calls
+from pdserve.router.parsers.reasoning import ReasoningSplitter, split_reasoning, thinking_on
+from pdserve.router.parsers.tool_calls import HermesParser, ToolCall, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'

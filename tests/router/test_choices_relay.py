@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.common.wire.messages import RequestOutput, TokenOutput
-from pdserve.router.requests import drain_outputs
-from pdserve.router.text import openai_usage
+from pdserve.router.core.requests import drain_outputs
+from pdserve.router.core.text import openai_usage
 
 
 def test_drain_merges_entries_of_one_choice_only():

@@ -6,11 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 
 from pdserve.common.config import EngineOptions, WorkerConfig, options_of
-from pdserve.router.cli import ENGINE_DEST, SERVE_WORKER_FIELDS, WORKER_DEST, build_parser, config_flag, engine_options, given
+from pdserve.router.cli.flags import ENGINE_DEST, SERVE_WORKER_FIELDS, WORKER_DEST, config_flag, engine_options, given
+from pdserve.router.cli.main import build_parser
 
 COMMANDS = ("generate", "serve")
 
@@ -52,7 +54,7 @@ def test_the_established_flags_keep_their_spelling():
 
 
 def test_help_shows_each_options_help_and_default():
-    out = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "serve", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--help"], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     text = " ".join(out.split())  # argparse wraps lines
     for option in EngineOptions.options().values():
@@ -62,7 +64,7 @@ def test_help_shows_each_options_help_and_default():
 
 
 def test_a_bad_flag_value_exits_2_naming_the_option(capsys):
-    from pdserve.router.cli import main
+    from pdserve.router.cli.main import main
     assert main(["generate", "/no/such/model", "--block-size", "24"]) == 2
     assert "block_size must be a positive power of two, got 24" in capsys.readouterr().err
 
@@ -79,8 +81,8 @@ def test_serves_worker_liveness_flags_come_from_worker_config():
 
 
 def test_serve_router_flags_come_from_router_config():
-    from pdserve.router.cli import ROUTER_DEST, SERVE_ROUTER_FIELDS
-    from pdserve.router.config import RouterConfig
+    from pdserve.router.cli.flags import ROUTER_DEST, SERVE_ROUTER_FIELDS
+    from pdserve.router.core.config import RouterConfig
     options = options_of(RouterConfig)
     names = [n for group in SERVE_ROUTER_FIELDS.values() for n in group]
     assert not given(build_parser().parse_args(["serve"]), ROUTER_DEST)  # RouterConfig's defaults apply
@@ -134,14 +136,14 @@ def test_router_command_has_the_control_port_and_needs_a_secret_file(capsys):
 
 
 def test_worker_refuses_a_join_address_that_is_not_tcp(tmp_path):
-    from pdserve.router.cli import main
+    from pdserve.router.cli.main import main
     assert main(["worker", "--role", "prefill", "--join", "ipc:///tmp/x", "--secret-file", str(tmp_path / "s")]) == 2
 
 
 def test_make_model_writes_qwen3s_template_when_asked(tmp_path):
     from pdserve.common.text.qwen3_template import QWEN3_CHAT_TEMPLATE
     from pdserve.common.text.tokenizer import Tokenizer
-    from pdserve.router.cli import main
+    from pdserve.router.cli.main import main
     assert main(["make-model", str(tmp_path / "m"), "--chat-template", "qwen3"]) == 0
     tok = Tokenizer(tmp_path / "m")
     assert tok.chat_template.where.endswith("tokenizer_config.json")
@@ -154,7 +156,7 @@ def test_make_model_writes_qwen3s_template_when_asked(tmp_path):
 
 def test_config_refuses_unknown_parsers_and_auto_without_one():
     from pdserve.common.config import ConfigError
-    from pdserve.router.config import RouterConfig
+    from pdserve.router.core.config import RouterConfig
     for bad in ({"tool_call_parser": "xml"}, {"reasoning_parser": "o1"}, {"enable_auto_tool_choice": True}):
         with pytest.raises(ConfigError):
             RouterConfig(model_dir="m", **bad)
@@ -170,7 +172,7 @@ def _serve_args(*flags: str):
 
 
 def test_serve_workers_run_on_device_unless_their_role_names_devices():
-    from pdserve.router.cli import _worker_devices
+    from pdserve.router.cli.serve import _worker_devices
     assert _worker_devices(_serve_args("--device", "cuda:0", "--decode", "2")) == {
         "prefill": ("cuda:0",), "decode": ("cuda:0", "cuda:0")}
     assert _worker_devices(_serve_args("--device", "cuda:0", "--decode-devices", "cpu")) == {
@@ -197,7 +199,7 @@ def test_serve_resolves_auto_precision_as_its_gpu_workers_do(model_dirs, tmp_pat
     for the CPU and the GPU workers exited refusing `gguf`). Explicit CPU-only
     quantization with GPU workers is refused before anything starts."""
     from pdserve.common.config import ConfigError
-    from pdserve.router.cli import _resolved_options
+    from pdserve.router.cli.flags import resolved_options as _resolved_options
     model = _as_if_from_gguf(model_dirs["llama"], tmp_path)
     _, on_cpu = _resolved_options(_serve_args(model))
     assert on_cpu.device.quantization == "gguf"
@@ -205,3 +207,40 @@ def test_serve_resolves_auto_precision_as_its_gpu_workers_do(model_dirs, tmp_pat
     assert (on_gpu.device.quantization, on_gpu.device.dtype) == ("none", "float32")
     with pytest.raises(ConfigError, match="runs on the CPU only"):
         _resolved_options(_serve_args(model, "--quantization", "int8"), workers_device="cuda:0")
+
+
+def test_generate_answers_and_exits_0(model_dir, capsys):
+    from pdserve.router.cli.main import main
+    assert main(["generate", model_dir, "--prompt", "hello", "--max-tokens", "4", "--num-kv-blocks", "64", "--max-model-len", "256",
+                 "--num-threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("'hello' -> ") and "[4 tokens, length]" in out
+
+
+def test_generate_exits_1_naming_the_cause_when_a_prompt_fails(model_dir, capsys, monkeypatch):
+    """An answer that is an error (here every step's forward raises) fails the job."""
+    from pdserve.common.engine.model_runner import ModelRunner
+    from pdserve.router.cli.main import main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the forward is broken")
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    assert main(["generate", model_dir, "--prompt", "a", "--prompt", "b", "--max-tokens", "4",
+                 "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "2 of 2 prompts failed" in err and "the forward is broken" in err
+
+
+def test_generate_with_a_broken_model_exits_non_zero(tmp_path):
+    """A model folder whose weights are not safetensors: a clear error and a non-zero exit."""
+    import shutil
+
+    from pdserve.common.loading.model_factory import make_model
+    model = make_model(tmp_path / "m", "llama", "tiny", seed=0)
+    for f in Path(model).glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    run = subprocess.run([sys.executable, "-m", "pdserve", "generate", str(model), "--max-tokens", "2",
+                          "--num-threads", "1"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode != 0, run.stdout
+    assert "->" not in run.stdout
+    shutil.rmtree(model)

@@ -1,4 +1,4 @@
-"""The deployment plan `pdserve serve` fills once (router/deploy.py): one WorkerSpec per
+"""The deployment plan `pdserve serve` fills once (router/launch/deployment.py): one WorkerSpec per
 worker, consistent with the router's config."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from pdserve.common.config import ConfigError, EngineOptions
-from pdserve.router.config import RouterConfig
-from pdserve.router.deploy import DeploymentConfig, plan_deployment
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.launch.deployment import DeploymentConfig, plan_deployment
 
 ROUTER = RouterConfig(model_dir="/models/m", http_port=0, zmq_port=0)
 

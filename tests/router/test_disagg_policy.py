@@ -1,6 +1,6 @@
-"""Conditional disaggregation: the decider (router/disagg_policy.py) on hand-built cases,
-the case the router reads from its routing state (router/disagg_state.py), the latency
-model file (router/latency_model.py) and the config's checks."""
+"""Conditional disaggregation: the decider (router/core/disagg_policy.py) on hand-built cases,
+the case the router reads from its routing state (router/core/disagg_state.py), the latency
+model file (common/latency_model.py) and the config's checks."""
 from __future__ import annotations
 
 import asyncio
@@ -11,12 +11,12 @@ import pytest
 from pdserve.common.config import ConfigError
 from pdserve.common.hashing import block_hashes
 from pdserve.common.wire.messages import WorkerHello
-from pdserve.router.config import RouterConfig
-from pdserve.router.disagg_policy import DisaggCase, DisaggPolicy
-from pdserve.router.disagg_state import disagg_case, policy_from_config
-from pdserve.router.latency_model import Curve, DecodeFit, LatencyModel
-from pdserve.router.registry import WorkerEntry
-from pdserve.router.requests import InFlight
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.core.disagg_policy import DisaggCase, DisaggPolicy
+from pdserve.router.core.disagg_state import disagg_case, policy_from_config
+from pdserve.common.latency_model import Curve, DecodeFit, LatencyModel
+from pdserve.router.core.registry import WorkerEntry
+from pdserve.router.core.requests import InFlight
 
 BLOCK = 16
 
@@ -126,7 +126,7 @@ def entry(wid: str, role: str) -> WorkerEntry:
 
 def flight(rid: str, decode: WorkerEntry, prefill: WorkerEntry | None, prompt: int, prefill_tokens: int,
            outputs: int = 0) -> InFlight:
-    from pdserve.router.disagg_policy import Decision
+    from pdserve.router.core.disagg_policy import Decision
     r = InFlight(rid, asyncio.Queue(), decode, prefill, None, prompt, 0.0,  # type: ignore[arg-type]
                  route=Decision(prefill is not None, "test", prefill_tokens))
     if outputs:
@@ -215,8 +215,8 @@ def test_router_config_checks_and_builds_the_policy(tmp_path):
 def test_router_side_counts_stamps_and_feeds_d_prefix_index():
     from prometheus_client import generate_latest
 
-    from pdserve.router.disagg_state import Disaggregation
-    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.core.disagg_state import Disaggregation
+    from pdserve.router.core.metrics import RouterMetrics
     metrics = RouterMetrics()
     dis = Disaggregation(RouterConfig(model_dir="m", disagg="threshold", disagg_threshold_tokens=40), metrics)
     d, p = entry("d0", "decode"), entry("p0", "prefill")

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.common.wire.messages import PROTOCOL_VERSION
-from tests.router.serving import RawClient, _alive
+from tests.support.serving import RawClient, _alive
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pdserve.router.http_api import ChatBody, ChatMessage, CompletionBody, TokenizeBody, unknown_fields, unsupported
+from pdserve.router.openai.protocol import ChatBody, ChatMessage, CompletionBody, TokenizeBody, unknown_fields, unsupported
 
 
 def test_explicit_nulls_take_the_defaults():
@@ -84,7 +84,7 @@ def test_tokenize_takes_one_form():
 def test_unknown_names_are_logged_once_each_and_boundedly(capsys):
     from types import SimpleNamespace
 
-    from pdserve.router.http_server import MAX_LOGGED_UNKNOWN, OpenAIServer
+    from pdserve.router.openai.server import MAX_LOGGED_UNKNOWN, OpenAIServer
     server = SimpleNamespace(logged_unknown=set())
     body = lambda *names: CompletionBody.model_validate({"prompt": "x", **{n: 1 for n in names}})  # noqa: E731
     OpenAIServer.log_unknown(server, body("frob", "nicate"))
@@ -117,7 +117,7 @@ def test_a_grammar_compiles_off_the_event_loop(monkeypatch):
     from types import SimpleNamespace
 
     import pdserve.common.engine.grammar as grammar
-    from pdserve.router.http_server import OpenAIServer
+    from pdserve.router.openai.server import OpenAIServer
 
     def slow_check(so):
         time.sleep(0.4)

@@ -1,5 +1,5 @@
 """The HTTP edge without a deployment: the API key, the body limit for chunked bodies, and
-the OpenAI error shapes (router/http_edge.py), on a small app behind the same middleware."""
+the OpenAI error shapes (router/openai/edge.py), on a small app behind the same middleware."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pdserve.router.http_edge import EdgeMiddleware, install_error_handlers, sse_error
+from pdserve.router.openai.edge import EdgeMiddleware, install_error_handlers, sse_error
 
 JSON = {"content-type": "application/json"}
 

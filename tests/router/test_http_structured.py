@@ -1,4 +1,4 @@
-"""The HTTP edge's structured-output mapping (router/http_api.py), without a server:
+"""The HTTP edge's structured-output mapping (router/openai/protocol.py), without a server:
 OpenAI's response_format and vLLM's structured_outputs become one StructuredOutput, and
 every malformed or uncompilable form is refused naming the field."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pdserve.common.sampling_params import StructuredOutput
-from pdserve.router.http_api import ChatBody, StructuredOutputError, structured_output
+from pdserve.router.openai.protocol import ChatBody, StructuredOutputError, structured_output
 
 MSG = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

@@ -1,4 +1,4 @@
-"""The SLO planner's rule (router/planner.py) on constructed windows: which pool it
+"""The SLO planner's rule (router/planner/rule.py) on constructed windows: which pool it
 grows, where capacity comes from, and the hysteresis (sustain, cooldown, dead band)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.router.planner import ADD, MERGE, NONE, REROLE, SPLIT, Load, PlannerConfig, PlannerState, Pools, Remembered, \
+from pdserve.router.planner.rule import ADD, MERGE, NONE, REROLE, SPLIT, Load, PlannerConfig, PlannerState, Pools, Remembered, \
     Snapshot, decide
 
 CFG = PlannerConfig(ttft_slo_s=0.5, tpot_slo_s=0.05, sustain=3, cooldown_s=30.0, max_workers=4)
@@ -293,7 +293,7 @@ def test_config_is_checked():
 
 def test_router_config_checks_the_planner_flags():
     from pdserve.common.config import ConfigError
-    from pdserve.router.config import RouterConfig
+    from pdserve.router.core.config import RouterConfig
     assert RouterConfig("m", planner="slo", slo_ttft_ms=200, slo_tpot_ms=40).planner == "slo"
     for bad, field in ((dict(planner="slo"), "slo_ttft_ms"), (dict(planner="fast"), "planner"),
                        (dict(planner_interval_s=0.0), "planner_interval_s"),

@@ -1,4 +1,4 @@
-"""The SLO planner's loop (router/planner_loop.py) on a ManualClock, against a fake
+"""The SLO planner's loop (router/planner/loop.py) on a ManualClock, against a fake
 control plane and a synthetic load whose TTFT depends on the prefill pool's size: the
 planner moves capacity once, then, the load steady and within SLO, changes nothing;
 a split on one host drains the colocated worker only after both new workers serve;
@@ -6,66 +6,13 @@ decisions are exported as metrics."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 import re
-from types import SimpleNamespace
 
 from pdserve.common.clock import ManualClock
-from pdserve.common.wire.messages import PoolWorker, WorkerHello, WorkerStatus
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.planner import NONE, REROLE, SPLIT, PlannerConfig
-from pdserve.router.planner_loop import Planner
-from pdserve.router.registry import SERVING, WorkerRegistry
-
-INTERVAL = 5.0
-
-
-class FakeControl:
-    """The control API's in-process methods over a real registry: a new or re-roled
-    worker registers `delay` windows after it is asked for; a drained one leaves at once."""
-
-    def __init__(self, clock: ManualClock, roles: dict[str, str]) -> None:
-        self.router = SimpleNamespace(clock=clock, registry=WorkerRegistry(stale_after_s=1e9), metrics=RouterMetrics(),
-                                      finished_log=collections.deque(), busy=0)
-        self.calls: list[tuple] = []
-        self.starting: dict[str, tuple[str, float]] = {}
-        for wid, role in roles.items():
-            self.register(wid, role)
-
-    def register(self, wid: str, role: str) -> None:
-        hello = WorkerHello(wid, role, f"tcp://127.0.0.1:{7000 + len(self.router.registry.workers)}", "cpu", 100, 16,
-                            "fp")
-        entry = self.router.registry.hello(hello, self.router.clock.monotonic())
-        entry.status = WorkerStatus(wid, role, 0, 0, 70, 100)
-
-    def scale(self, role: str, delta: int, engine: dict | None = None):
-        self.calls.append(("scale", role, delta, engine))
-        wid = f"{role}-new{len(self.calls)}"
-        self.starting[wid] = (role, self.router.clock.monotonic() + INTERVAL)
-        return SimpleNamespace(worker_ids=[wid])
-
-    def change_role(self, worker_id: str, role: str, engine: dict | None = None):
-        self.calls.append(("change_role", worker_id, role))
-        self.router.registry.workers.pop(worker_id)
-        self.starting[worker_id] = (role, self.router.clock.monotonic() + INTERVAL)
-
-    def drain(self, worker_ids: list[str]):
-        self.calls.append(("drain", *worker_ids))
-        for w in worker_ids:
-            self.router.registry.workers.pop(w)
-
-    def pools(self) -> list[PoolWorker]:
-        now = self.router.clock.monotonic()
-        for wid, (role, at) in list(self.starting.items()):
-            if now >= at:
-                del self.starting[wid]
-                self.register(wid, role)
-        out = [PoolWorker(e.worker_id, e.role, e.state) for e in self.router.registry.workers.values()]
-        return out + [PoolWorker(w, role, "starting") for w, (role, _) in self.starting.items()]
-
-    def serving(self, role: str) -> int:
-        return sum(e.role == role and e.state == SERVING for e in self.router.registry.workers.values())
+from pdserve.router.planner.rule import NONE, REROLE, SPLIT, PlannerConfig
+from pdserve.router.planner.loop import Planner
+from tests.support.planner_fakes import INTERVAL, FakeControl
 
 
 def load(control: FakeControl, rng: random.Random, demand: float, per_window: int = 20) -> None:
@@ -142,7 +89,7 @@ def test_one_host_split_starts_p_and_d_first_then_drains_the_colocated_worker():
 
 
 def test_a_refused_change_is_logged_and_counted_and_planning_goes_on(capsys):
-    from pdserve.router.registry import PoolError
+    from pdserve.router.core.registry import PoolError
 
     class Refusing(FakeControl):
         def scale(self, role: str, delta: int, engine: dict | None = None):
@@ -243,7 +190,7 @@ def test_the_requests_judged_with_a_window_were_sent_after_the_pools_last_change
 def test_the_load_is_the_rate_and_lengths_of_the_latest_requests():
     """Requests sent in the last LOAD_S (or since the first one logged), their mean prompt
     and output lengths; not known for fewer than LOAD_MIN."""
-    from pdserve.router.planner_loop import LOAD_MIN, LOAD_S
+    from pdserve.router.planner.loop import LOAD_MIN, LOAD_S
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
     planner = Planner(control, PlannerConfig(0.5, 0.05, host_cores=2), INTERVAL)

@@ -1,4 +1,4 @@
-"""The planner's prediction (router/planner_predict.py): latency models matched to the
+"""The planner's prediction (router/planner/predict.py): latency models matched to the
 one-host layouts by their threads, the latest requests replayed on each layout with
 figures computed by hand, and the rule making no split or merge predicted to do worse --
 until the other layout has been tried, when what was measured decides."""
@@ -9,10 +9,10 @@ import json
 import pytest
 
 from pdserve.common.config import ConfigError
-from pdserve.router.config import RouterConfig
-from pdserve.router.latency_model import Curve, DecodeFit, LatencyModel
-from pdserve.router.planner import MERGE, NONE, SPLIT, PlannerConfig, PlannerState, Pools, Remembered, Snapshot, decide
-from pdserve.router.planner_predict import LayoutModels, Predictor
+from pdserve.router.core.config import RouterConfig
+from pdserve.common.latency_model import Curve, DecodeFit, LatencyModel
+from pdserve.router.planner.rule import MERGE, NONE, SPLIT, PlannerConfig, PlannerState, Pools, Remembered, Snapshot, decide
+from pdserve.router.planner.predict import LayoutModels, Predictor
 
 PREFILL_S = 0.1
 
@@ -107,8 +107,8 @@ def test_the_loop_measures_the_routers_cpu_a_token_and_prices_it():
     between the first and the last window sample of the last PREDICT_S; none under
     CPU_MIN_TOKENS tokens; the replay gets it."""
     from pdserve.common.clock import ManualClock
-    from pdserve.router.planner_loop import CPU_MIN_TOKENS, Planner
-    from tests.router.test_planner_loop import INTERVAL, FakeControl
+    from pdserve.router.planner.loop import CPU_MIN_TOKENS, Planner
+    from tests.support.planner_fakes import INTERVAL, FakeControl
 
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
@@ -141,8 +141,8 @@ def test_the_routers_idle_cpu_is_netted_out_of_its_cpu_a_token():
     the idle rate (their median); a token is priced at the CPU beyond it. A window
     with a request in flight at one end, or one finishing in it, is not idle."""
     from pdserve.common.clock import ManualClock
-    from pdserve.router.planner_loop import Planner
-    from tests.router.test_planner_loop import INTERVAL, FakeControl
+    from pdserve.router.planner.loop import Planner
+    from tests.support.planner_fakes import INTERVAL, FakeControl
 
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})
@@ -227,8 +227,8 @@ def test_a_score_of_the_other_layout_alone_does_not_outrank_the_prediction():
 
 def test_the_loop_predicts_from_the_router_log_and_holds_a_split_predicted_worse():
     from pdserve.common.clock import ManualClock
-    from pdserve.router.planner_loop import Planner
-    from tests.router.test_planner_loop import INTERVAL, FakeControl
+    from pdserve.router.planner.loop import Planner
+    from tests.support.planner_fakes import INTERVAL, FakeControl
 
     clock = ManualClock()
     control = FakeControl(clock, {"colocated-0": "colocated"})

@@ -1,4 +1,4 @@
-"""Routing choices (router/policy.py): pure functions over WorkerView lists."""
+"""Routing choices (router/core/policy.py): pure functions over WorkerView lists."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from pdserve.router.policy import POLICIES, ImbalanceGuard, WorkerView, choose_decode, choose_prefill, prefix_overlap
+from pdserve.router.core.policy import POLICIES, ImbalanceGuard, WorkerView, choose_decode, choose_prefill, prefix_overlap
 
 
 def view(wid: str, load: int = 0, prefix: int = 0, free: int = 100, total: int = 100, queued: int = 0) -> WorkerView:

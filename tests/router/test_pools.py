@@ -1,5 +1,5 @@
 """Elastic pools: the registry's drain state machine (serving -> draining -> exiting ->
-retired) in ManualClock time, and the router's control API (router/control.py) in-process
+retired) in ManualClock time, and the router's control API (router/pools/control.py) in-process
 against fake workers: drains wait for in-flight requests, refusals change nothing, a
 client without the secret gets no answer, a launcher's workers are started and restarted
 in a new role."""
@@ -15,11 +15,11 @@ from pdserve.common.clock import ManualClock
 from pdserve.common.wire import messages
 from pdserve.common.wire.auth import new_secret
 from pdserve.common.wire.messages import GenerateRequest, RequestOutput, WorkerDrain
-from pdserve.router.control import ControlPlane
-from pdserve.router.control_client import ControlClient, ControlError, format_pools
-from pdserve.router.registry import DRAINING, EXITING, SERVING, PoolError, WorkerRegistry
-from tests.router.test_core import Harness, collect, run, step, submit
-from tests.router.test_registry import hello
+from pdserve.router.pools.control import ControlPlane
+from pdserve.router.pools.client import ControlClient, ControlError, format_pools
+from pdserve.router.core.registry import DRAINING, EXITING, SERVING, PoolError, WorkerRegistry
+from tests.support.router_harness import Harness, collect, run, step, submit
+from tests.support.router_harness import hello
 
 
 # ---- the registry's state machine -------------------------------------------------------------
@@ -297,10 +297,10 @@ def test_a_prefill_worker_is_drained_after_its_handoff_and_told_on_its_own_socke
 
 def test_local_launcher_refuses_fixed_groups_and_bad_engine_options(model_dirs, tmp_path):
     from pdserve.common.config import EngineOptions
-    from pdserve.router.config import RouterConfig
-    from pdserve.router.deploy import plan_deployment
-    from pdserve.router.launch import Launcher
-    from pdserve.router.pool_launch import LocalLauncher
+    from pdserve.router.core.config import RouterConfig
+    from pdserve.router.launch.deployment import plan_deployment
+    from pdserve.router.launch.local import Launcher
+    from pdserve.router.pools.launch import LocalLauncher
     router = RouterConfig(model_dir=model_dirs["qwen3"])
     gloo = plan_deployment(router, EngineOptions.of(), prefill_devices=("cpu",), decode_devices=("cpu",),
                            kv_transfer="gloo")
@@ -315,7 +315,7 @@ def test_local_launcher_refuses_fixed_groups_and_bad_engine_options(model_dirs, 
 
 def test_an_exiting_worker_that_keeps_running_is_stopped_by_its_launcher(model_dirs):
     """ManualClock time: told to exit, still heartbeating EXIT_GRACE_S later -> stop()."""
-    from pdserve.router.control import EXIT_GRACE_S
+    from pdserve.router.pools.control import EXIT_GRACE_S
 
     async def scenario():
         clock = ManualClock()
@@ -346,7 +346,7 @@ def test_an_exiting_worker_that_keeps_running_is_stopped_by_its_launcher(model_d
 
 
 def test_a_worker_its_launcher_gave_up_on_shows_failed_with_the_reason(model_dirs):
-    from pdserve.router.http_server import OpenAIServer
+    from pdserve.router.openai.server import OpenAIServer
 
     async def scenario():
         h = Harness(model_dirs["qwen3"])

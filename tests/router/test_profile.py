@@ -1,4 +1,4 @@
-"""`pdserve profile` (router/profile.py) on a tiny model: it writes a latency model file
+"""`pdserve profile` (router/cli/profile.py) on a tiny model: it writes a latency model file
 with the sizes asked for, which the router's cost mode loads; bad plans are refused."""
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 import pytest
 
 from pdserve.common.config import ConfigError, EngineOptions
-from pdserve.router.cli import main
-from pdserve.router.config import RouterConfig
-from pdserve.router.disagg_policy import DisaggCase
-from pdserve.router.disagg_state import policy_from_config
-from pdserve.router.latency_model import SCHEMA, LatencyModel
+from pdserve.router.cli.main import main
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.core.disagg_policy import DisaggCase
+from pdserve.router.core.disagg_state import policy_from_config
+from pdserve.common.latency_model import SCHEMA, LatencyModel
 from pdserve.common.worker.spec import role_engine
-from pdserve.router.profile import ProfilePlan, run_profile
-from tests.helpers import one_torch_thread
+from pdserve.router.cli.profile import ProfilePlan, run_profile
+from tests.support.helpers import one_torch_thread
 
 
 def test_profile_command_writes_a_model_the_cost_mode_loads(model_dirs, tmp_path, capsys):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.config import ConfigError
-from pdserve.router.cli import main
-from pdserve.router.ray_launch import actor_options, dialable, parse_resources
+from pdserve.router.cli.main import main
+from pdserve.router.launch.ray import actor_options, dialable, parse_resources
 
 
 def test_resources_are_a_json_object_of_numbers():
@@ -55,7 +55,8 @@ def test_serve_refuses_ray_flags_that_cannot_work(argv, why, capsys):
 
 
 def test_serve_takes_the_router_actors_flags_apart_from_the_router_config():
-    from pdserve.router.cli import ROUTER_DEST, WORKER_DEST, build_parser, given
+    from pdserve.router.cli.flags import ROUTER_DEST, WORKER_DEST, given
+    from pdserve.router.cli.main import build_parser
     args = build_parser().parse_args(["serve", "--ray", "auto", "--control-port", "7000", "--rejoin-timeout", "60",
                                       "--router-resources", '{"router_node": 1}'])
     assert given(args, ROUTER_DEST) == {"control_port": 7000}  # --router-resources places the actor, no config field

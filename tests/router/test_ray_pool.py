@@ -1,5 +1,5 @@
-"""RayPool, the pool control API's launcher under Ray (router/ray_pool.py), against a fake
-`ray` module (tests/router/fake_ray.py): spawn names and engine options, a drained worker's
+"""RayPool, the pool control API's launcher under Ray (router/pools/ray_pool.py), against a fake
+`ray` module (tests/support/fake_ray.py): spawn names and engine options, a drained worker's
 actor ended for good and its exit reported, a worker that exits unasked left to Ray to
 restart, `stop` off the router's loop, and bounded starts: a worker that keeps failing
 before it registers, whose actor cannot be created, or that never registers, is ended for
@@ -16,13 +16,13 @@ import types
 import pytest
 
 from pdserve.common.config import EngineOptions
-from pdserve.router import ray_launch
-from pdserve.router.config import RouterConfig
-from pdserve.router.deploy import DeploymentConfig, RayPlacement, plan_deployment
-from pdserve.router.ray_launch import ROUTER_ACTOR, RayLauncher, next_index
-from pdserve.router.ray_pool import RayPool
-from pdserve.router.registry import PoolError
-from tests.router.fake_ray import ActorInitError, FakeActor, FakeControl, FakeRay, RayError, Ref
+from pdserve.router.launch import ray as ray_launch
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.launch.deployment import DeploymentConfig, RayPlacement, plan_deployment
+from pdserve.router.launch.ray import ROUTER_ACTOR, RayLauncher, next_index
+from pdserve.router.pools.ray_pool import RayPool
+from pdserve.router.core.registry import PoolError
+from tests.support.fake_ray import ActorInitError, FakeActor, FakeControl, FakeRay, RayError, Ref
 
 CONTROL = "tcp://127.0.0.1:5000"
 

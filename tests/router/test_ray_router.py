@@ -1,4 +1,4 @@
-"""The router as a detached Ray actor (router/ray_router.py), without a Ray cluster: where
+"""The router as a detached Ray actor (router/deploy/ray_router.py), without a Ray cluster: where
 it is placed and the fixed address it comes back at after a restart, the actor's start,
 failure and stop around a stand-in `serve`, and ending a deployment (every actor named in
 its namespace, no other). tests/deploy/test_ray.py kills the real router actor."""
@@ -13,13 +13,14 @@ import types
 import pytest
 
 from pdserve.common.config import ConfigError, EngineOptions
-from pdserve.router import ray_launch, ray_router
-from pdserve.router.config import RouterConfig
-from pdserve.router.deploy import DeploymentConfig, RayPlacement, plan_deployment
-from pdserve.router.launch import LaunchError
-from pdserve.router.ray_launch import ROUTER_ACTOR
-from pdserve.router.ray_router import RouterActor, end_deployment, fixed_address, router_options, serve_on_ray, start_router
-from tests.router.fake_ray import FakeActor, FakeRay
+from pdserve.router.launch import ray as ray_launch
+from pdserve.router.deploy import ray_router
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.launch.deployment import DeploymentConfig, RayPlacement, plan_deployment
+from pdserve.router.launch.local import LaunchError
+from pdserve.router.launch.ray import ROUTER_ACTOR
+from pdserve.router.deploy.ray_router import RouterActor, end_deployment, fixed_address, router_options, serve_on_ray, start_router
+from tests.support.fake_ray import FakeActor, FakeRay
 
 
 @pytest.fixture
@@ -159,7 +160,7 @@ def test_the_router_actor_needs_the_secret_file_on_its_node(monkeypatch, dep):
 
 
 def test_ray_stop_ends_a_deployment_whose_driver_died(ray, dep, monkeypatch, capsys):
-    from pdserve.router.cli import main
+    from pdserve.router.cli.main import main
     placed = []
     monkeypatch.setattr(ray_router, "connect", placed.append)
     ray.actors[ROUTER_ACTOR] = FakeActor(ray, ROUTER_ACTOR, "ns", {}, (dep,))

@@ -1,4 +1,4 @@
-"""The router's worker table (router/registry.py): registration, heartbeats, KV events,
+"""The router's worker table (router/core/registry.py): registration, heartbeats, KV events,
 liveness. Time is passed in, so these run without sockets or sleeps."""
 from __future__ import annotations
 
@@ -6,16 +6,12 @@ import dataclasses
 import random
 
 from pdserve.common.hashing import cacheable_prefix_hashes
-from pdserve.common.wire.messages import WorkerHello, WorkerStatus
-from pdserve.router.policy import choose_prefill
-from pdserve.router.registry import WorkerRegistry, refusal
+from pdserve.common.wire.messages import WorkerStatus
+from pdserve.router.core.policy import choose_prefill
+from pdserve.router.core.registry import WorkerRegistry, refusal
+from tests.support.router_harness import hello
 
 BLOCK = 16
-
-
-def hello(wid: str, role: str = "prefill", address: str | None = None, total: int = 64) -> WorkerHello:
-    return WorkerHello(worker_id=wid, role=role, address=address or f"tcp://127.0.0.1:{7000 + len(wid)}",
-                       device="cpu", total_blocks=total, block_size=BLOCK, model_fingerprint="fp")
 
 
 def status(wid: str, role: str = "prefill", free: int = 64, total: int = 64, waiting: int = 0, running: int = 0,

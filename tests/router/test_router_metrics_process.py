@@ -6,7 +6,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.core.metrics import RouterMetrics
 
 
 def _cpu_s(m: RouterMetrics) -> float:

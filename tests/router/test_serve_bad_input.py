@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdserve.common.wire.messages import PROTOCOL_VERSION
-from tests.router.serving import MAX_MODEL_LEN, RawClient, serving_pd
+from tests.support.serving import MAX_MODEL_LEN, RawClient, serving_pd
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

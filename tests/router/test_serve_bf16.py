@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from pdserve.common import LLM, SamplingParams
-from tests.router.serving import MAX_MODEL_LEN, check_ready_file_workers, start_server, stop_server
+from tests.support.serving import MAX_MODEL_LEN, check_ready_file_workers, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.serving import (CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids, check_ready_file_workers,
+from tests.support.serving import (CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids, check_ready_file_workers,
                                   start_server, stop_server)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
@@ -22,8 +22,8 @@ COLOCATED_TIMELINE = ["arrival", "routed", "decode_arrival", "prefill_queued", "
 def test_colocated_flag_alone_is_accepted(model_dir, monkeypatch):
     """`pdserve serve --colocated 2` (as DESIGN.md and --help spell it) must start two
     colocated workers. The CLI is run up to the point where it would start serving."""
-    import pdserve.router.serve as router_serve
-    from pdserve.router.cli import main
+    import pdserve.router.deploy.local as router_serve
+    from pdserve.router.cli.main import main
     started = []
     monkeypatch.setattr(router_serve, "run", lambda dep, ready_file="": started.append(dep))
     rc = main(["serve", model_dir, "--colocated", "2", "--http-port", "0", "--zmq-port", "0",

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from tests.reliability.harness import wait_blocks_baseline
-from tests.router.serving import MAX_MODEL_LEN, RawClient, start_server, stop_server
+from tests.support.reliability_harness import wait_blocks_baseline
+from tests.support.serving import MAX_MODEL_LEN, RawClient, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -79,10 +79,10 @@ def test_serve_refuses_a_bad_latency_model_before_starting_workers(model_dir, tm
     import subprocess
     import sys
 
-    from tests.router.serving import ROOT
+    from tests.support.serving import ROOT
     bad = tmp_path / "lm.json"
     bad.write_text('{"schema": "pdserve-latency-model/1", "prefill": {"points": [[1, 0.1], [2, 0.2]]}}')
-    done = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "serve", model_dir, "--http-port", "0", "--zmq-port", "0",
+    done = subprocess.run([sys.executable, "-m", "pdserve", "serve", model_dir, "--http-port", "0", "--zmq-port", "0",
                            "--disagg", "cost", "--disagg-latency-model", str(bad), "--ready-file", str(tmp_path / "r")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"latency model '{bad}': missing 'decode'" in done.stderr, done.stderr

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.router.serving import RawClient
+from tests.support.serving import RawClient
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdserve.common import LLM, SamplingParams
-from tests.router.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids
+from tests.support.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 TOP = 3

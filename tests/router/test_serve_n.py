@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pdserve.common import LLM, SamplingParams
-from tests.router.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, openai_client
+from tests.support.serving import CHAT, MAX_MODEL_LEN, PROMPTS, chat_ids, openai_client
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 MAX_NEW = 8

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids, expected_reason
+from tests.support.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids, expected_reason
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

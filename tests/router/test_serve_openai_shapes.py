@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from tests.helpers import bos_thinking_model
-from tests.router.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids, start_server, stop_server
+from tests.support.helpers import bos_thinking_model
+from tests.support.serving import CHAT, MAX_MODEL_LEN, MAX_NEW, PROMPTS, chat_ids, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

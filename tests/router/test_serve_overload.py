@@ -14,7 +14,7 @@ import textwrap
 import httpx
 import pytest
 
-from tests.router.serving import RawClient, start_server, stop_server
+from tests.support.serving import RawClient, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

@@ -20,9 +20,9 @@ import zmq
 
 from pdserve.common.config import ConfigError
 from pdserve.common.wire.messages import PROTOCOL_VERSION
-from pdserve.router.config import RouterConfig
+from pdserve.router.core.config import RouterConfig
 from pdserve.router.client import Client
-from tests.router.serving import MAX_MODEL_LEN, MAX_NEW, PROMPTS, ROOT, RawClient, start_server, stop_server
+from tests.support.serving import MAX_MODEL_LEN, MAX_NEW, PROMPTS, ROOT, RawClient, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 
@@ -80,7 +80,7 @@ def test_a_key_without_a_certificate_is_refused(model_dir):
 def test_an_unreadable_certificate_stops_serve_before_any_worker(model_dir, tmp_path):
     bogus = tmp_path / "bogus.pem"
     bogus.write_text("not a certificate")
-    run = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "serve", model_dir, "--http-port", "0", "--zmq-port",
+    run = subprocess.run([sys.executable, "-m", "pdserve", "serve", model_dir, "--http-port", "0", "--zmq-port",
                           "0", "--ssl-keyfile", str(bogus), "--ssl-certfile", str(bogus), "--num-threads", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]

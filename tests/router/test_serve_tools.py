@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from pdserve.common.text.tokenizer import Tokenizer
-from tests.router.serving import RawClient, openai_client, start_server, stop_server
+from tests.support.serving import RawClient, openai_client, start_server, stop_server
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.harness import wait_blocks_baseline
-from tests.router.serving import CHAT, MAX_NEW, PROMPTS, ROOT, chat_ids, expected_reason
+from tests.support.reliability_harness import wait_blocks_baseline
+from tests.support.serving import CHAT, MAX_NEW, PROMPTS, ROOT, chat_ids, expected_reason
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from pdserve.common.config import SchedulerConfig
-from pdserve.router import cli
-from pdserve.router.config import RouterConfig
-from pdserve.router.latency_model import Curve, DecodeFit, LatencyModel
+from pdserve.router.cli import main as cli
+from pdserve.router.core.config import RouterConfig
+from pdserve.common.latency_model import Curve, DecodeFit, LatencyModel
 from pdserve.router.simulate.sim import Deployment, Simulation
 
 BLOCK = 16
@@ -79,7 +79,7 @@ def test_colocated_prefix_cache_hit_is_the_block_managers():
 
 def test_the_engine_and_router_code_is_in_the_loop(monkeypatch):
     # The router's disaggregation decides: forced local, P never steps and D prefills.
-    from pdserve.router.disagg_policy import Decision, DisaggPolicy
+    from pdserve.router.core.disagg_policy import Decision, DisaggPolicy
     monkeypatch.setattr(DisaggPolicy, "decide", lambda self, case: Decision(False, "test", case.uncached_on_decode))
     calls = []
     from pdserve.common.engine.scheduler import Scheduler

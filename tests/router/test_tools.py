@@ -1,5 +1,5 @@
-"""Tool requests and chat output shaping without a server (router/tools.py,
-router/chat_output.py): tool_choice's forms and their 400 params, the grammars a named or
+"""Tool requests and chat output shaping without a server (router/openai/tools.py,
+router/openai/chat_output.py): tool_choice's forms and their 400 params, the grammars a named or
 required choice is enforced with, and one choice's output streamed in pieces adding up to
 the whole answer; plus the Qwen3 template `make-model` writes, rendered as transformers
 renders it."""
@@ -11,8 +11,8 @@ import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
 from pdserve.common.engine.grammar import check
-from pdserve.router.chat_output import ChoiceOutput
-from pdserve.router.tools import ToolError, tool_plan, wire_tool_calls
+from pdserve.router.openai.chat_output import ChoiceOutput
+from pdserve.router.openai.tools import ToolError, tool_plan, wire_tool_calls
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}

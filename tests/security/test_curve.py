@@ -13,7 +13,7 @@ from pdserve.common.wire import curve
 from pdserve.common.wire.auth import DeploymentKey, new_secret
 from pdserve.common.wire.messages import GenerateRequest
 from pdserve.common.wire.transport import Client, Server
-from tests.security.wire_tap import WireTap
+from tests.support.wire_tap import WireTap
 
 MARKER = b"plaintext KV marker " * 64  # a raw frame, as the tcp KV transport sends one
 PROMPT = [9707, 1879, 11, 4337, 31337]

@@ -1,4 +1,4 @@
-"""`pdserve scale` / `pdserve pools` (router/control_client.py) against a router whose
+"""`pdserve scale` / `pdserve pools` (router/pools/client.py) against a router whose
 sockets run CurveZMQ: with the secret it is answered; with another secret, or with Curve
 off, it is refused at the handshake and says which."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from pdserve.common.wire.auth import new_secret
-from pdserve.router.config import RouterConfig
-from pdserve.router.control import ControlPlane
-from pdserve.router.control_client import ControlClient, ControlError
-from pdserve.router.core import Router
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.pools.control import ControlPlane
+from pdserve.router.pools.client import ControlClient, ControlError
+from pdserve.router.core.router import Router
 
 
 def run_with_curve_router(model_dir: str, check) -> None:

@@ -10,7 +10,7 @@ import dataclasses
 from pdserve.common.wire import messages
 from pdserve.common.wire.auth import DeploymentKey, new_secret
 from pdserve.common.wire.transport import Authenticator
-from tests.router.test_core import Harness, collect, submit
+from tests.support.router_harness import Harness, collect, submit
 
 
 def run(coro):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.worker.faults import FAULT_TOKEN_ENV
-from tests.disagg.driver import engine_options, start_pair
+from tests.support.disagg_driver import engine_options, start_pair
 
 POISON = 333
 PROMPTS = [[5, 6, 7, 8] * 5, [9, 10, 11], [12, 13, 14, 15, 16] * 4]

@@ -19,7 +19,7 @@ from pdserve.common.wire.transport import Client
 from pdserve.common.worker.spec import WorkerSpec
 from pdserve.kv_transfer import shm_name_hint
 from pdserve.kv_transfer.shm import ShmReceiver
-from tests.disagg.driver import engine_options, shm_segments, start_pair
+from tests.support.disagg_driver import engine_options, shm_segments, start_pair
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 MAX_NEW = 6

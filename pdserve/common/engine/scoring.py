@@ -1,5 +1,5 @@
 """Teacher-forced logits of a token sequence, and the checks below float32 built on them:
-vLLM's greedy top-k rule and perplexity (docs/architecture.md, "Precision").
+vLLM's greedy top-k rule and perplexity (docs/kernels.md, "Precision on the CPU").
 
 `sequence_logits` runs a whole sequence as one prefill on an idle engine and reads the
 logits of every position (vLLM's prompt_logprobs); the rest are pure functions over those.

@@ -285,7 +285,7 @@ class ClientHeartbeat:
     interval_s: float = 2.0
 
 
-# ---- pool control (router/control.py, docs/deploy.md) -------------------------------------
+# ---- pool control (router/pools/control.py, docs/deploy.md) -------------------------------------
 # An operator (`pdserve scale`, an SLO planner) -> the router's control socket, signed with
 # the deployment secret; every request gets one `control_reply`.
 

@@ -1,2 +1,2 @@
-"""`pdserve bench`: workloads, arrival processes, a load runner over HTTP or ZeroMQ,
-latency/SLO metrics with vLLM's key names, rate and SLO sweeps, and plots."""
+"""`pdserve bench`: workloads, arrival processes, a load runner over HTTP or ZeroMQ, and plots;
+the statistics are router/stats/ (vLLM's key names)."""

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pdserve.router.bench.metrics import PHASES  # noqa: E402
+from pdserve.router.stats.latency import PHASES  # noqa: E402
 
 _COLORS = {"prefill_queue": "#c7c7c7", "prefill": "#1f77b4", "kv_transfer": "#ff7f0e",
            "decode_queue": "#9edae5", "decode": "#2ca02c"}

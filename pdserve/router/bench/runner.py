@@ -8,7 +8,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from pdserve.router.bench.metrics import RequestRecord
+from pdserve.router.stats.latency import RequestRecord
 from pdserve.router.bench.workloads import BenchRequest
 
 

@@ -1,6 +1,6 @@
-"""The router's own routing, without its sockets: `Router.route` (router/core.py) runs
+"""The router's own routing, without its sockets: `Router.route` (router/core/router.py) runs
 on a stand-in that holds exactly the state it reads -- a real WorkerRegistry fed real
-WorkerHello / WorkerStatus messages, the real Disaggregation (router/disagg_state.py)
+WorkerHello / WorkerStatus messages, the real Disaggregation (router/core/disagg_state.py)
 and its metrics, the config, the rng and the round-robin counters. The router's
 constructor binds sockets and loads a tokenizer, so the simulator does not build one."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import itertools
 import random
 
 from pdserve.common.wire.messages import WorkerHello, WorkerStatus
-from pdserve.router.config import RouterConfig
-from pdserve.router.core import Router
-from pdserve.router.disagg_state import Disaggregation
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.registry import WorkerEntry, WorkerRegistry
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.core.router import Router
+from pdserve.router.core.disagg_state import Disaggregation
+from pdserve.router.core.metrics import RouterMetrics
+from pdserve.router.core.registry import WorkerEntry, WorkerRegistry
 
 
 class SimRouter:

@@ -35,11 +35,11 @@ from pdserve.common.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.common.engine.sequence import Sequence, SequenceStatus
 from pdserve.common.hashing import block_hashes
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.router.bench.metrics import RequestRecord
-from pdserve.router.config import RouterConfig
-from pdserve.router.disagg_policy import Decision
-from pdserve.router.latency_model import LatencyModel
-from pdserve.router.registry import WorkerEntry
+from pdserve.router.stats.latency import RequestRecord
+from pdserve.router.core.config import RouterConfig
+from pdserve.router.core.disagg_policy import Decision
+from pdserve.common.latency_model import LatencyModel
+from pdserve.router.core.registry import WorkerEntry
 from pdserve.router.simulate.routing import SimRouter
 
 SAMPLED_TOKEN = 1  # the value of every generated token

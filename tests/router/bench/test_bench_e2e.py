@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.router.bench.result_keys import DETAIL_KEYS, SUMMARY_KEYS
+from tests.support.bench_result_keys import DETAIL_KEYS, SUMMARY_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUM_PROMPTS = 8
@@ -25,7 +25,7 @@ def server(pd) -> dict:
 
 
 def _bench(server: dict, model_dir: str, out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "pdserve.router.cli", "bench", "--url", server["zmq"], "--model", model_dir,
+    cmd = [sys.executable, "-m", "pdserve", "bench", "--url", server["zmq"], "--model", model_dir,
            "--num-prompts", str(NUM_PROMPTS), "--input-len", "48", "--output-len", "6", "--warmup", "1",
            "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500", "--no-progress", "--out", str(out), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -1,11 +1,11 @@
-"""Latency/SLO math of `pdserve bench` (router/bench/metrics.py) on fixed synthetic timings
+"""Latency/SLO math of `pdserve bench` (router/stats/latency.py) on fixed synthetic timings
 whose answers are worked out by hand below (DESIGN.md: TTFT, TPOT, pooled ITL, E2E,
 SLO attainment, goodput and the DistServe goodput rate)."""
 from __future__ import annotations
 
 import pytest
 
-from pdserve.router.bench.metrics import (RequestRecord, attainment, goodput_rate, meets_slo, phase_breakdown,
+from pdserve.router.stats.latency import (RequestRecord, attainment, goodput_rate, meets_slo, phase_breakdown,
                                   summarize)
 
 MS = 1e-3

@@ -1,4 +1,4 @@
-"""The JSON that `pdserve bench` writes (router/bench/cli.py): vLLM `bench serve` key names,
+"""The JSON that `pdserve bench` writes (router/cli/bench.py): vLLM `bench serve` key names,
 per-request details, sweeps with their goodput rate, and trace replay's reported rate.
 The network runner is replaced by one that returns fixed timings and records the send
 schedule, so these run without a server."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.router.bench import cli
-from pdserve.router.bench.metrics import RequestRecord, goodput_rate
-from tests.router.bench.result_keys import DETAIL_KEYS, SUMMARY_KEYS
+from pdserve.router.cli import bench as cli
+from pdserve.router.stats.latency import RequestRecord, goodput_rate
+from tests.support.bench_result_keys import DETAIL_KEYS, SUMMARY_KEYS
 
 TRACE = "/work/shared/data/mooncake/conversation_trace.jsonl"
 

@@ -2,7 +2,7 @@
 (vLLM and other servers) text chunks fitted to the final usage chunk."""
 from __future__ import annotations
 
-from pdserve.router.bench.metrics import RequestRecord
+from pdserve.router.stats.latency import RequestRecord
 from pdserve.router.bench.runner import count_stream_tokens, fit_token_times
 
 

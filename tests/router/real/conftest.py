@@ -9,9 +9,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.router.serving import openai_client, serving_pd
-
-MAX_MODEL_LEN = 256  # a long chat runs to it (test_what_agent_sdks_send): kept short
+from tests.support.serving import REAL_MAX_MODEL_LEN as MAX_MODEL_LEN
+from tests.support.serving import openai_client, serving_pd
 
 
 @pytest.fixture(scope="package")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.text.tokenizer import Tokenizer
-from tests.router.real.conftest import MAX_MODEL_LEN
-from tests.router.serving import served_model
+from tests.support.serving import REAL_MAX_MODEL_LEN as MAX_MODEL_LEN
+from tests.support.serving import served_model
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

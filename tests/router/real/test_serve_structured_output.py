@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.router.serving import served_model
+from tests.support.serving import served_model
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread_here")
 

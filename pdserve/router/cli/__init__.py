@@ -1,0 +1,1 @@
+"""The `pdserve` command line: one module per group of commands."""

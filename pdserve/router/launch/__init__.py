@@ -1,0 +1,1 @@
+"""Starting worker processes: a deployment as data, local subprocesses and Ray actors."""
