@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,7 +254,6 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_max", hi)
         elif not self.model:
             raise ConfigError("speculative_config: method 'draft_model' needs a model (a folder, or \"self\")")
-        from pdserve.common.quantization import QUANTIZATIONS  # it imports this module (as DeviceConfig's check)
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"speculative_config: quantization must be one of {', '.join(QUANTIZATIONS)}, "
                               f"got {self.quantization!r}")

@@ -10,6 +10,7 @@ import torch
 from pdserve.common.config import EngineConfig, SpeculativeConfig
 from pdserve.common.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.common.engine.sequence import Sequence
+from pdserve.common.engine.spec.draft_model import DraftModelProposer
 from pdserve.common.engine.spec.ngram import NgramProposer
 from pdserve.common.engine.spec.policy import AdaptivePolicy
 from pdserve.common.engine.spec.proposer import Proposer
@@ -54,7 +55,6 @@ class Speculator:
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
             self.policy = AdaptivePolicy(draft_passes=False, prior=NGRAM_PRIOR, adaptive=spec.adaptive)
         else:
-            from pdserve.common.engine.spec.draft_model import DraftModelProposer  # loads a model: only when asked
             proposer = DraftModelProposer(config, spec, num_blocks, eos_token_ids)
             self.policy = AdaptivePolicy(draft_passes=True, prior=DRAFT_MODEL_PRIOR, adaptive=spec.adaptive,
                                          draft_ratio=weight_bytes(proposer.runner.model) / max(1, weight_bytes(target)))
