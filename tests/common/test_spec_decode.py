@@ -14,8 +14,7 @@ import pytest
 from pdserve.common import LLM, SamplingParams
 from pdserve.common.config import ConfigError
 from pdserve.common.sampling_params import StructuredOutput
-from tests.conftest import ARCHS
-from tests.helpers import mixed_prompts
+from tests.support.helpers import ARCHS, mixed_prompts
 
 MAX_NEW = 24
 OPTIONS = dict(dtype="float32", num_kv_blocks=512, max_model_len=512)

@@ -18,7 +18,7 @@ from pdserve.common.engine.grammar import Grammars
 from pdserve.common.engine.sampler import Sampler
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.spec.verify import verify
-from tests.helpers import one_torch_thread
+from tests.support.helpers import one_torch_thread
 
 ALPHA = 1e-4
 MIN_EXPECTED = 5.0  # cells expected to hold fewer are pooled into one

@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire.messages import GenerateRequest
-from tests.disagg.driver import engine_options, start_pair
-from tests.helpers import mixed_prompts
+from tests.support.disagg_driver import engine_options, start_pair
+from tests.support.helpers import mixed_prompts
 
 MAX_NEW = 16
 OPTIONS = engine_options(num_kv_blocks=256, max_model_len=512)

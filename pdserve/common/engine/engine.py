@@ -22,7 +22,7 @@ from pdserve.common.logprobs import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.common.engine.sequence import SeqIdCounter, Sequence, SequenceStatus
-from pdserve.common.engine.spec.speculator import Speculator
+from pdserve.common.engine.spec.speculator import SpecStats, Speculator
 from pdserve.common.text.tokenizer import Tokenizer, eos_token_id
 from pdserve.common.validation import RequestError, check_sampling, prompt_token_ids
 
@@ -116,6 +116,8 @@ class LLMEngine:
             self.step()
         self.release(seq, "warm_up")  # a prefill-only engine's sequence holds its blocks until released
         self.block_manager.take_events()
+        if self.speculator is not None:
+            self.speculator.stats = SpecStats()  # counts of requests served (its step costs it keeps)
         return time.perf_counter() - t0
 
     @property
