@@ -97,8 +97,8 @@ class DraftModelProposer:
                                    [len(shadows[i]) - shadows[i].num_computed_tokens for i in active])
             t0 = time.perf_counter()
             sampled = self.runner.execute(batch)
-            if self.on_pass is not None:
-                self.on_pass(batch.total_tokens, time.perf_counter() - t0)
+            if self.on_pass is not None and batch.total_tokens <= 2 * len(batch):  # not a prompt's catch-up
+                self.on_pass(len(batch), time.perf_counter() - t0)
             for i in active:
                 shadow = shadows[i]
                 shadow.num_computed_tokens = len(shadow)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACCEPT_DECAY = 0.9  # weight of a sequence's earlier verifications, per verification
+POOLED_DECAY = 0.97  # the same over every sequence's verifications (what a new sequence starts from)
+START_WEIGHT = 4.0  # verifications' worth of that pooled estimate a new sequence starts with
 PROBE_EVERY = 16  # steps a sequence goes without speculating before it verifies once
 PROBE_TOKENS = 2  # drafts such a probe verifies
 
@@ -68,11 +70,13 @@ class LinearCost:
 
 @dataclass
 class Acceptance:
-    """A sequence's decayed counts of accepted and rejected drafts (a Beta estimate of the
-    chance the next draft is accepted, from a prior), and its steps since it last verified."""
+    """Decayed counts of accepted and rejected drafts (a Beta estimate of the chance the
+    next draft is accepted, from a prior: a rejection ends a verification, so each counts
+    the drafts kept and at most one refused), and the steps since the last verification."""
 
     accepted: float
     rejected: float
+    decay: float = ACCEPT_DECAY
     idle: int = 0
 
     @property
@@ -80,8 +84,8 @@ class Acceptance:
         return self.accepted / (self.accepted + self.rejected)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
-        self.accepted = self.accepted * ACCEPT_DECAY + num_accepted
-        self.rejected = self.rejected * ACCEPT_DECAY + (1 if num_accepted < num_draft else 0)
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.rejected = self.rejected * self.decay + (1 if num_accepted < num_draft else 0)
         self.idle = 0
 
 
@@ -94,14 +98,17 @@ class AdaptivePolicy:
         self.target = LinearCost(slope_ratio=0.1)
         self.draft = LinearCost(slope_ratio=0.1) if draft_passes else None
         self.draft_ratio = draft_ratio  # a draft pass's cost over a target step's, until one is measured
-        self.prior = prior  # (accepted, rejected) pseudo-counts a sequence starts from
+        self.pooled = Acceptance(*prior, decay=POOLED_DECAY)  # every sequence's verifications
         self.adaptive = adaptive
         self._seqs: dict[int, Acceptance] = {}
 
     def acceptance(self, seq_id: int) -> Acceptance:
+        """A sequence's estimate; a new one starts from the pooled estimate (the same model
+        and proposer on this engine's traffic), worth START_WEIGHT verifications."""
         a = self._seqs.get(seq_id)
         if a is None:
-            a = self._seqs[seq_id] = Acceptance(*self.prior)
+            beta = self.pooled.beta
+            a = self._seqs[seq_id] = Acceptance(START_WEIGHT * beta, START_WEIGHT * (1.0 - beta))
         return a
 
     def release(self, seq_id: int) -> None:
@@ -109,6 +116,7 @@ class AdaptivePolicy:
 
     def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
         self.acceptance(seq_id).record(num_draft, num_accepted)
+        self.pooled.record(num_draft, num_accepted)
 
     def choose(self, seq_ids: list[int], caps: list[int], base_rows: int, base_tokens: int) -> list[int]:
         """Drafts to verify for each candidate (at most caps[i]; 0: none) in a step that,
