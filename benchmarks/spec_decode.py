@@ -100,20 +100,21 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     for seq in seqs:
         engine.add(seq)
     seen = {s.seq_id: 0 for s in seqs}
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
+    first: dict[int, tuple[float, float]] = {}  # (wall, CPU) seconds
+    last: dict[int, tuple[float, float]] = {}
     steps = 0
     while engine.has_work():
         engine.step()
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.thread_time())
         steps += 1
         for seq in seqs:
             n = len(seq.output_token_ids)
             if n != seen[seq.seq_id]:
                 first.setdefault(seq.seq_id, now)
                 last[seq.seq_id], seen[seq.seq_id] = now, n
-    return {"tokens": [s.output_token_ids for s in seqs], "decode_s": [last[s.seq_id] - first[s.seq_id] for s in seqs],
-            "n": [len(s.output_token_ids) for s in seqs], "steps": steps,
+    return {"tokens": [s.output_token_ids for s in seqs], "n": [len(s.output_token_ids) for s in seqs],
+            "decode_s": [last[s.seq_id][0] - first[s.seq_id][0] for s in seqs],
+            "cpu_s": [last[s.seq_id][1] - first[s.seq_id][1] for s in seqs], "steps": steps,
             "drafts": spec.stats.num_drafts - before[0] if spec else 0,
             "accepted": spec.stats.num_accepted_tokens - before[1] if spec else 0}
 
@@ -162,48 +163,59 @@ def main() -> int:
                 batch[name].append(out)
                 if out["tokens"] != outs["off"]["tokens"]:
                     mismatches.append(f"{name} streams round {rnd}")
+        print(f"round {rnd + 1} of {args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     report = {**run_facts(), "model": str(model), "threads": args.threads, "tokens": args.tokens, "k": args.k,
               "rounds": args.rounds, "configs": chosen, "single": {}, "streams": {}, "mismatches": mismatches}
     for s in PROMPTS:
-        per_round = {name: _per_round(outs, len(chat[s])) for name, outs in single[s].items()}
-        off = statistics.median(per_round["off"])
+        per = len(chat[s])
+        wall = {name: _per_round(outs, per, "decode_s") for name, outs in single[s].items()}
+        cpu = {name: _per_round(outs, per, "cpu_s") for name, outs in single[s].items()}
+        off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
         report["single"][s] = {}
-        print(f"\n{s} (single stream, {len(chat[s])} prompts, {args.rounds} rounds; ms/token by round)")
-        for name, ms in per_round.items():
-            med = statistics.median(ms)
+        print(f"\n{s} (single stream, {per} prompts, {args.rounds} rounds): ms/token wall (by round) and CPU")
+        for name in llms:
             outs = single[s][name]
             drafts, accepted = sum(o["drafts"] for o in outs), sum(o["accepted"] for o in outs)
-            steps = sum(o["steps"] for o in outs)
-            row = {"ms_per_token": ms, "median_ms": med, "speedup": off / med,
+            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "speedup_wall": off_wall / statistics.median(wall[name]),
+                   "speedup_cpu": off_cpu / statistics.median(cpu[name]),
                    "acceptance_length": 1 + accepted / drafts if drafts else None,
-                   "verify_share": drafts / steps, "tokens": sum(sum(o["n"]) for o in outs) // args.rounds}
+                   "verify_share": drafts / sum(o["steps"] for o in outs),
+                   "tokens_per_round": sum(sum(o["n"]) for o in outs) // args.rounds}
             report["single"][s][name] = row
             acc = f"{row['acceptance_length']:.2f}" if drafts else "-"
-            print(f"  {name:16s} {med:7.1f} ms/token  x{off / med:5.2f}  acceptance length {acc:>5s}  verifying "
-                  f"{row['verify_share']:4.0%} of steps  ({' '.join(f'{m:.1f}' for m in ms)})")
+            print(f"  {name:16s} wall {statistics.median(wall[name]):6.1f} x{row['speedup_wall']:4.2f} "
+                  f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
+                  f"x{row['speedup_cpu']:4.2f}  acceptance length {acc:>5s}, verifying {row['verify_share']:4.0%} of steps")
     if args.streams:
-        print(f"\n{args.streams} concurrent chat streams ({args.rounds} rounds)")
-        per_stream = {name: [1000 * statistics.mean(d / (n - 1) for d, n in zip(o["decode_s"], o["n"]) if n > 1)
-                             for o in outs] for name, outs in batch.items()}
-        off = statistics.median(per_stream["off"])
-        for name, ms in per_stream.items():
-            med = statistics.median(ms)
-            outs = batch[name]
+        print(f"\n{args.streams} concurrent chat streams ({args.rounds} rounds): ms/token per stream, wall and CPU")
+        wall = {name: [_per_stream(o, "decode_s") for o in outs] for name, outs in batch.items()}
+        cpu = {name: [_per_stream(o, "cpu_s") for o in outs] for name, outs in batch.items()}
+        off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
+        for name, outs in batch.items():
             drafts, accepted = sum(o["drafts"] for o in outs), sum(o["accepted"] for o in outs)
-            report["streams"][name] = {"ms_per_token_per_stream": ms, "median_ms": med, "speedup": off / med,
-                                       "acceptance_length": 1 + accepted / drafts if drafts else None}
-            print(f"  {name:16s} {med:7.1f} ms/token per stream  x{off / med:5.2f}  "
-                  f"({' '.join(f'{m:.1f}' for m in ms)})")
+            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "speedup_wall": off_wall / statistics.median(wall[name]),
+                   "speedup_cpu": off_cpu / statistics.median(cpu[name]),
+                   "acceptance_length": 1 + accepted / drafts if drafts else None}
+            report["streams"][name] = row
+            print(f"  {name:16s} wall {statistics.median(wall[name]):6.1f} x{row['speedup_wall']:4.2f} "
+                  f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
+                  f"x{row['speedup_cpu']:4.2f}")
     if mismatches:
         print(f"\nOUTPUT DIFFERS from off: {mismatches}")
     write_report(report, args.out)
     return 1 if mismatches else 0
 
 
-def _per_round(outs: list[dict], per: int) -> list[float]:
-    """ms per token of each round: its prompts' decode time over their tokens after the first."""
+def _per_stream(out: dict, key: str) -> float:
+    """ms per token of a concurrent run: the streams' mean of (last - first token) / (tokens - 1)."""
+    return 1000 * statistics.mean(d / (n - 1) for d, n in zip(out[key], out["n"]) if n > 1)
+
+
+def _per_round(outs: list[dict], per: int, key: str) -> list[float]:
+    """ms per token of each round: its prompts' decode time (`key`: wall or CPU) over their
+    tokens after the first."""
     rounds = [outs[i:i + per] for i in range(0, len(outs), per)]
-    return [1000 * sum(sum(o["decode_s"]) for o in r) / sum(sum(n - 1 for n in o["n"]) for o in r) for r in rounds]
+    return [1000 * sum(sum(o[key]) for o in r) / sum(sum(n - 1 for n in o["n"]) for o in r) for r in rounds]
 
 
 if __name__ == "__main__":

@@ -255,3 +255,22 @@ def test_a_bad_speculative_config_is_refused_naming_the_problem(model_dirs, bad,
 def test_a_missing_draft_folder_is_refused(model_dirs):
     with pytest.raises(ConfigError, match="config.json not found"):  # read when the engine starts
         _llm(model_dirs["qwen3"], {"model": "/no/such/folder", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("path", ["per_op", "decode_graphs"])
+def test_other_decode_paths_verify_exactly(path, model_dirs, hf_greedy, monkeypatch):
+    """Without the native decode stack (the GPU's way: rows through the model's forward and
+    its paged decode attention), and under the bucketed decode buffers (CUDA graphs on a
+    GPU: verifications run eagerly), greedy output is still transformers'."""
+    options = {}
+    if path == "per_op":
+        monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+    else:
+        options["decode_graphs"] = True
+    model_dir = model_dirs["qwen2"]
+    llm = _llm(model_dir, SELF_INT8, **options)
+    prompts = mixed_prompts(llm.engine.config.model.vocab_size, seed=7)[:10]
+    for p, o in zip(prompts, llm.generate(prompts, _greedy(), use_tqdm=False)):
+        assert o["token_ids"] == hf_greedy(model_dir, p, MAX_NEW)
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    _check_clean(llm)

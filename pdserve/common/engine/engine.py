@@ -275,10 +275,10 @@ class LLMEngine:
         failed: dict[int, str] = {}
         generators = self.runner.generator_states([r for s in batch.seqs for r in (s, *s.forks)])
         try:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # the step's cost in CPU seconds (spec/policy.py says why)
             sampled = self.runner.execute(batch, layer_hook)
             if self.speculator is not None:
-                self.speculator.observe_step(batch, time.perf_counter() - t0)
+                self.speculator.observe_step(batch, time.thread_time() - t0)
         except Exception as e:
             sampled, failed = self._isolate(batch, e, generators)
             if kv_writer is not None and layer_hook is not None:
@@ -291,7 +291,7 @@ class LLMEngine:
                 outputs.append(StepOutput(seq, -1, True, error=failed[seq.seq_id]))
             keep = [i for i, s in enumerate(batch.seqs) if s.seq_id not in failed]
             batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
-        kept = self._take_verified(batch, sampled) if self.speculator is not None else {}
+        kept = self.speculator.settle(batch, sampled, self._kept) if self.speculator is not None else {}
         self.scheduler.advance(batch)
         for seq in batch.seqs:
             s = sampled.get(seq.seq_id)
@@ -326,26 +326,6 @@ class LLMEngine:
             outs[0].prompt_logprobs = prompt_lps  # once per request: on choice 0's first output
             outputs += outs
         return outputs
-
-    def _take_verified(self, batch: ScheduledBatch, sampled: dict[int, Sampled]
-                       ) -> dict[int, list[tuple[int, TokenLogprobs | None]]]:
-        """The step's verified sequences: the tokens each keeps (its accepted drafts and the
-        target's next token, up to the first that ends it), by seq_id. Each gets the kept
-        tokens but the last appended, and its count in `batch` set to its rows whose KV
-        stands (its last token and those), so `Scheduler.advance` counts and hashes only
-        accepted tokens. Every sequence's drafts are consumed."""
-        kept = {}
-        for i, seq in enumerate(batch.seqs):
-            s = sampled.get(seq.seq_id)
-            if seq.spec_token_ids and s is not None and s.num_draft:
-                tokens = [(s.token, s.logprobs), *s.more]
-                tokens = tokens[:self._kept(seq, [t for t, _ in tokens])]
-                seq.token_ids += [t for t, _ in tokens[:-1]]
-                batch.num_tokens[i] = len(tokens)
-                kept[seq.seq_id] = tokens
-                self.speculator.record(seq, s.num_draft, len(s.more))
-            seq.spec_token_ids = []
-        return kept
 
     def _kept(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of `tokens`, appended to `seq` in order, come before it stops (the one

@@ -86,7 +86,7 @@ class DraftModelProposer:
         self.runner.rows_per_chunk = CATCH_UP_ROWS
         self.runner.sampler.eos_token_ids = eos_token_ids  # what min_tokens hides from drafts too
         self._states: dict[int, _DraftState] = {}
-        self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) of each draft pass
+        self.on_pass: Callable[[int, float], None] | None = None  # (sequences, CPU seconds) of each draft pass
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
         shadows = [self._catch_up(s) for s in seqs]
@@ -95,10 +95,10 @@ class DraftModelProposer:
         while active:  # the first pass catches each shadow up to its target's last token, then one token each
             batch = ScheduledBatch([shadows[i] for i in active],
                                    [len(shadows[i]) - shadows[i].num_computed_tokens for i in active])
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # CPU seconds, as the target's steps are timed (spec/policy.py)
             sampled = self.runner.execute(batch)
             if self.on_pass is not None and batch.total_tokens <= 2 * len(batch):  # not a prompt's catch-up
-                self.on_pass(len(batch), time.perf_counter() - t0)
+                self.on_pass(len(batch), time.thread_time() - t0)
             for i in active:
                 shadow = shadows[i]
                 shadow.num_computed_tokens = len(shadow)

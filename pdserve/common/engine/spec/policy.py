@@ -12,7 +12,13 @@ that give the most tokens per second, none when nothing beats not speculating: o
 weight-bound single stream a few more rows cost little, in a compute-bound batch they
 cost what they compute, and a draft that is mostly rejected costs its rows for nothing.
 A sequence that has not verified anything for PROBE_EVERY steps verifies once, so its
-estimate follows the text it is writing now."""
+estimate follows the text it is writing now.
+
+Costs are measured in CPU seconds of the engine's thread (`time.thread_time`), not wall
+time: on a host whose cores are shared, the time other processes take the cores away
+varies by orders of magnitude between steps and says nothing about the step; the CPU time
+a step keeps the engine's thread busy (its parallel regions included, where it works or
+waits for its other threads) is what its rows cost."""
 from __future__ import annotations
 
 from dataclasses import dataclass

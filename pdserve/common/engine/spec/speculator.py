@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from collections.abc import Callable
+
 import torch
 
 from pdserve.common.config import EngineConfig, SpeculativeConfig
+from pdserve.common.engine.sampler import Sampled
+from pdserve.common.logprobs import TokenLogprobs
 from pdserve.common.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.spec.draft_model import DraftModelProposer
@@ -91,6 +95,27 @@ class Speculator:
         of one-query rows alone (decodes and verifications; a prompt chunk costs otherwise)."""
         if all(n == 1 or s.spec_token_ids for s, n in zip(batch.seqs, batch.num_tokens)):
             self.policy.target.observe(batch.total_tokens, seconds)
+
+    def settle(self, batch: ScheduledBatch, sampled: dict[int, Sampled], kept: Callable[[Sequence, list[int]], int]
+               ) -> dict[int, list[tuple[int, TokenLogprobs | None]]]:
+        """After a step: the tokens each verified sequence keeps (its accepted drafts, then
+        the target's next token; `kept(seq, tokens)` says how many before it stops), by
+        seq_id. Each gets the kept tokens but the last appended, and its count in `batch`
+        set to its rows whose KV stands (its last token and those drafts), so
+        `Scheduler.advance` counts and hashes accepted tokens only. Every sequence's drafts
+        are consumed."""
+        out = {}
+        for i, seq in enumerate(batch.seqs):
+            s = sampled.get(seq.seq_id)
+            if seq.spec_token_ids and s is not None and s.num_draft:
+                tokens = [(s.token, s.logprobs), *s.more]
+                tokens = tokens[:kept(seq, [t for t, _ in tokens])]
+                seq.token_ids += [t for t, _ in tokens[:-1]]
+                batch.num_tokens[i] = len(tokens)
+                out[seq.seq_id] = tokens
+                self.record(seq, s.num_draft, len(s.more))
+            seq.spec_token_ids = []
+        return out
 
     def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """A verification of `seq` kept `num_accepted` of its `num_draft` drafts."""
