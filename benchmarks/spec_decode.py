@@ -11,15 +11,18 @@ SmolLM2-135M-Instruct at float32, `--quantization none`), taking turns request b
   model's own int4 copy drafting;
 - ngram: `{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}`;
 
-each with `num_speculative_tokens` = --k and the adaptive policy on (the default), and the
-same two with `"adaptive": false` (every step verifies what the proposer has) for reference.
+each with `num_speculative_tokens` = --k and the adaptive policy on (the default); with
+`--configs` also the same two with `"adaptive": false` (every step verifies what the
+proposer has: self_int4_fixed, ngram_fixed).
 
 Two prompt sets, chat-templated: `repeat`, asks whose answer repeats much of the prompt
 (edit this code, repeat this text with one change); `chat`, open questions. Single
 stream: each prompt alone, greedy, up to --tokens tokens; its per-token time is (last
 token - first token) / (tokens - 1) from the engine's own steps (the prompt's prefill is
 not counted), and a set's figure is its total decode time over its total tokens, the
-median of --rounds rounds. Every configuration's output must equal off's token for token
+median of --rounds rounds, in wall time and in CPU time of the engine's thread (on a host
+whose cores other jobs share, the second says what the steps cost without the time the
+cores were taken away). Every configuration's output must equal off's token for token
 (greedy, float32: speculation changes no token); a difference is reported and fails the
 run. Acceptance length: 1 + accepted / verifications (vLLM's mean acceptance length), and
 the share of steps that verified drafts.
@@ -86,8 +89,11 @@ CHAT_MORE = ["Why is the sky blue?", "Write a poem about autumn leaves.", "How d
 def configs(k: int) -> dict[str, dict | None]:
     draft = {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": k}
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    return {"off": None, "self_int4": draft, "ngram": ngram,
+    return {"off": None, "self_int4": draft, "ngram": ngram,  # the default set
             "self_int4_fixed": {**draft, "adaptive": False}, "ngram_fixed": {**ngram, "adaptive": False}}
+
+
+DEFAULT_CONFIGS = "off,self_int4,ngram"  # each engine holds its weights (and a draft its own): ~1.5 GB apiece
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -127,18 +133,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batch part (0: none)")
-    ap.add_argument("--configs", default=None, help="comma-separated subset of the configurations (off first)")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="comma-separated configurations, off first (also self_int4_fixed, ngram_fixed: adaptive off)")
     ap.add_argument("--out", default=str(REPO / "results" / "spec_decode.json"))
     args = ap.parse_args()
     model = args.model
     if model is None:
         from pdserve.common.loading.default_model import resolve_model_dir
         model = resolve_model_dir(None)
-    chosen = configs(args.k)
-    if args.configs:
-        chosen = {name: chosen[name] for name in args.configs.split(",")}
+    chosen = {name: configs(args.k)[name] for name in args.configs.split(",")}
     assert next(iter(chosen)) == "off", "off first: the others are compared with it"
-    llms = {name: LLM(model, dtype="float32", quantization="none", num_threads=args.threads, num_kv_blocks=512,
+    llms = {name: LLM(model, dtype="float32", quantization="none", num_threads=args.threads, num_kv_blocks=128,
                       max_model_len=1024, **({"speculative_config": spec} if spec else {}))
             for name, spec in chosen.items()}
     tok = next(iter(llms.values())).tokenizer

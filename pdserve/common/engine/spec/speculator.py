@@ -69,6 +69,8 @@ class Speculator:
     def propose(self, scheduler: Scheduler) -> None:
         """Give the running sequences that decode the draft tokens to verify in the next
         step (`Sequence.spec_token_ids`), with room for them in their blocks."""
+        for s in scheduler.running:  # drafts of a step that left a sequence out are stale
+            s.spec_token_ids = []
         seqs = [s for s in scheduler.running if self._decoding(s)]
         caps = [self._cap(s) for s in seqs]
         seqs, caps = [s for s, c in zip(seqs, caps) if c > 0], [c for c in caps if c > 0]
