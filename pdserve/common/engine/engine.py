@@ -94,8 +94,8 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer_eos)
         self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # what min_tokens hides
         self.runner.grammars.stop_token_ids = sorted(self.eos_token_ids)  # what ends a grammar
-        self.speculator = None if spec is None else Speculator(config, spec, self.runner.num_blocks,
-                                                               frozenset(self.eos_token_ids), self.runner.model)
+        self.speculator = None if spec is None else Speculator(config, spec, self.runner.model, self.runner.kv_cache,
+                                                               frozenset(self.eos_token_ids))
         self._tokenizer: Tokenizer | None = None
         self._ids = SeqIdCounter()
         self.warm_up_s = self.warm_up() if warm_up else None

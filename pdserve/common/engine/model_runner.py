@@ -45,8 +45,8 @@ def bytes_per_block(config: EngineConfig) -> int:
 
 def decide_num_blocks(config: EngineConfig, speculates: bool = False) -> int:
     """Cache size in blocks: the configured count, else `memory_fraction` of device memory
-    (shared, for an engine that `speculates` with a draft model, with the draft's KV cache
-    of as many blocks: common/engine/spec/draft_model.py)."""
+    (shared, for an engine that `speculates` with another draft model, with the draft's KV
+    cache of as many blocks: common/engine/spec/draft_model.py)."""
     if config.cache.num_kv_blocks is not None:
         n = config.cache.num_kv_blocks
     else:
@@ -57,7 +57,7 @@ def decide_num_blocks(config: EngineConfig, speculates: bool = False) -> int:
             budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * config.cache.memory_fraction
         per_block = bytes_per_block(config)
         spec = config.speculative if speculates else None
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method == "draft_model" and spec.model != "self":  # "self" shares this cache
             draft = ModelConfig.from_dir(spec.draft_dir(config.model.model_dir))
             per_block += bytes_per_block(dataclasses.replace(config, model=draft))
         n = int(budget // per_block)

@@ -2,20 +2,29 @@
 tokenizer, or the target itself in another precision (`"model": "self"`, e.g. int4
 weights: common/quantization.py), proposes the next tokens greedily, one pass per token.
 
-The draft model has its own KV cache of as many blocks as the target's, paged by the
-target's block tables: a sequence's draft KV of position p lies in the draft cache at the
-slot where its target KV lies in the target's. So the draft needs no blocks of its own, and
-the slots the scheduler holds for a verification (`Scheduler.lookahead`) hold the drafts'
-KV too. What the draft cache holds for a sequence is tracked here: a sequence starts with
-none (its prompt's draft KV is computed on its first proposal, also for a prompt whose
-target KV came from a prefill worker or the prefix cache), and after a verification the
-draft KV stays valid up to the first rejected draft."""
+Where the draft's KV lies:
+
+- `"model": "self"`: in the target's own cache (the same layers, heads and dtype; as
+  QSpec, Zhao et al. 2024). The draft reads the target's KV of every computed position and
+  writes its own only at the positions it drafts, from the target's last token on, which
+  the verification step then computes and writes again (every row's K/V is stored before
+  any row attends), so the target never reads a draft's KV; those slots are the ones the
+  scheduler holds for the verification (`Scheduler.lookahead`), which no other sequence
+  shares. Nothing is kept per sequence: each proposal starts from the target's cache as it
+  is, a prompt whose KV came from a prefill worker or the prefix cache included.
+- another model: in a KV cache of its own with as many blocks as the target's, paged by
+  the target's block tables (a sequence's draft KV of position p at the slot of its target
+  KV), so it needs no blocks of its own. What it holds for a sequence is tracked here: a
+  sequence starts with none (the draft computes its prompt on its first proposal), and
+  after a verification its draft KV stays valid up to the first rejected draft."""
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from pdserve.common.config import ConfigError, EngineConfig, EngineOptions, ModelConfig, SpeculativeConfig
 from pdserve.common.engine.model_runner import ModelRunner
@@ -74,15 +83,22 @@ class _DraftState:
     base: int = 0
 
 
+def shares_kv(spec: SpeculativeConfig) -> bool:
+    """Whether the draft writes its KV into the target's cache (the target itself: "self")."""
+    return spec.method == "draft_model" and spec.model == "self"
+
+
 class DraftModelProposer:
-    """Owns the draft model's runner (its weights, its KV cache) and each proposing
-    sequence's draft state."""
+    """Owns the draft model's runner (its weights; its KV cache unless it `shares_kv` the
+    target's) and each proposing sequence's draft state."""
 
     free = False
 
-    def __init__(self, target: EngineConfig, spec: SpeculativeConfig, num_blocks: int,
+    def __init__(self, target: EngineConfig, spec: SpeculativeConfig, target_cache: torch.Tensor,
                  eos_token_ids: frozenset[int]) -> None:
-        self.runner = ModelRunner(draft_config(target, spec, num_blocks))
+        self.shared = shares_kv(spec)
+        config = draft_config(target, spec, target_cache.shape[2])
+        self.runner = ModelRunner(config, target_cache if self.shared else None)
         self.runner.rows_per_chunk = CATCH_UP_ROWS
         self.runner.sampler.eos_token_ids = eos_token_ids  # what min_tokens hides from drafts too
         self._states: dict[int, _DraftState] = {}
@@ -117,6 +133,10 @@ class DraftModelProposer:
             state = self._states[seq.seq_id] = _DraftState(
                 Sequence(seq.seq_id, [], params, num_prompt_tokens=seq.num_prompt_tokens))
         shadow = state.shadow
+        if self.shared:  # the target's cache holds every computed position: from its last token on
+            shadow.token_ids, shadow.block_table = list(seq.token_ids), seq.block_table
+            shadow.num_computed_tokens = seq.num_computed_tokens
+            return shadow
         old, new = shadow.token_ids, seq.token_ids
         valid = state.base  # tokens [0, base) were the target's at the last proposal: still its
         end = min(len(old), len(new))

@@ -49,8 +49,8 @@ class Speculator:
     uncomputed), not waiting for a grammar to start after their reasoning (whose mask
     would change within the drafts)."""
 
-    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, num_blocks: int,
-                 eos_token_ids: frozenset[int], target: torch.nn.Module) -> None:
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: torch.nn.Module,
+                 target_cache: torch.Tensor, eos_token_ids: frozenset[int]) -> None:
         self.config = config
         self.spec = spec
         self.eos_token_ids = eos_token_ids
@@ -59,7 +59,7 @@ class Speculator:
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
             self.policy = AdaptivePolicy(draft_passes=False, prior=NGRAM_PRIOR, adaptive=spec.adaptive)
         else:
-            proposer = DraftModelProposer(config, spec, num_blocks, eos_token_ids)
+            proposer = DraftModelProposer(config, spec, target_cache, eos_token_ids)
             self.policy = AdaptivePolicy(draft_passes=True, prior=DRAFT_MODEL_PRIOR, adaptive=spec.adaptive,
                                          draft_ratio=weight_bytes(proposer.runner.model) / max(1, weight_bytes(target)))
             proposer.on_pass = self.policy.draft.observe  # type: ignore[union-attr]
