@@ -1,8 +1,9 @@
 """Speculative decoding across the split: the prefill worker samples each first token (it
-never speculates), the decode worker speculates from there on, its draft model computing
-the prompt's draft KV itself (the transferred KV is the target's only). Greedy output
-equals transformers', with features that shape the logits too; each output entry carries
-its verifications' counts, the timeline the request's, the worker's status the totals."""
+never speculates), the decode worker speculates from there on, its draft (the model's int8
+copy) reading the prompt's KV as the prefill worker wrote it into the shared cache. Greedy
+output equals transformers', with features that shape the logits too; each output entry
+carries its verifications' counts, the timeline the request's, the worker's status the
+totals."""
 from __future__ import annotations
 
 import json
