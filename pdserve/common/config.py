@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,84 @@ class DeviceConfig:
         return parse_dtype(self.dtype)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16  # a verification step holds 1 + k query rows per sequence
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                     "quantization", "adaptive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config JSON`, vLLM's keys; common/engine/spec/):
+    `method` "ngram" proposes the `num_speculative_tokens` tokens that followed the
+    latest earlier occurrence of the sequence's last n tokens (n from `prompt_lookup_max`
+    down to `prompt_lookup_min`: prompt lookup); "draft_model" lets `model` (a model
+    folder with the target's tokenizer, or "self": the target's own folder) propose them,
+    run in its own weight `quantization` (none, int8, int4, gguf, auto). `adaptive`
+    (pdserve's own key): propose only where the measured acceptance and step costs say
+    it pays; off, every decoding sequence proposes every step."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    quantization: str = "auto"
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"speculative_config: num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                              f"got {self.num_speculative_tokens}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ConfigError("speculative_config: method 'ngram' takes no model")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            # vLLM's defaults: both 5 when neither is given, else the one given for both
+            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            if not 1 <= lo <= hi:
+                raise ConfigError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                                  f"got {lo} and {hi}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif not self.model:
+            raise ConfigError("speculative_config: method 'draft_model' needs a model (a folder, or \"self\")")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"speculative_config: quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                              f"got {self.quantization!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, Any]") -> "SpeculativeConfig":
+        """From vLLM's form: a JSON object (as `--speculative-config` takes it) or a dict
+        (`LLM(speculative_config=...)`). Without a method, a model means draft_model.
+        ConfigError names what is wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                              f"(known: {', '.join(_SPECULATIVE_KEYS)})")
+        data = dict(value)
+        if "method" not in data and data.get("model"):
+            data["method"] = "draft_model"
+        if "method" not in data or "num_speculative_tokens" not in data:
+            raise ConfigError("speculative_config needs method and num_speculative_tokens")
+        return schema.build(cls, data, "speculative_config", ConfigError)
+
+    def draft_dir(self, model_dir: str | Path) -> str:
+        """The draft model's folder: `model`, or the target's for "self"."""
+        assert self.model is not None
+        return str(model_dir) if self.model == "self" else self.model
+
+
 class Option(NamedTuple):
     """One config field as users spell it (`LLM(..., block_size=32)`, `--block-size 32`, a
     worker spec's "engine" object), with what the CLI shows for it."""
@@ -240,6 +319,23 @@ class EngineOptions:
     decode_graphs: bool = option(False, "decode batches through the bucketed static buffers (CUDA graphs on a GPU; "
                                         "always on for a CUDA decode worker); on the CPU it only pads batches, "
                                         "for testing the bucketing")
+    speculative_config: str | None = option(None, "speculative decoding on the decode side, as vLLM's JSON: "
+                                                  '{"method": "ngram", "num_speculative_tokens": 4, '
+                                                  '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": '
+                                                  '"draft_model", "model": "self", "quantization": "int4", '
+                                                  '"num_speculative_tokens": 4} (docs/speculative.md; default: off)')
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if isinstance(spec, dict):  # LLM(speculative_config={...}): kept in its flag's form, JSON text
+            object.__setattr__(self, "speculative_config", json.dumps(spec))
+        if spec is not None:  # checked here, at the edge: ConfigError now, not when an engine starts
+            SpeculativeConfig.parse(spec)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (None: off)."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @staticmethod
     def options() -> dict[str, Option]:
@@ -313,6 +409,7 @@ class EngineConfig(EngineOptions):
     model: ModelConfig
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.device.dtype == "auto":
             dtype = resolve_dtype("auto", self.model.model_dir, self.device.device)
             object.__setattr__(self, "device", dataclasses.replace(self.device, dtype=dtype))

@@ -1,7 +1,9 @@
 """The stamps of a request's timeline, in the order a disaggregated request passes them.
 A timeline is a plain `dict[str, float]` of wall-clock seconds (`Clock.time()`, common/clock.py:
 stamps from several processes on one host compare) so it travels on the wire as is; its
-keys are only ever written through `mark`, with a `Stamp` and the caller's clock reading."""
+keys are only ever written through `mark`, with a `Stamp` and the caller's clock reading,
+or through `count`, with a `Count`: the few numbers that are not times (speculative
+decoding's draft and accepted tokens)."""
 from __future__ import annotations
 
 import enum
@@ -25,6 +27,11 @@ class Stamp(str, enum.Enum):
     ROUTER_DONE = "router_done"          # router: final output relayed
 
 
+class Count(str, enum.Enum):
+    SPEC_DRAFT_TOKENS = "spec_draft_tokens"        # D (or colocated): draft tokens the request verified
+    SPEC_ACCEPTED_TOKENS = "spec_accepted_tokens"  # D: of those, the accepted ones
+
+
 Timeline = dict[str, float]
 
 
@@ -34,3 +41,8 @@ def mark(timeline: Timeline, stamp: Stamp, at: float, *, first: bool = False) ->
     if first and stamp.value in timeline:
         return
     timeline[stamp.value] = at
+
+
+def count(timeline: Timeline, what: Count, n: int) -> None:
+    """Set the count `what` to `n` (a number of tokens, not a time)."""
+    timeline[what.value] = float(n)

@@ -33,6 +33,8 @@ class Outbox:
             last.num_prompt_tokens, last.num_cached_tokens = entry.num_prompt_tokens, entry.num_cached_tokens
         if entry.prompt_logprobs is not None:  # on a request's first entry only
             last.prompt_logprobs = entry.prompt_logprobs
+        last.num_draft_tokens += entry.num_draft_tokens
+        last.num_accepted_tokens += entry.num_accepted_tokens
 
     def take(self, identity: bytes) -> list[RequestOutput]:
         """One connection's entries, removed (an error for a request must follow its tokens)."""

@@ -22,7 +22,7 @@ from pdserve.common.wire.messages import (AbortRequest, ErrorReply, GenerateRequ
                                   PrefillRequest, RequestOutput, StatusRequest, StepOutputs, WorkerStatus)
 from pdserve.common.engine.model_runner import decide_num_blocks, kv_cache_shape
 from pdserve.common.models.precision import kv_cache_dtype
-from pdserve.common.timeline import Stamp, mark
+from pdserve.common.timeline import Count, Stamp, count, mark
 from pdserve.common.wire.transport import Incoming
 from pdserve.common.worker.base import IDLE_WAIT_MS, WorkerBase
 from pdserve.decode_node.outbox import Outbox
@@ -64,7 +64,7 @@ class DecodeWorker(WorkerBase):
         """The engine over a KV cache the transfer backend can reach."""
         dev = self.config.device
         self.backend = resolve_backend(self.wconfig.kv_transfer, dev.device)
-        shape = kv_cache_shape(self.config, decide_num_blocks(self.config))
+        shape = kv_cache_shape(self.config, decide_num_blocks(self.config, speculates=True))
         self.receiver = make_receiver(self.backend, shape, kv_cache_dtype(dev), dev.device,
                                       shm_name_hint(self.worker_id, self.key.deployment_id))
         return LLMEngine(self.config, self.receiver.kv_cache, warm_up=True)
@@ -306,13 +306,13 @@ class DecodeWorker(WorkerBase):
         tokens = [out.new_token] if out.new_token >= 0 else []
         if not out.finished:
             entry = RequestOutput(req.request_id, tokens, logprobs=_logprobs(out), index=out.seq.index,
-                                  prompt_logprobs=out.prompt_logprobs)
+                                  prompt_logprobs=out.prompt_logprobs, **_spec_counts(out))
             if out.seq.num_output_tokens == 1:  # the first: a request ended by a stop string gets no last entry
                 entry.num_prompt_tokens, entry.num_cached_tokens = out.seq.num_prompt_tokens, out.seq.num_cached_tokens
             self.outbox.add(req.identity, entry)
             return
         self.finish_reply(req, out.seq.finish_reason or "stop", tokens, _logprobs(out), out.seq.index,
-                          out.prompt_logprobs)
+                          out.prompt_logprobs, **_spec_counts(out))
         self.finish_if_done(req)
 
     def finish_if_done(self, req: DecodeRequest) -> None:
@@ -322,15 +322,21 @@ class DecodeWorker(WorkerBase):
 
     def finish_reply(self, req: DecodeRequest, reason: str, new_tokens: list[int],
                      logprobs: list[TokenLogprobs] | None = None, index: int = 0,
-                     prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
+                     prompt_logprobs: list[TokenLogprobs | None] | None = None,
+                     num_draft_tokens: list[int] | None = None, num_accepted_tokens: list[int] | None = None) -> None:
         seq = req.seq
         req.answered.add(index)
         mark(req.timeline, Stamp.FINISH, self.clock.time())
+        drafted = sum(c.num_draft_tokens for c in req.choices)
+        if drafted:  # the request speculated here: its acceptance, every choice's
+            count(req.timeline, Count.SPEC_DRAFT_TOKENS, drafted)
+            count(req.timeline, Count.SPEC_ACCEPTED_TOKENS, sum(c.num_accepted_tokens for c in req.choices))
         self.outbox.add(req.identity, RequestOutput(
             req.request_id, list(new_tokens), finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             timeline=req.timeline if req.return_timeline else None, logprobs=logprobs, index=index,
-            prompt_logprobs=prompt_logprobs))
+            prompt_logprobs=prompt_logprobs, num_draft_tokens=num_draft_tokens or [],
+            num_accepted_tokens=num_accepted_tokens or []))
 
     def flush(self) -> None:
         """End of a loop turn: one StepOutputs per router connection with every entry of
@@ -420,6 +426,14 @@ class DecodeWorker(WorkerBase):
 def _logprobs(out: StepOutput) -> list[TokenLogprobs] | None:
     """A step output's logprobs as a `RequestOutput` holds them: one per token."""
     return None if out.logprobs is None else [out.logprobs]
+
+
+def _spec_counts(out: StepOutput) -> dict[str, list[int]]:
+    """A step output's speculative decoding counts as a `RequestOutput` holds them: one per
+    verification (the last output of a verified sequence's step carries them)."""
+    if not out.num_draft_tokens:
+        return {}
+    return {"num_draft_tokens": [out.num_draft_tokens], "num_accepted_tokens": [out.num_accepted_tokens]}
 
 
 def _fork_firsts(ready: KVReady, n_forks: int) -> list[tuple[int, bytes, TokenLogprobs | None]] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,10 @@ def test_every_option_has_a_flag_that_sets_it(command):
             flag = config_flag(option) if not option.default else "--no-" + config_flag(option)[2:]
             argv, want = [flag], not option.default
         else:
-            argv = [config_flag(option), "none" if name == "quantization" else _other(option.default)]
-            want = option.type(argv[1]) if isinstance(option.type, type) else int(argv[1])
+            value = {"quantization": "none", "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+            argv = [config_flag(option), value.get(name) or _other(option.default)]
+            (kind,) = [t for t in typing.get_args(option.type) or (option.type,) if t is not type(None)]  # X | None: X
+            want = kind(argv[1])
         got = engine_options(build_parser().parse_args([command, *argv])).to_dict()
         assert got == {**EngineOptions().to_dict(), name: want}, argv
 

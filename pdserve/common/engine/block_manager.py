@@ -144,6 +144,14 @@ class BlockManager:
                 self._events.append(("stored", h))
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's trailing blocks beyond those that hold `num_tokens` tokens (never
+        a computed one's): the room a speculative step took for draft tokens that were
+        rejected. The released blocks were never full and computed, so hold no hash."""
+        keep = max(-(-num_tokens // self.block_size), -(-seq.num_computed_tokens // self.block_size))
+        while len(seq.block_table) > keep:
+            self.release(seq.block_table.pop())
+
     def free(self, seq: Sequence) -> None:
         """Release all of seq's blocks; tail blocks are freed first so they are evicted first."""
         for b in reversed(seq.block_table):

@@ -16,11 +16,13 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.grammar import GrammarError
 from pdserve.common.engine.graph_runner import GraphRunner
 from pdserve.common.hashing import block_hashes
-from pdserve.common.engine.model_runner import ModelRunner, Sampled
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.sampler import Sampled
 from pdserve.common.logprobs import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.common.engine.sequence import SeqIdCounter, Sequence, SequenceStatus
+from pdserve.common.engine.spec.speculator import SpecStats, Speculator
 from pdserve.common.text.tokenizer import Tokenizer, eos_token_id
 from pdserve.common.validation import RequestError, check_sampling, prompt_token_ids
 
@@ -42,6 +44,10 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
     # prefill-only engine, n > 1: the first tokens of the other choices, sampled from the same logits
     forks: list["StepOutput"] = field(default_factory=list)
+    # speculative decoding: a step may give a sequence several outputs, one per token; the last of
+    # them carries how many draft tokens it verified and how many of those it accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -75,17 +81,21 @@ class LLMEngine:
                  prefill_only: bool = False, warm_up: bool = False) -> None:
         self.config = config
         self.prefill_only = prefill_only
+        spec = None if prefill_only else config.speculative  # speculation is the decoding side's
         runner_cls = GraphRunner if config.decode_graphs else ModelRunner
-        self.runner: ModelRunner = runner_cls(config, kv_cache)
+        self.runner: ModelRunner = runner_cls(config, kv_cache, speculates=spec is not None)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.scheduler.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   num_lookahead=spec.num_speculative_tokens if spec is not None else 0)
         self.eos_token_ids = set(config.model.eos_token_ids)
         tokenizer_eos = eos_token_id(config.model.model_dir)
         if tokenizer_eos is not None:
             self.eos_token_ids.add(tokenizer_eos)
         self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # what min_tokens hides
         self.runner.grammars.stop_token_ids = sorted(self.eos_token_ids)  # what ends a grammar
+        self.speculator = None if spec is None else Speculator(config, spec, self.runner.model, self.runner.kv_cache,
+                                                               frozenset(self.eos_token_ids))
         self._tokenizer: Tokenizer | None = None
         self._ids = SeqIdCounter()
         self.warm_up_s = self.warm_up() if warm_up else None
@@ -106,6 +116,8 @@ class LLMEngine:
             self.step()
         self.release(seq, "warm_up")  # a prefill-only engine's sequence holds its blocks until released
         self.block_manager.take_events()
+        if self.speculator is not None:
+            self.speculator.stats = SpecStats()  # counts of requests served (its step costs it keeps)
         return time.perf_counter() - t0
 
     @property
@@ -223,6 +235,9 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq.seq_id)
         seq.grammar = None
+        seq.spec_token_ids = []
+        if self.speculator is not None:
+            self.speculator.release(seq.seq_id)
         for child in seq.forks:
             child.status, child.finish_reason = SequenceStatus.FINISHED, reason
             self.runner.release(child.seq_id)
@@ -240,7 +255,12 @@ class LLMEngine:
         """Schedule and run one step; one output per sequence that sampled a token. A
         finished sequence has released everything; a prefill-only engine's sequences are
         PREFILLED after their first token and hold their blocks until `release`."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)  # draft tokens, verified in this step
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            for victim in batch.preempted:  # its draft KV went with its blocks
+                self.speculator.release(victim.seq_id)
         if not batch.seqs:
             return []
         layer_hook = None
@@ -255,7 +275,10 @@ class LLMEngine:
         failed: dict[int, str] = {}
         generators = self.runner.generator_states([r for s in batch.seqs for r in (s, *s.forks)])
         try:
+            t0 = time.thread_time()  # the step's cost in CPU seconds (spec/policy.py says why)
             sampled = self.runner.execute(batch, layer_hook)
+            if self.speculator is not None:
+                self.speculator.observe_step(batch, time.thread_time() - t0)
         except Exception as e:
             sampled, failed = self._isolate(batch, e, generators)
             if kv_writer is not None and layer_hook is not None:
@@ -268,6 +291,7 @@ class LLMEngine:
                 outputs.append(StepOutput(seq, -1, True, error=failed[seq.seq_id]))
             keep = [i for i, s in enumerate(batch.seqs) if s.seq_id not in failed]
             batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
+        kept = self.speculator.settle(batch, sampled, self._kept) if self.speculator is not None else {}
         self.scheduler.advance(batch)
         for seq in batch.seqs:
             s = sampled.get(seq.seq_id)
@@ -276,6 +300,15 @@ class LLMEngine:
             prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # None unless asked; sent once
             if seq.sampling_params.max_tokens == 0:  # the prompt is scored: nothing is sampled
                 outputs.append(self._unsampled(seq, prompt_lps))
+                continue
+            if seq.seq_id in kept:  # verified: one output per kept token, the last one's stop checked as ever
+                tokens = kept[seq.seq_id]
+                outputs += [StepOutput(seq, t, False, logprobs=lp) for t, lp in tokens[:-1]]
+                token, lps = tokens[-1]
+                seq.token_ids.append(token)
+                out = self._finish_if_stopped(seq, token, lps)
+                out.num_draft_tokens, out.num_accepted_tokens = s.num_draft, len(s.more)
+                outputs.append(out)
                 continue
             seq.token_ids.append(s.token)
             choices = [seq, *seq.forks]
@@ -293,6 +326,17 @@ class LLMEngine:
             outs[0].prompt_logprobs = prompt_lps  # once per request: on choice 0's first output
             outputs += outs
         return outputs
+
+    def _kept(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many of `tokens`, appended to `seq` in order, come before it stops (the one
+        that stops it included): `check_stop`'s rules but the grammar's (`verify` ends a
+        grammar's tokens where it ends)."""
+        n_out, length = seq.num_output_tokens, len(seq)
+        for j, t in enumerate(tokens[:-1], 1):
+            n_out, length = n_out + 1, length + 1
+            if self._stops(seq.sampling_params, t, n_out, length):
+                return j
+        return len(tokens)
 
     def _unsampled(self, seq: Sequence, prompt_logprobs: list[TokenLogprobs | None] | None) -> StepOutput:
         """A max_tokens 0 sequence whose prompt is computed: it ends ("length"), or, prefill
@@ -359,11 +403,16 @@ class LLMEngine:
                     return "stop"  # the grammar accepted its stop token: ends even with ignore_eos
             except ValueError:  # only a first token handed over from elsewhere can break it
                 return "abort"
-        if seq.num_output_tokens >= p.min_tokens:
+        return self._stops(p, last, seq.num_output_tokens, len(seq))
+
+    def _stops(self, p: SamplingParams, last: int, num_output: int, length: int) -> str | None:
+        """`check_stop` without the grammar, for a sequence of `length` tokens, `num_output`
+        of them output, ending in `last`."""
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 return "stop"
             if p.stop_token_ids and last in p.stop_token_ids:
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.scheduler.max_model_len:
+        if num_output >= p.max_tokens or length >= self.config.scheduler.max_model_len:
             return "length"
         return None

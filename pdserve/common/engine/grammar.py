@@ -178,6 +178,39 @@ class Grammars:
         return (mask, rows) if rows else None
 
 
+    def draft_bitmask(self, seqs: list[Sequence]) -> tuple[tuple[torch.Tensor, list[int]] | None, dict[int, int]]:
+        """A verification step's bitmask (as `bitmask`) over each sequence's 1 + k rows (k
+        its draft tokens `spec_token_ids`): row i masks what the grammar allows after the
+        first i drafts. The matcher accepts the drafts one by one while it fills the rows,
+        and is rolled back to where it was after (also when this raises), so it still
+        holds only appended tokens. Also {seq_id: i} for a sequence whose grammar ends
+        (accepts its stop token) with draft i - 1: nothing follows that draft."""
+        xgr = _xgr()
+        mask = xgr.allocate_token_bitmask(sum(1 + len(s.spec_token_ids) for s in seqs), self.vocab_size)
+        rows: list[int] = []
+        ends: dict[int, int] = {}
+        r = 0
+        for s in seqs:
+            drafts = s.spec_token_ids
+            matcher = self.sync(s) if s.sampling_params.structured is not None else None
+            accepted = 0
+            try:
+                for i in range(1 + len(drafts) if matcher is not None else 0):
+                    if matcher.is_terminated():
+                        ends[s.seq_id] = i
+                        break
+                    matcher.fill_next_token_bitmask(mask, r + i)
+                    rows.append(r + i)
+                    if i == len(drafts) or not matcher.accept_token(drafts[i]):
+                        break  # the target's mask at row i refuses that draft: later rows go unused
+                    accepted += 1
+            finally:
+                if accepted:
+                    matcher.rollback(accepted)
+            r += 1 + len(drafts)
+        return ((mask, rows) if rows else None), ends
+
+
 class _MatcherState:
     """A sequence's matcher, the output index its grammar starts at (None: reasoning goes
     on; `scanned` output tokens hold no end of it) and how many tokens it has accepted."""

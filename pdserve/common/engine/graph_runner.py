@@ -34,8 +34,8 @@ class GraphRunner(ModelRunner):
     per batch-size bucket. Anything that is not a pure decode batch runs eagerly as in
     ModelRunner. Chosen by `EngineConfig.decode_graphs` (the decode role)."""
 
-    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
-        super().__init__(config, kv_cache)
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None, speculates: bool = False) -> None:
+        super().__init__(config, kv_cache, speculates)
         cfg = config
         dev = self.device
         self.buckets = bucket_sizes(cfg.scheduler.max_num_seqs)

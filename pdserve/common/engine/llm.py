@@ -59,13 +59,16 @@ class LLM:
             while self.engine.has_work():
                 outputs = self.engine.step()
                 errors.update({o.seq.seq_id: o.error for o in outputs if o.error})
-                done = sum(o.finished for o in outputs)
+                done = 0
                 for o in outputs:
+                    detok = detoks.get(o.seq.seq_id)
+                    if detok is not None and detok.stopped:
+                        continue  # a token after its stop string (a speculative step kept several)
+                    done += o.finished
                     if o.logprobs is not None:
                         logprobs[o.seq.seq_id].append(o.logprobs)
                     if o.prompt_logprobs is not None:
                         prompt_logprobs[o.seq.seq_id] = o.prompt_logprobs
-                    detok = detoks.get(o.seq.seq_id)
                     if detok is None or o.error or o.new_token < 0:
                         continue
                     detok.add([o.new_token], o.finished)
@@ -73,6 +76,7 @@ class LLM:
                         if not o.finished:
                             done += 1
                             self.engine.release(o.seq, "stop")
+                            del o.seq.token_ids[o.seq.num_prompt_tokens + len(detok.token_ids):]  # none after the stop
                         o.seq.finish_reason = "stop"  # also when the same token reached max_tokens
                 bar.update(done)
         except BaseException:

@@ -5,12 +5,27 @@ repetition / presence / frequency penalties, then greedy or temperature, min-p, 
 top-p with a per-request generator when the request carries a seed."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from pdserve.common.engine.grammar import apply_bitmask
 from pdserve.common.engine.host_copy import device_tensor, to_device
+from pdserve.common.logprobs import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
+
+
+class Sampled(NamedTuple):
+    """One sequence's sampled token and, when its request asks, its log-probabilities. A
+    verified sequence (speculative decoding) also has `more`: the tokens after `token` it
+    keeps from the same step, each with its logprobs (the drafts the target accepted, then
+    the target's own token), and `num_draft`, how many draft tokens were verified; of
+    those, the first len(more) were accepted."""
+    token: int
+    logprobs: TokenLogprobs | None = None
+    more: tuple[tuple[int, TokenLogprobs | None], ...] = ()
+    num_draft: int = 0
 
 
 class Sampler:
@@ -36,6 +51,23 @@ class Sampler:
         the structured-output rows' allowed tokens, applied first. `top`: each row's
         argmax of `logits` as given, where known (the native decode stack's): greedy rows
         take it when neither the mask nor a logits feature changes the logits."""
+        logits, top = self.process(logits, params, token_ids, num_prompt_tokens, bitmask, top)
+        if all(p.greedy for p in params):
+            return greedy(logits) if top is None else top
+        out = logits.argmax(dim=-1)  # [B]
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        picked = logits if len(rows) == len(params) else logits.index_select(0, device_tensor(rows, torch.int64, logits.device))
+        probs = self.probs(picked, [params[i] for i in rows])
+        for j, i in enumerate(rows):
+            gen = generators[i] or self.generator
+            out[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        return out.tolist()
+
+    def process(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
+                num_prompt_tokens: list[int] | None, bitmask: tuple[torch.Tensor, list[int]] | None = None,
+                top: list[int] | None = None) -> tuple[torch.Tensor, list[int] | None]:
+        """The logits [B, V] every row samples from (a copy where the grammar's mask or a
+        logits feature changes them; `__call__` says which) and `top` where it still holds."""
         if bitmask is not None:
             logits = logits.clone()
             apply_bitmask(logits, *bitmask)
@@ -44,19 +76,16 @@ class Sampler:
             assert token_ids is not None and num_prompt_tokens is not None, "penalties need the token history"
             logits = process_logits(logits.clone(), params, token_ids, num_prompt_tokens, self.eos_token_ids)
             top = None
-        if all(p.greedy for p in params):
-            return greedy(logits) if top is None else top
-        out = logits.argmax(dim=-1)  # [B]
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        temps = device_tensor([params[i].temperature for i in rows], torch.float32, logits.device)
-        picked = logits if len(rows) == len(params) else logits.index_select(0, device_tensor(rows, torch.int64, logits.device))
-        probs = torch.softmax(picked / temps[:, None], dim=-1)  # [R, V]
-        probs = _filter_min_p(probs, [params[i].min_p for i in rows])
-        probs = _filter_top_k_top_p(probs, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
-        for j, i in enumerate(rows):
-            gen = generators[i] or self.generator
-            out[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        return out.tolist()
+        return logits, top
+
+    @staticmethod
+    def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Processed logits [R, V] of random (not greedy) rows -> the distribution [R, V]
+        each samples from: temperature, then min-p, top-k and top-p."""
+        temps = device_tensor([p.temperature for p in params], torch.float32, logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)  # [R, V]
+        probs = _filter_min_p(probs, [p.min_p for p in params])
+        return _filter_top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
 
 
 def greedy(logits: torch.Tensor) -> list[int]:

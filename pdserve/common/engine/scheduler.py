@@ -33,11 +33,18 @@ class Scheduler:
     FCFS while the budget, the sequence limit and free blocks allow. When a running
     sequence cannot get a block, the newest running sequence is preempted: its blocks
     are freed and it goes back to the front of the queue to be recomputed (its prefix
-    blocks usually survive in the prefix cache)."""
+    blocks usually survive in the prefix cache).
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    Speculative decoding: a running sequence's draft tokens (`spec_token_ids`) are
+    scheduled with its last token, within the budget, and are the first thing it gives up
+    (before anyone is preempted) when blocks run short. A sequence keeps room for up to
+    `num_lookahead` tokens past its own (`lookahead`; taken back in `advance` beyond that),
+    so a speculating sequence does not free and take a block every step."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.num_lookahead = num_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Reserved for a transfer (decode role): they count against max_num_seqs like
@@ -107,6 +114,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def lookahead(self, seq: Sequence, num_tokens: int) -> bool:
+        """Room in `seq`'s blocks for `num_tokens` tokens from its first uncomputed one (its
+        last token and the drafts a proposer is about to write KV for), taken now unless
+        that would leave fewer free blocks than there are running sequences (each may need
+        one to go on): False then, and nothing is taken."""
+        bm = self.block_manager
+        need = bm.blocks_needed(seq, num_tokens)
+        if need and bm.num_free_blocks - need < len(self.running):
+            return False
+        return bm.allocate(seq, num_tokens)
+
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         batch = ScheduledBatch()
@@ -114,8 +132,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            del seq.spec_token_ids[max(0, n - seq.num_uncomputed_tokens):]  # the drafts the budget holds
             while not bm.allocate(seq, n):
+                if seq.spec_token_ids:  # drafts go before anyone is preempted
+                    n -= len(seq.spec_token_ids)
+                    seq.spec_token_ids.clear()
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -155,10 +178,17 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch) -> None:
         """Account a step that succeeded: its tokens are computed and its full blocks
         enter the prefix cache. Returns nothing: which sequences sampled a token is the
-        runner's answer (the engine reads it from `execute`), not the scheduler's."""
+        runner's answer (the engine reads it from `execute`), not the scheduler's. A
+        verified sequence's count is its last token and the drafts it accepted (the
+        engine sets it), so only accepted tokens are ever hashed; the KV the rejected
+        ones left is past the sequence's end and is written over by its next tokens."""
+        bm = self.block_manager
+        keep = self.num_lookahead + 1
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            bm.cache_full_blocks(seq)
+            if self.num_lookahead and len(seq.block_table) * bm.block_size > seq.num_computed_tokens + keep:
+                bm.trim(seq, seq.num_computed_tokens + keep)  # beyond the room it keeps for its next drafts
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -173,6 +203,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -55,6 +55,12 @@ class Sequence:
     # logits, then take the prompt's KV blocks (LLMEngine.fork) and go on on their own
     index: int = 0
     forks: list["Sequence"] = field(default_factory=list)
+    # speculative decoding (common/engine/spec/): the draft tokens proposed for the next step, after the
+    # last token (the step computes 1 + len of them; the runner verifies them; consumed by that step), and
+    # the request's totals of draft tokens verified and accepted (they survive preemption)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

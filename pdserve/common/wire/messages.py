@@ -18,10 +18,11 @@ from pdserve.common import schema
 from pdserve.common.logprobs import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams, StructuredOutput
 
-PROTOCOL_VERSION = 3  # 2: workers send one `step_outputs` per step instead of a `token_output` per token;
+PROTOCOL_VERSION = 4  # 2: workers send one `step_outputs` per step instead of a `token_output` per token;
 # 3: `submit` carries `tools` and chat messages their tool calls and replies; the pool control API
 # (`pools_request` ... `worker_drain`); n > 1 (sampling `n`; `index` on outputs and abort; kv_ready's
-# fork_* fields); prompt logprobs; `structured`'s reasoning_end
+# fork_* fields); prompt logprobs; `structured`'s reasoning_end; 4: speculative decoding's counts on
+# `request_output` (num_draft_tokens, num_accepted_tokens)
 OLDEST_VERSION = 1  # received messages may carry any version from here on, if their type existed then
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a control message; KV data frames are not limited by this
 
@@ -167,6 +168,10 @@ class RequestOutput:
     index: int = 0  # the choice (n > 1); each choice ends with its own finished entry
     # since 3: one per prompt token (the first None), on the request's first entry, when it asks
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # since 4, speculative decoding: one per verification the entry covers, its draft tokens and how
+    # many of them were accepted (what the router's vllm:spec_decode_* metrics count)
+    num_draft_tokens: list[int] = field(default_factory=list)
+    num_accepted_tokens: list[int] = field(default_factory=list)
 
 
 @message("step_outputs", since=2)

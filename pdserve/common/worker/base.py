@@ -133,6 +133,9 @@ class WorkerBase:
                 (stored if kind == "stored" else evicted).append(h)
         counters = dict(self.counters, prefix_hit_blocks=bm.num_cached_blocks_hit,
                         prefix_query_blocks=bm.num_blocks_queried)
+        if (spec := self.engine.speculator) is not None:  # speculative decoding's totals (router: per step)
+            counters.update(spec_drafts=spec.stats.num_drafts, spec_draft_tokens=spec.stats.num_draft_tokens,
+                            spec_accepted_tokens=spec.stats.num_accepted_tokens)
         return WorkerStatus(self.worker_id, self.role, waiting, running, bm.num_free_blocks, bm.num_blocks,
                             counters, stored, evicted)
 

@@ -88,6 +88,16 @@ class RouterMetrics:
                                registry=r).labels(model_name)
         self.v_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the decode-side KV blocks in use (1 = all)",
                                 m, registry=r).labels(model_name)
+        # speculative decoding (docs/speculative.md), counted from the workers' step outputs
+        self.v_spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verifications of draft tokens", m,
+                                     registry=r).labels(model_name)
+        self.v_spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", m,
+                                           registry=r).labels(model_name)
+        self.v_spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", m,
+                                       registry=r).labels(model_name)
+        self.v_spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position in the draft", m + ["position"],
+                                      registry=r)
 
     def _sum_load(self) -> None:
         loads = self._load.values()
@@ -160,6 +170,15 @@ class RouterMetrics:
         self.output_tokens.inc(output)
         self.v_prompt.inc(prompt)
         self.v_generation.inc(output)
+
+    def spec_decode(self, num_draft_tokens: list[int], num_accepted_tokens: list[int]) -> None:
+        """A step output's verifications: each one's draft tokens and how many were accepted."""
+        self.v_spec_drafts.inc(len(num_draft_tokens))
+        self.v_spec_draft_tokens.inc(sum(num_draft_tokens))
+        self.v_spec_accepted.inc(sum(num_accepted_tokens))
+        for accepted in num_accepted_tokens:
+            for pos in range(accepted):
+                self.v_spec_per_pos.labels(self.v_model, str(pos)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

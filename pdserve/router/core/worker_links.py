@@ -140,6 +140,8 @@ class WorkerLinks:
                 continue
             if isinstance(msg, StepOutputs):
                 for entry in msg.outputs:
+                    if entry.num_draft_tokens:
+                        self.metrics.spec_decode(entry.num_draft_tokens, entry.num_accepted_tokens)
                     req = self._by_wire.get(entry.request_id)
                     if req is not None:  # else: a request already ended here (a stop string, an abort)
                         req.queue.put_nowait(entry)
