@@ -28,8 +28,9 @@ kept up, each rate run on every system in turn, so that the machine's drift fall
 - judging: a fixed split or vLLM does not depend on the SLO, so its one point is judged
   under both regimes; a planner point under its own regime. Attainment = share of
   requests meeting both SLOs; the goodput rate = the highest rate at >= 90% attainment,
-  interpolated between sweep points (`router.bench.metrics.goodput_rate`; the sweep's top
-  rate when none misses).
+  interpolated between sweep points (`router.stats.knee.goodput_knee`); a sweep that does not
+  bracket it gives a censored bound (`>= top`, `< bottom`), and a verdict that rests on a
+  censored figure is undecided (None).
 - targets: per regime, planner >= 0.9x the best fixed split's goodput rate and >= vLLM's.
 - `--add-to` extends an earlier run (more rates, or a system again): the points of both,
   a later one replacing an earlier one at the same rate, and the verdicts over both.
@@ -59,7 +60,8 @@ from servers import Server, cpu_by_pid, cpu_split, log, start_pdserve, start_vll
 
 from pdserve.common.config import ModelConfig  # noqa: E402
 from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
-from pdserve.router.stats.latency import goodput_rate, summarize  # noqa: E402
+from pdserve.router.stats.knee import goodput_knee  # noqa: E402
+from pdserve.router.stats.latency import summarize  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.workloads import random_workload  # noqa: E402
 
@@ -82,7 +84,7 @@ def systems(args: argparse.Namespace, regimes: list[str]) -> list[str]:
 
 def serve(server: Server, reqs, times) -> tuple[list, float]:
     """(records, duration) of the requests sent at their times (greedy, ignore_eos)."""
-    coro = run_workload(reqs, "http", server.url, times, None, 0.0, True, False, 0, False)
+    coro = run_workload(reqs, "http", server.url, times, None, 0.0, True, False, (), False)
     return asyncio.run(asyncio.wait_for(coro, POINT_TIMEOUT_S))
 
 
@@ -221,12 +223,24 @@ def interleaved(names: list[str], args: argparse.Namespace, rates: list[float], 
             s.stop()
 
 
-def at_least(rate: float | None, ref: float | None, factor: float) -> bool | None:
-    """rate >= factor x ref, a rate of None (even the lowest rate missed) counting as 0;
-    None where both missed at the lowest rate (the sweep says nothing)."""
-    if rate is None and ref is None:
+def at_least(knee: dict | None, ref: dict | None, factor: float) -> bool | None:
+    """knee >= factor x ref, for two knees (`Knee.as_json()`); None (undecided) where either is
+    censored in a way that leaves the answer open: a knee `< bottom` is below any measured
+    knee at or above that bottom, and a knee `>= top` above any measured knee at or below it."""
+    if knee is None or ref is None or knee["rate"] is None or ref["rate"] is None:
         return None
-    return (rate or 0.0) >= factor * (ref or 0.0)
+    a, b = knee["rate"], factor * ref["rate"]
+    if knee["censored"] is None and ref["censored"] is None:
+        return a >= b
+    if knee["censored"] == "above" and ref["censored"] is None and a >= b:
+        return True
+    if knee["censored"] == "below" and ref["censored"] is None and a <= b:
+        return False
+    if ref["censored"] == "below" and knee["censored"] is None and a >= b:
+        return True
+    if ref["censored"] == "above" and knee["censored"] is None and a < b:
+        return False
+    return None
 
 
 def merged(earlier: dict[str, list[dict]], later: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -240,23 +254,27 @@ def merged(earlier: dict[str, list[dict]], later: dict[str, list[dict]]) -> dict
 
 
 def report(points: dict[str, list[dict]], regimes: list[str]) -> dict:
-    """Per regime: each system's goodput rate, and the planner's against the best fixed split and vLLM."""
+    """Per regime: each system's goodput knee (censored where its sweep does not bracket it),
+    and the planner's against the best fixed split and vLLM; a ratio only between two
+    measured knees."""
     out = {}
     for regime in regimes:
-        rates = {}
+        knees = {}
         for name, pts in points.items():
             own = [p for p in pts if regime in p["by_regime"]]
             if own:
-                rates[name] = goodput_rate([p["request_rate"] for p in own],
-                                           [p["by_regime"][regime]["slo_attainment"] for p in own])
-        fixed = [rates[f] or 0.0 for f in FIXED if f in rates]
-        best_fixed = max(fixed) if fixed else None
-        planner, vllm = rates.get(f"planner-{regime}"), rates.get("vllm")
-        out[regime] = {"slo_ms": REGIMES[regime], "goodput_rate": rates, "best_fixed": best_fixed,
-                       "planner_over_best_fixed": (planner or 0.0) / best_fixed if best_fixed else None,
-                       "planner_over_vllm": (planner or 0.0) / vllm if vllm else None}
-        out[regime]["met"] = {"0.9x best fixed": at_least(planner, best_fixed or None, 0.9),
-                              ">= vllm": at_least(planner, vllm, 1.0) if "vllm" in rates else None}
+                knees[name] = goodput_knee([p["request_rate"] for p in own],
+                                           [p["by_regime"][regime]["slo_attainment"] for p in own]).as_json()
+        fixed = [knees[f] for f in FIXED if f in knees and knees[f]["censored"] is None]
+        best_fixed = max(fixed, key=lambda k: k["rate"]) if fixed else None
+        planner, vllm = knees.get(f"planner-{regime}"), knees.get("vllm")
+
+        def ratio(a: dict | None, b: dict | None) -> float | None:
+            return a["rate"] / b["rate"] if a and b and a["censored"] is None and b["censored"] is None else None
+        out[regime] = {"slo_ms": REGIMES[regime], "goodput_knee": knees, "best_fixed": best_fixed,
+                       "planner_over_best_fixed": ratio(planner, best_fixed), "planner_over_vllm": ratio(planner, vllm)}
+        out[regime]["met"] = {"0.9x best fixed": at_least(planner, best_fixed, 0.9),
+                              ">= vllm": at_least(planner, vllm, 1.0)}
     return out
 
 
@@ -319,8 +337,8 @@ def main() -> int:
            "earlier": None if not earlier else {"date": earlier["date"], "config": earlier["config"]}}
     (out_dir / "planner_targets.json").write_text(json.dumps(out, indent=2))
     for regime, res in summary.items():
-        log(f"{regime}: goodput rate (req/s at >= 90%) " + ", ".join(
-            f"{n} {'<' + str(min(rates)) if r is None else f'{r:.2f}'}" for n, r in res["goodput_rate"].items())
+        log(f"{regime}: goodput knee (req/s at >= 90%) " + ", ".join(
+            f"{n} {k['text']}" for n, k in res["goodput_knee"].items())
             + f"; planner / best fixed {res['planner_over_best_fixed']}, planner / vLLM {res['planner_over_vllm']}; "
             f"met {res['met']}")
     log(f"wrote {out_dir / 'planner_targets.json'}")

@@ -62,7 +62,8 @@ from pdserve.common.config import ModelConfig  # noqa: E402
 from pdserve.common.gc_tuning import freeze_startup_heap  # noqa: E402
 from pdserve.router.bench import plots  # noqa: E402
 from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
-from pdserve.router.stats.latency import RequestRecord, attainment, goodput_rate, phase_breakdown, summarize  # noqa: E402
+from pdserve.router.stats.knee import goodput_knee  # noqa: E402
+from pdserve.router.stats.latency import RequestRecord, attainment, phase_breakdown, summarize  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.workloads import BenchRequest, ideal_hit_rate, mooncake_workload, random_workload  # noqa: E402
 
@@ -294,27 +295,31 @@ def trace_points(args: argparse.Namespace, mode: Mode, mu: float, vocab: int) ->
 
 # ---- reporting ----------------------------------------------------------------------------
 
+def _measured(knee: dict) -> float | None:
+    """A knee's rate where the sweep brackets it; None where it is censored."""
+    return knee["rate"] if knee["censored"] is None else None
+
+
 def report(workload: str, sweeps: dict[str, list[dict]], slo: dict, out_dir: Path) -> dict:
     results, summary = [], {}
     for name, pts in sweeps.items():
-        gr = goodput_rate([p["request_rate"] for p in pts], [p["slo_attainment"] for p in pts], TARGET)
+        gr = goodput_knee([p["request_rate"] for p in pts], [p["slo_attainment"] for p in pts], TARGET).as_json()
         res = {"label": name, "workload": workload, "config": {"slo_ttft_ms": slo["ttft_ms"], "slo_tpot_ms": slo["tpot_ms"]},
-               "sweep": pts, "goodput_rate": gr}
+               "sweep": pts, "goodput_knee": gr}
         tag = name.split(":")[0]
         (out_dir / f"{workload}_{tag}.json").write_text(json.dumps(res, indent=2))
         results.append(res)
-        summary[name] = {"goodput_rate": gr, "sweep": pts}
+        summary[name] = {"goodput_knee": gr, "sweep": pts}
     plots.plot_attainment(results, list(sweeps), out_dir / f"attainment_{workload}.png", TARGET)
-    a, b = (summary[n]["goodput_rate"] for n in CONFIGS)
-    summary["goodput_ratio_A_over_B"] = a / b if a and b else None
+    a, b = (_measured(summary[n]["goodput_knee"]) for n in CONFIGS)
+    summary["goodput_ratio_A_over_B"] = a / b if a and b else None  # only between two measured knees
     if VLLM in summary:
-        c = summary[VLLM]["goodput_rate"]
+        c = _measured(summary[VLLM]["goodput_knee"])
         summary["goodput_ratio_A_over_vllm"] = a / c if a and c else None
         summary["goodput_ratio_B_over_vllm"] = b / c if b and c else None
     summary["plot"] = f"attainment_{workload}.png"
-    log(f"{workload}: goodput rate A {a} req/s, B {b} req/s, A/B {summary['goodput_ratio_A_over_B']}"
-        + (f", vLLM {summary[VLLM]['goodput_rate']} req/s, A/vLLM {summary['goodput_ratio_A_over_vllm']}"
-           if VLLM in summary else ""))
+    log(f"{workload}: goodput knee " + ", ".join(f"{n.split(':')[0]} {summary[n]['goodput_knee']['text']}"
+                                                 for n in sweeps) + f"; A/B {summary['goodput_ratio_A_over_B']}")
     return summary
 
 
@@ -423,12 +428,9 @@ def main() -> int:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log(f"done in {summary['runtime_s'] / 60:.1f} min; wrote {out_dir}/summary.json")
     for w, s in summary["workloads"].items():
-        a, b = (s[n]["goodput_rate"] for n in CONFIGS)
-        c = s[VLLM]["goodput_rate"] if VLLM in s else None
-        print(f"  {w:<9} goodput rate A {a if a is None else round(a, 3)} req/s, "
-              f"B {b if b is None else round(b, 3)} req/s, A/B {s['goodput_ratio_A_over_B']}"
-              + (f", vLLM {c if c is None else round(c, 3)} req/s, A/vLLM {s.get('goodput_ratio_A_over_vllm')}"
-                 if VLLM in s else ""))
+        print(f"  {w:<9} goodput knee " + ", ".join(f"{n.split(':')[0]} {s[n]['goodput_knee']['text']}"
+                                                     for n in [*CONFIGS, VLLM] if n in s)
+              + f"; A/B {s['goodput_ratio_A_over_B']}")
     return 0
 
 

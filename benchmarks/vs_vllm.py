@@ -73,7 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pdserve.common.config import ModelConfig  # noqa: E402
 from pdserve.common.gc_tuning import freeze_startup_heap  # noqa: E402
 from pdserve.router.bench.arrivals import arrival_times  # noqa: E402
-from pdserve.router.stats.latency import goodput_rate, summarize  # noqa: E402
+from pdserve.router.stats.knee import goodput_knee  # noqa: E402
+from pdserve.router.stats.latency import summarize  # noqa: E402
 from pdserve.router.bench.runner import run_workload  # noqa: E402
 from pdserve.router.bench.workloads import random_workload  # noqa: E402
 from vs_vllm_plot import plot  # noqa: E402
@@ -164,7 +165,7 @@ def measure(server: Server, others: list[Server], reqs, times) -> dict:
     top0 = process_cpu_s(server.ps)
     cpu0 = {s.name: tree_cpu_s(s.ps) for s in [server, *others]}
     busy0, mine0 = busy_cpu_s(), own_cpu_s()
-    coro = run_workload(reqs, "http", server.url, times, None, 0.0, True, False, 0, False)
+    coro = run_workload(reqs, "http", server.url, times, None, 0.0, True, False, (), False)
     try:
         records, duration = asyncio.run(asyncio.wait_for(coro, POINT_TIMEOUT_S))
     except asyncio.TimeoutError:
@@ -201,7 +202,7 @@ def start_server(name: str, args: argparse.Namespace, model: str, vocab: int, lo
         s = start_pdserve(name.removeprefix("pdserve-"), model, logdir, dtype=args.dtype)
     try:
         warm = random_workload(2, args.input_len, args.output_len, 0.0, vocab, seed=99)
-        recs, _ = asyncio.run(run_workload(warm, "http", s.url, [0.0, 0.0], None, 0.0, True, False, 0, False))
+        recs, _ = asyncio.run(run_workload(warm, "http", s.url, [0.0, 0.0], None, 0.0, True, False, (), False))
         if not all(r.success for r in recs):
             raise RuntimeError(f"{s.name}: warm-up failed: {[r.error for r in recs]}")
         time.sleep(SETTLE_S)
@@ -290,7 +291,7 @@ def serving(args: argparse.Namespace, model: str, vocab: int, logdir: Path, on_r
         sweep = [median_point(r, [p for p in points[name] if p["request_rate"] == r]) for r in rates]
         ok = [p for p in sweep if "error" not in p]
         out[name] = {"command": commands.get(name), "sweep": sweep, "points": points[name],
-                     "goodput_rate": goodput_rate([p["request_rate"] for p in ok], [p["slo_attainment"] for p in ok])}
+                     "goodput_knee": goodput_knee([p["request_rate"] for p in ok], [p["slo_attainment"] for p in ok]).as_json()}
     return out
 
 
@@ -386,7 +387,7 @@ def main() -> int:
             print(f"{name:<18} rate {pt['request_rate']}{rep}: TTFT mean/p99 {pt['mean_ttft_ms']:.0f}/{pt['p99_ttft_ms']:.0f} ms, "
                   f"TPOT mean/p99 {pt['mean_tpot_ms']:.1f}/{pt['p99_tpot_ms']:.1f} ms, attainment "
                   f"{pt['slo_attainment']:.0%}, goodput {pt['request_goodput']:.2f} req/s")
-        print(f"{name:<18} goodput rate: {r['goodput_rate']}")
+        print(f"{name:<18} goodput knee: {r['goodput_knee']['text']}")
     for name, rows in report.get("baseline_ratios", {}).items():
         for row in rows:
             cpu = row.get("top_cpu_ms_per_1k_tokens_over_baseline")

@@ -32,13 +32,13 @@ def test_planner_against_best_fixed_and_vllm(pt):
     }
     out = pt.report(run, list(both))
     ttft = out[TTFT_BOUND]
-    assert ttft["goodput_rate"]["colocated"] == pytest.approx(2.2)
-    assert ttft["best_fixed"] == pytest.approx(2.2)
+    assert ttft["goodput_knee"]["colocated"]["rate"] == pytest.approx(2.2)
+    assert ttft["best_fixed"]["rate"] == pytest.approx(2.2)
     assert ttft["planner_over_best_fixed"] == pytest.approx((7 / 3) / 2.2)
     assert ttft["planner_over_vllm"] == pytest.approx(7 / 3)
     assert ttft["met"] == {"0.9x best fixed": True, ">= vllm": True}
     tpot = out[TPOT_BOUND]
-    assert tpot["goodput_rate"][f"planner-{TPOT_BOUND}"] is None
+    assert tpot["goodput_knee"][f"planner-{TPOT_BOUND}"]["censored"] == "below"
     assert tpot["met"] == {"0.9x best fixed": False, ">= vllm": False}
 
 
@@ -57,7 +57,15 @@ def test_a_later_run_adds_its_rates_and_replaces_the_same_rate(pt):
     assert [(p["request_rate"], p["by_regime"][TTFT_BOUND]["slo_attainment"]) for p in both["colocated"]] == \
         [(1.0, 1.0), (2.0, 0.95), (4.0, 0.2)]
     assert both["vllm"] == earlier["vllm"] and both["planner-" + TTFT_BOUND] == later["planner-" + TTFT_BOUND]
-    assert pt.report(both, [TTFT_BOUND])[TTFT_BOUND]["goodput_rate"]["colocated"] == pytest.approx(2.0 + 2 * 0.05 / 0.75)
+    assert pt.report(both, [TTFT_BOUND])[TTFT_BOUND]["goodput_knee"]["colocated"]["rate"] == pytest.approx(2.0 + 2 * 0.05 / 0.75)
+
+
+def test_two_systems_that_never_miss_are_not_compared_as_knees(pt):
+    """Both at the top of the sweep: not "planner = best fixed, 1.00x" but undecided."""
+    never = points(*({TTFT_BOUND: a} for a in (1.0, 1.0, 0.95)))
+    out = pt.report({"colocated": never, "1p1d": never, f"planner-{TTFT_BOUND}": never}, [TTFT_BOUND])[TTFT_BOUND]
+    assert out["goodput_knee"]["colocated"]["censored"] == "above" and out["best_fixed"] is None
+    assert out["planner_over_best_fixed"] is None and out["met"]["0.9x best fixed"] is None
 
 
 def test_interleaved_runs_each_rate_on_every_system_and_stops_every_server(pt, monkeypatch):
