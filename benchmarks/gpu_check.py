@@ -37,7 +37,7 @@ from gpu_check_elastic import check_elastic  # noqa: E402
 from gpu_check_features import check_features  # noqa: E402
 from gpu_check_models import ARCHS, given_model, hf_greedy, make_models, prompts_for  # noqa: E402
 from gpu_check_transfer import check_cuda_ipc, check_nccl, on_gpu, sync, timed  # noqa: E402
-from servers import log, repo_pythonpath, start_pdserve  # noqa: E402
+from benchmarks.harness.servers import log, repo_pythonpath, start_pdserve  # noqa: E402
 
 MAX_NEW = 16
 SEEDED = [dict(temperature=1.0, seed=11), dict(temperature=0.8, top_p=0.9, seed=12),
