@@ -106,3 +106,22 @@ def run_facts(threads: int | None = None) -> dict:
             "code": code_facts(), "threads": threads,
             "host": {"cpus": os.cpu_count(), "cpu": cpu_facts(), "platform": platform.platform(),
                      "loadavg": os.getloadavg()}}
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, since boot)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+
+
+def own_tree_cpu_s() -> float:
+    """CPU seconds of this process and its live descendants (a benchmark, its servers)."""
+    total = 0.0
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total

@@ -200,7 +200,7 @@ def start_vllm(vllm_python: str, model: str, logdir: Path, *, max_model_len: int
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-num-batched-tokens", str(max_batched), "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    s = Server(name, cmd, vllm_env(vllm_python), logdir / "vllm.log")
+    s = Server(name, cmd, vllm_env(vllm_python), logdir / f"{name}.log")
     s.cmd = " ".join(cmd[1:])  # type: ignore[attr-defined]
     while True:
         s.fail_if_dead(900)  # the first start compiles (~100 s on 2 cores)

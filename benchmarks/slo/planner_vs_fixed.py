@@ -32,16 +32,14 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from benchmarks.harness.paths import REPO
 
+from benchmarks.harness.planner_watch import DecisionPoller
 from benchmarks.harness.servers import log, start_pdserve
 
 from pdserve.common.config import ModelConfig
@@ -53,42 +51,6 @@ from pdserve.router.bench.workloads import mooncake_workload
 SCALE = 32  # trace units per model token
 REGIMES = {"ttft1000_tpot100": (1000.0, 100.0), "ttft2000_tpot15": (2000.0, 15.0)}
 FIXED = ("colocated", "1p1d")  # benchmarks/harness/servers.py configurations
-DECISION = re.compile(r'^pdserve_planner_decisions_total\{action="(\w+)",reason="(\w+)"\} ([\d.e+-]+)$', re.M)
-
-
-class DecisionPoller:
-    """Polls a server's /metrics every second; keeps (seconds since t0, action, reason)
-    for each rise of a non-`none` decision count."""
-
-    def __init__(self, url: str, t0: float) -> None:
-        self.url, self.t0 = url.removesuffix("/v1") + "/metrics", t0
-        self.seen: dict[tuple[str, str], float] = {}
-        self.decisions: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            self.poll()
-
-    def poll(self) -> None:
-        try:
-            text = urllib.request.urlopen(self.url, timeout=5).read().decode()
-        except OSError:
-            return
-        now = time.time() - self.t0
-        for action, reason, count in DECISION.findall(text):
-            key, n = (action, reason), float(count)
-            if action != "none" and n > self.seen.get(key, 0.0):
-                self.decisions.append({"t_s": now, "action": action, "reason": reason})
-            self.seen[key] = n
-
-    def stop(self) -> list[dict]:
-        self._stop.set()
-        self._thread.join()
-        self.poll()
-        return self.decisions
 
 
 def run(cfg: str, model: str, extra: list[str], reqs: list, workdir: Path, name: str
