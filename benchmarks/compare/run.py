@@ -52,6 +52,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,6 +86,20 @@ class System:
     layout: str  # "vllm" | "colocated" | "1p1d" | "planner"
     dtype: str
     regime: str | None = None  # the planner's regime (its SLOs); None: judged under every regime
+    planner: tuple[tuple[str, str], ...] = ()  # the planner's settings (flag name, value); () : the run's
+
+
+# A load: (seed, rate, n) -> n requests and their send times (s) at `rate`; the same seed, the
+# same requests and times for every system.
+Load = Callable[[int, float, int], tuple[list[BenchRequest], list[float]]]
+
+
+def random_load(input_len: int, output_len: int, vocab: int) -> Load:
+    """Random token-id prompts of exactly `input_len` tokens, `output_len` out, Poisson arrivals."""
+    def load(seed: int, rate: float, n: int) -> tuple[list[BenchRequest], list[float]]:
+        return (random_workload(n, input_len, output_len, 0.0, vocab, seed=POINT_SEED + seed),
+                arrival_times(n, rate, 1.0, seed=seed))
+    return load
 
 
 def fixed_systems(layouts: list[str], dtypes: list[str]) -> list[System]:
@@ -126,7 +141,7 @@ def start(system: System, args: argparse.Namespace, vocab: int, logdir: Path, re
     else:
         extra = ["--quantization", "none"]
         if system.layout == "planner":
-            extra += planner_flags(regimes[system.regime], args.planner_flags)
+            extra += planner_flags(regimes[system.regime], dict(system.planner) or args.planner_flags)
         layout = "colocated" if system.layout == "planner" else system.layout
         s = start_pdserve(layout, args.model, logdir, extra, name=system.name, dtype=system.dtype)
     try:
@@ -155,15 +170,15 @@ def unloaded(server: Server, args: argparse.Namespace, vocab: int) -> dict:
             "how": "requests sent one at a time after the server's warm-up; medians"}
 
 
-def planner_warmup(s: Server, args: argparse.Namespace, rate: float, vocab: int, seed: int) -> dict:
+def planner_warmup(s: Server, args: argparse.Namespace, rate: float, seed: int, load: Load) -> dict:
     """Streams at `rate` until one passes without a planner change (at most 2), each of at
     least `--planner-warmup-s` of traffic and enough requests for the planner to judge."""
     n = max(2, math.ceil(rate * args.planner_warmup_s), int(args.planner_flags.get("planner_min_requests", 10)) + 3)
     t0, rounds = time.time(), []
     for i in range(2):
-        reqs = random_workload(n, args.input_len, args.output_len, 0.0, vocab, seed=50_000 + 10 * seed + i)
+        reqs, times = load(50_000 + 10 * seed + i, rate, n)
         poller = DecisionPoller(s.url, t0).since_now()
-        recs, _ = serve(s, reqs, arrival_times(n, rate, 1.0, seed=50_000 + 10 * seed + i))
+        recs, _ = serve(s, reqs, times)
         pool = settle(s.url)
         rounds.append({"requests": n, "ok": sum(r.success for r in recs), "pool": pool, "decisions": poller.stop()})
         if not rounds[-1]["decisions"]:
@@ -171,14 +186,14 @@ def planner_warmup(s: Server, args: argparse.Namespace, rate: float, vocab: int,
     return {"settled_s": round(time.time() - t0, 1), "pool": rounds[-1]["pool"], "rounds": rounds}
 
 
-def point(s: Server, system: System, args: argparse.Namespace, rate: float, k: int, vocab: int,
+def point(s: Server, system: System, args: argparse.Namespace, rate: float, k: int, load: Load,
           regimes: dict, others: list[Server]) -> tuple[dict, list[RequestRecord]]:
-    """One measured point of `system` at `rate` (pass and rate index k), judged under its regimes."""
-    out: dict = {"request_rate": rate, "pass_seed": k, "load_before": machine_load(sample_s=0.2)}
+    """One measured point of `system` at `rate` (its seed k), judged under its regimes."""
+    out: dict = {"request_rate": rate, "seed": k, "load_before": machine_load(sample_s=0.2)}
     if system.layout == "planner":
-        out["planner_warmup"] = planner_warmup(s, args, rate, vocab, k)
-    reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 0.0, vocab, seed=POINT_SEED + k)
-    times = arrival_times(args.num_prompts, rate, 1.0, seed=k)
+        out["planner_warmup"] = planner_warmup(s, args, rate, k, load)
+    reqs, times = load(k, rate, args.num_prompts)
+    out["offered_rate"] = len(times) / times[-1] if times and times[-1] > 0 else None
     poller = DecisionPoller(s.url, time.time()).since_now() if system.layout == "planner" else None
     busy0, tree0 = busy_cpu_s(), own_tree_cpu_s()
     idle0 = {o.name: tree_cpu_s(o.ps) for o in others}
@@ -215,6 +230,72 @@ def pooled(points: list[dict], records: list[list[RequestRecord]], regimes: dict
                             "per_pass": [p["by_regime"][r]["slo_attainment"] for p in points if "by_regime" in p]}
                         for r in own} if flat else {}
     return out
+
+
+def bring_up(fixed: list[System], planners: Callable[[list[str]], list[System]], args: argparse.Namespace,
+             vocab: int, logdir: Path, rules: dict, report: dict, servers: dict[str, Server]
+             ) -> tuple[list[System], dict]:
+    """Start every fixed system and measure its unloaded latency, derive the regimes from them,
+    then start the planners (`planners(regime names)`) with their regime's SLOs. The servers
+    land in `servers` as they start (the caller stops them); returns (every system, regimes)."""
+    report["unloaded"] = {}
+    for system in fixed:
+        servers[system.name] = start(system, args, vocab, logdir, {})
+        report["unloaded"][system.name] = u = unloaded(servers[system.name], args, vocab)
+        log(f"{system.name}: unloaded TTFT {u['ttft_ms']:.1f} ms, TPOT {u['tpot_ms']:.2f} ms")
+    regimes = derive(report["unloaded"], rules)
+    report["regimes"] = regimes
+    for name, r in regimes.items():
+        log(f"regime {name}: TTFT <= {r['ttft_ms']} ms, TPOT <= {r['tpot_ms']} ms ({r['rule']})")
+    systems = fixed + planners(list(regimes))
+    for system in systems[len(fixed):]:
+        servers[system.name] = start(system, args, vocab, logdir, regimes)
+        report["unloaded"][system.name] = unloaded(servers[system.name], args, vocab)
+    report["systems"] = {s.name: {**asdict(s), "command": getattr(servers[s.name], "cmd", None)} for s in systems}
+    return systems, regimes
+
+
+def sweep(systems: list[System], servers: dict[str, Server], rates: list[float], loads: list[Load],
+          args: argparse.Namespace, regimes: dict, report: dict, out_path: Path, t0: float) -> None:
+    """One pass per load: each rate, lowest first, on every system in turn, the order reversed
+    at every other (pass, rate); a (pass, rate) gives every system the same requests and send
+    times (seed k). The report gets every pass's point, each rate's passes pooled, the knees;
+    it is rewritten after every point. No point starts after --max-minutes."""
+    raw: dict[tuple[str, float], list[dict]] = {}
+    recs: dict[tuple[str, float], list[list[RequestRecord]]] = {}
+    report.setdefault("skipped", [])
+    k = 0
+    for rep, load in enumerate(loads):
+        for rate in rates:
+            order = systems if k % 2 == 0 else systems[::-1]
+            for system in order:
+                if time.monotonic() - t0 > args.max_minutes * 60:
+                    report["skipped"].append({"system": system.name, "rate": rate, "pass": rep,
+                                              "why": f"--max-minutes {args.max_minutes} reached"})
+                    continue
+                others = [s for n, s in servers.items() if n != system.name]
+                res, records = point(servers[system.name], system, args, rate, k, load, regimes, others)
+                res["pass"] = rep
+                raw.setdefault((system.name, rate), []).append(res)
+                recs.setdefault((system.name, rate), []).append(records)
+                report.setdefault("points", {})[system.name] = [
+                    pooled(raw[(system.name, r)], recs[(system.name, r)], regimes, system, r)
+                    for r in rates if (system.name, r) in raw]
+                report["passes"] = {f"{n}@{r:g}": ps for (n, r), ps in raw.items()}
+                report["knees"] = knees(report["points"], regimes)
+                write_report(report, out_path)
+            k += 1
+
+
+def finish(report: dict, t0: float) -> None:
+    """The machine's load at the end, whether it was shared, the run's length."""
+    report["machine_load_after"] = machine_load()
+    busy = max(report["machine_load_before"]["busy_other_processes"], report["machine_load_after"]["busy_other_processes"])
+    report["shared_machine_note"] = (f"{busy} other process(es) busy (>= 10% of a core) at the start or end; load "
+                                     f"average {report['machine_load_before']['loadavg'][0]} -> "
+                                     f"{report['machine_load_after']['loadavg'][0]}: the figures are from a shared "
+                                     f"machine" if busy else "no other busy process at the start or end")
+    report["runtime_s"] = round(time.monotonic() - t0, 1)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -284,56 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine_load_before": machine_load(), "shared_machine_note": None,
     }
     fixed = fixed_systems(layouts, dtypes)
+    load = random_load(args.input_len, args.output_len, vocab)
     servers: dict[str, Server] = {}
-    points: dict[str, list[dict]] = {}
-    recs: dict[tuple[str, float], list[list[RequestRecord]]] = {}
-    raw: dict[tuple[str, float], list[dict]] = {}
     try:
-        report["unloaded"] = {}
-        for system in fixed:
-            servers[system.name] = start(system, args, vocab, logdir, {})
-            report["unloaded"][system.name] = u = unloaded(servers[system.name], args, vocab)
-            log(f"{system.name}: unloaded TTFT {u['ttft_ms']:.1f} ms, TPOT {u['tpot_ms']:.2f} ms")
-        regimes = derive(report["unloaded"], rules)
-        report["regimes"] = regimes
-        for name, r in regimes.items():
-            log(f"regime {name}: TTFT <= {r['ttft_ms']} ms, TPOT <= {r['tpot_ms']} ms ({r['rule']})")
-        systems = fixed + planner_systems(layouts, dtypes, list(regimes))
-        for system in systems[len(fixed):]:
-            servers[system.name] = start(system, args, vocab, logdir, regimes)
-            report["unloaded"][system.name] = unloaded(servers[system.name], args, vocab)
-        report["systems"] = {s.name: {**asdict(s), "command": getattr(servers[s.name], "cmd", None)} for s in systems}
-        report["skipped"] = []
-        k = 0
-        for rep in range(args.repeats):
-            for i, rate in enumerate(rates):
-                order = systems if (rep * len(rates) + i) % 2 == 0 else systems[::-1]
-                for system in order:
-                    if time.monotonic() - t0 > args.max_minutes * 60:
-                        report["skipped"].append({"system": system.name, "rate": rate, "pass": rep,
-                                                  "why": f"--max-minutes {args.max_minutes} reached"})
-                        continue
-                    others = [s for n, s in servers.items() if n != system.name]
-                    res, records = point(servers[system.name], system, args, rate, k, vocab, regimes, others)
-                    raw.setdefault((system.name, rate), []).append(res)
-                    recs.setdefault((system.name, rate), []).append(records)
-                    points[system.name] = [pooled(raw[(system.name, r)], recs[(system.name, r)], regimes, system, r)
-                                           for r in rates if (system.name, r) in raw]
-                    report["points"] = points
-                    report["passes"] = {f"{n}@{r:g}": ps for (n, r), ps in raw.items()}
-                    report["knees"] = knees(points, regimes)
-                    write_report(report, out_path)
-                k += 1
+        systems, regimes = bring_up(fixed, lambda names: planner_systems(layouts, dtypes, names), args, vocab, logdir,
+                                    rules, report, servers)
+        sweep(systems, servers, rates, [load] * args.repeats, args, regimes, report, out_path, t0)
     finally:
         for s in servers.values():
             s.stop()
-    report["machine_load_after"] = machine_load()
-    busy = max(report["machine_load_before"]["busy_other_processes"], report["machine_load_after"]["busy_other_processes"])
-    report["shared_machine_note"] = (f"{busy} other process(es) busy (>= 10% of a core) at the start or end; load "
-                                     f"average {report['machine_load_before']['loadavg'][0]} -> "
-                                     f"{report['machine_load_after']['loadavg'][0]}: the figures are from a shared "
-                                     f"machine" if busy else "no other busy process at the start or end")
-    report["runtime_s"] = round(time.monotonic() - t0, 1)
+    finish(report, t0)
     write_report(report, out_path)
     print_summary(report)
     return 0

@@ -13,8 +13,8 @@ Method:
    float32, one host of os.cpu_count() cores):
    fixed  colocated x1 with 2 threads; 1P+1D with 1 thread each (every split of 2 cores);
    slo    for each SLO regime, `--planner slo --planner-host-cores 2` from colocated x1,
-          with a short window (--planner-interval-s, --planner-sustain, --planner-cooldown-s)
-          to fit a run of a few minutes.
+          at pdserve's shipped planner settings (or --planner-interval-s, --planner-sustain,
+          --planner-cooldown-s).
    The same requests at the same send times (HTTP, timelines); during a planner run
    /metrics is polled every second and each rise of pdserve_planner_decisions_total
    with an action other than `none` is kept with its time.
@@ -137,9 +137,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--decode-heavy", type=_pair, default=(48, 48), help="second half: input,output tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window-s", type=float, default=15.0)
-    p.add_argument("--planner-interval-s", type=float, default=3.0)
-    p.add_argument("--planner-sustain", type=int, default=2)
-    p.add_argument("--planner-cooldown-s", type=float, default=15.0)
+    p.add_argument("--planner-interval-s", type=float, default=None, help="default: pdserve's shipped default")
+    p.add_argument("--planner-sustain", type=int, default=None, help="default: pdserve's shipped default")
+    p.add_argument("--planner-cooldown-s", type=float, default=None, help="default: pdserve's shipped default")
     p.add_argument("--regimes", default=",".join(REGIMES))
     p.add_argument("--slo-scale", type=float, default=1.0, help="both SLOs of every regime x this (a machine this "
                                                                "much slower than the one the regimes are for)")
@@ -169,9 +169,10 @@ def main() -> int:
                 results[regime][cfg] = judge(records, sends, duration, slos[regime], args.window_s)
         for regime in regimes:
             ttft, tpot = slos[regime]
-            extra = ["--planner", "slo", "--slo-ttft-ms", str(ttft), "--slo-tpot-ms", str(tpot),
-                     "--planner-host-cores", "2", "--planner-interval-s", str(args.planner_interval_s),
-                     "--planner-sustain", str(args.planner_sustain), "--planner-cooldown-s", str(args.planner_cooldown_s)]
+            extra = ["--planner", "slo", "--slo-ttft-ms", str(ttft), "--slo-tpot-ms", str(tpot), "--planner-host-cores", "2"]
+            for flag in ("interval_s", "sustain", "cooldown_s"):
+                if getattr(args, f"planner_{flag}") is not None:
+                    extra += [f"--planner-{flag.replace('_', '-')}", str(getattr(args, f"planner_{flag}"))]
             loads[f"planner_{regime}"] = os.getloadavg()
             records, duration, decisions = run("colocated", args.model, extra, reqs, Path(tmp), f"pdserve-planner-{regime}")
             results[regime]["planner (from colocated)"] = dict(judge(records, sends, duration, slos[regime],

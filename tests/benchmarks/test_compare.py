@@ -98,7 +98,7 @@ def test_a_run_measures_unloaded_first_then_interleaves_every_rate(monkeypatch, 
         calls.append(("unloaded", server.name))
         return {"ttft_ms": 50.0, "tpot_ms": 10.0} if "vllm" in server.name else {"ttft_ms": 40.0, "tpot_ms": 5.0}
 
-    def fake_point(s, system, args, rate, k, vocab, regimes, others):
+    def fake_point(s, system, args, rate, k, load, regimes, others):
         calls.append(("point", system.name, rate))
         recs = [_rec(0.05, 0.005)] * 10
         own = [system.regime] if system.regime else list(regimes)
