@@ -15,7 +15,7 @@ sampling, Python) is the step's time less the call's.
 
 Each product part is set against the bytes it streams (the packed weights of all the
 layers, as the GEMM reads them: int8 / int4 blocks with their scales) over the read
-bandwidth measured in the same round (`single_stream.read_bandwidth`), so a part's
+bandwidth measured in the same round (a streaming read, benchmarks/harness/bandwidth.py), so a part's
 "x bound" says how far its kernel is from the memory's pace; the attention is set
 against the K and V it reads at the timed steps' mean context. A form is a dtype with an
 optional weight quantization after "+", as in single_stream.py. Parts and step times are
@@ -33,7 +33,8 @@ from benchmarks.harness.paths import REPO
 
 from benchmarks.harness.facts import run_facts
 from benchmarks.harness.output import write_report
-from benchmarks.decode.single_stream import decode_ms, kv_bytes, read_bandwidth, weight_bytes
+from benchmarks.decode.single_stream import decode_ms, kv_bytes, weight_bytes
+from benchmarks.harness.bandwidth import stream_read_bandwidth
 from pdserve.common import LLM
 from pdserve.kernels.cpu_decode import PART_CALLS, PART_TOTAL, PARTS
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth: dict[str, float] = {f: 0.0 for f in forms}
     for _ in range(args.rounds):  # forms in turn, so drift in the machine's load hits all
         for f, llm in llms.items():
-            bandwidth[f] = max(bandwidth[f], read_bandwidth(total[f], 3))
+            bandwidth[f] = max(bandwidth[f], stream_read_bandwidth(total[f], args.threads, 3))
             rounds[f].append(timed_round(llm, stacks[f], args.tokens))
     by_form = {}
     for f in forms:

@@ -1,7 +1,8 @@
-"""Single-stream decode against the weight-streaming bound, measured in the same run (issue 13).
+"""Single-stream decode against the weight-streaming bound, measured in the same run.
 
     python -m benchmarks.decode.single_stream [--model DIR_OR_GGUF] [--threads 2] [--tokens 64] [--rounds 5]
-        [--dtype float32[,bfloat16,float32+int8,float32+int4,float32+gguf]] [--out results/single_stream.json]
+        [--dtype float32[,bfloat16,float32+int8,float32+int4,float32+gguf]] [--nominal-gb-s X --nominal-source S]
+        [--out results/decode/single_stream.json]
 
 One request at a time decodes every token by reading all of the model's weights once,
 so a decode step cannot beat (weight bytes) / (memory read bandwidth). Both are measured
@@ -11,9 +12,11 @@ here, in this process, with the engine's thread count:
   int8 / int4 blocks, scales included, where quantized), the lm_head's included (the tied
   embedding table counted once, as the lm_head; an embedding table is otherwise only
   looked up), norms and biases, and the K and V the attention reads (every layer's, at
-  the mean context of the timed steps, in the cache's dtype) -- over the best of
-  `--rounds` timed `torch.sum` passes over a float32 buffer of the same size, filled with
-  random values first (a fresh buffer's zero pages would be read from one cached page);
+  the mean context of the timed steps, in the cache's dtype) -- over the best
+  multi-threaded streaming read (benchmarks/harness/bandwidth.py: the engine's threads, a
+  buffer of the same size, random values) of the run. The report says whether those bytes fit
+  in the last-level cache (then the bound is that cache's, not DRAM's) and sets the figure
+  against the chip's nominal bandwidth where it is known (`--nominal-gb-s`, with its source);
 - decode: `LLM.generate` of `--tokens` greedy tokens (ignore_eos) from a 32-token prompt,
   `--rounds` times; per-token time = (last token - first token) / (tokens - 1) from the
   engine's own per-step timing, so the prompt's prefill is not counted. Best and median
@@ -26,7 +29,7 @@ weight quantization after "+" (`float32+int4`: `--quantization int4`; `float32+g
 GGUF model's own Q4_1 / Q8_0 linears); without one the engine runs `--quantization none`.
 
 Default model: the embedded SmolLM2-135M-Instruct (float32 after conversion, 538 MB of
-weights). Target (issue 13): median per-token time <= 2x the bound.
+weights). Target: median per-token time <= 2x the bound.
 """
 from __future__ import annotations
 
@@ -40,9 +43,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.harness.paths import REPO
-
+from benchmarks.harness.bandwidth import bound_facts, stream_read_bandwidth
 from benchmarks.harness.facts import run_facts
+from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.output import write_report
 from pdserve.common import LLM, SamplingParams
 
@@ -76,18 +79,6 @@ def kv_bytes(llm: LLM, tokens: int, prompt: int = PROMPT) -> int:
     return per_token * (2 * prompt + tokens) // 2
 
 
-def read_bandwidth(nbytes: int, rounds: int) -> float:
-    """Bytes per second of the best of `rounds` sums over a random buffer of `nbytes`."""
-    buf = torch.rand(nbytes // 4)
-    buf.sum()  # warm: page-faulted in, in cache where it fits
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best
-
-
 def decode_ms(llm: LLM, tokens: int) -> float:
     """Per decode step of one request: (last token - first token) / (tokens - 1)."""
     engine = llm.engine
@@ -108,7 +99,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="float32", help="engine dtype, or several comma-separated, alternated")
-    ap.add_argument("--out", default=str(REPO / "results" / "single_stream.json"))
+    ap.add_argument("--nominal-gb-s", type=float, default=None, help="the chip's nominal memory bandwidth, if known")
+    ap.add_argument("--nominal-source", default=None, help="where --nominal-gb-s comes from (a datasheet, ...)")
+    ap.add_argument("--out", default=str(RESULTS / "decode" / "single_stream.json"))
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -124,26 +117,34 @@ def main() -> int:
     runs: dict[str, list[dict]] = {dt: [] for dt in dtypes}
     for _ in range(args.rounds):  # alternate bound and decode (and dtypes), so drift in the load hits all
         for dt, llm in llms.items():
-            bw = read_bandwidth(nbytes[dt], 3)
+            bw = stream_read_bandwidth(nbytes[dt], args.threads, 3)
             runs[dt].append({"read_gb_s": bw / 1e9, "bound_ms": nbytes[dt] / bw * 1000,
                              "decode_ms": decode_ms(llm, args.tokens)})
     by_dtype = {}
     for dt in dtypes:
         bound = min(r["bound_ms"] for r in runs[dt])  # the best bandwidth seen: the tightest bound
         med = statistics.median(r["decode_ms"] for r in runs[dt])
+        facts = bound_facts(nbytes[dt], args.threads, nbytes[dt] / bound * 1000, args.nominal_gb_s, args.nominal_source)
+        nominal_ms = nbytes[dt] / (args.nominal_gb_s * 1e9) * 1000 if args.nominal_gb_s else None
         by_dtype[dt] = {"weight_bytes": nbytes[dt] - kv[dt], "kv_bytes": kv[dt], "runs": runs[dt], "bound_ms": bound,
+                        "bound": facts, "nominal_bound_ms": nominal_ms,
                         "decode_ms_best": min(r["decode_ms"] for r in runs[dt]), "decode_ms_median": med,
-                        "ratio_to_bound": med / bound, "met": med / bound <= TARGET_RATIO}
-        print(f"{dt}: weights and KV {nbytes[dt] / 1e6:.0f} MB; read bandwidth best {nbytes[dt] / bound / 1e6:.1f} GB/s -> "
-              f"bound {bound:.1f} ms/token")
+                        "ratio_to_bound": med / bound, "ratio_to_nominal_bound": med / nominal_ms if nominal_ms else None,
+                        "met": med / bound <= TARGET_RATIO}
+        print(f"{dt}: weights and KV {nbytes[dt] / 1e6:.0f} MB ({'fit in' if facts['fits_in_llc'] else 'exceed'} the "
+              f"{(facts['llc_bytes'] or 0) / 2**20:.0f} MiB last-level cache: a bound of {facts['bound_of']}); streaming "
+              f"read best {nbytes[dt] / bound / 1e6:.1f} GB/s on {args.threads} thread(s) -> bound {bound:.1f} ms/token"
+              + (f"; nominal {args.nominal_gb_s} GB/s -> {nominal_ms:.1f} ms/token" if nominal_ms else
+                 "; nominal bandwidth not known for this chip"))
         each = " ".join(f"{r['decode_ms']:.1f}" for r in runs[dt])
         print(f"{dt}: decode median {med:.1f} ms/token, best {by_dtype[dt]['decode_ms_best']:.1f} ({each}); "
-              f"{med / bound:.2f}x the bound (target <= {TARGET_RATIO}x: {'met' if by_dtype[dt]['met'] else 'MISSED'})")
+              f"{med / bound:.2f}x the measured bound (target <= {TARGET_RATIO}x: {'met' if by_dtype[dt]['met'] else 'MISSED'})"
+              + (f", {med / nominal_ms:.2f}x the nominal one" if nominal_ms else ""))
     first = by_dtype[dtypes[0]]
     for dt in dtypes[1:]:
         print(f"{dtypes[0]} median / {dt} median: {first['decode_ms_median'] / by_dtype[dt]['decode_ms_median']:.2f}")
     report = {
-        **run_facts(), "model": str(model), "threads": args.threads, "tokens": args.tokens,
+        **run_facts(threads=args.threads), "model": str(model), "threads": args.threads, "tokens": args.tokens,
         "target_ratio": TARGET_RATIO, **first, "by_dtype": by_dtype,  # the first dtype's figures at the top level
     }
     write_report(report, args.out)
