@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     freeze_startup_heap()  # this process is the load generator: no 100 ms collections mid-run
     t0 = time.monotonic()
     out_path = Path(args.out)
-    logdir = out_path.parent / "logs"
+    logdir = RESULTS / "logs" / out_path.stem  # server logs: scratch, never beside a committed result
     logdir.mkdir(parents=True, exist_ok=True)
     layouts = [s for s in args.systems.split(",") if s]
     vver = vllm_version(args.vllm_python) if "vllm" in layouts else None

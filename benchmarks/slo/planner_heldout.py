@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     freeze_startup_heap()
     t0 = time.monotonic()
     out_path = Path(args.out)
-    logdir = out_path.parent / "logs"
+    logdir = RESULTS / "logs" / out_path.stem  # server logs: scratch, never beside a committed result
     logdir.mkdir(parents=True, exist_ok=True)
     trace, windows = TRACES[args.trace], parse_windows(args.windows)
     traffic = window_facts(trace, windows, args.num_prompts)
