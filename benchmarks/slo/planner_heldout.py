@@ -16,7 +16,7 @@ trace's (the map's seed: the window's SEED and the point: no reuse across points
 trace's 3 s clock spread evenly, time compressed to each of `--rates` (mean req/s). A window
 `START:SEED` is one pass of benchmarks/compare's interleaved sweep.
 
-Systems (benchmarks/compare/run.py: the same servers, budgets, warm-ups, unloaded latency,
+Systems (benchmarks/compare/systems.py and sweep.py: the same servers, budgets, warm-ups, unloaded latency,
 regimes derived from it and judging): pdserve colocated on 2 threads, 1P+1D on 1 each, and one
 planner server per regime (and, when tuning, per candidate setting), from colocated.
 
@@ -43,7 +43,9 @@ import time
 from pathlib import Path
 
 from benchmarks.compare.regimes import parse_rules
-from benchmarks.compare.run import (Load, System, bring_up, finish, fixed_systems, print_summary, sweep)
+from benchmarks.compare.run import print_summary
+from benchmarks.compare.sweep import finish, sweep
+from benchmarks.compare.systems import Load, System, bring_up, fixed_systems
 from benchmarks.harness.facts import machine_load, run_facts
 from benchmarks.harness.models import ensure_model
 from benchmarks.harness.output import write_report

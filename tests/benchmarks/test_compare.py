@@ -15,6 +15,8 @@ from tests.support.bench_scripts import script
 regimes_mod = script("compare.regimes")
 judge = script("compare.judge")
 run = script("compare.run")
+systems = script("compare.systems")
+sweep = script("compare.sweep")
 table = script("compare.table")
 
 UNLOADED = {"vllm@float32": {"ttft_ms": 80.0, "tpot_ms": 15.0}, "pdserve-colocated@float32": {"ttft_ms": 60.0,
@@ -65,13 +67,13 @@ def test_knees_per_regime_leave_a_planner_out_of_the_other_regime():
 
 
 def test_systems_per_dtype_and_planners_per_regime():
-    fixed = run.fixed_systems(["vllm", "colocated", "1p1d", "planner"], ["bfloat16", "float32"])
+    fixed = systems.fixed_systems(["vllm", "colocated", "1p1d", "planner"], ["bfloat16", "float32"])
     assert [s.name for s in fixed] == ["vllm@bfloat16", "pdserve-colocated@bfloat16", "pdserve-1p1d@bfloat16",
                                        "vllm@float32", "pdserve-colocated@float32", "pdserve-1p1d@float32"]
-    planners = run.planner_systems(["planner"], ["float32"], ["ttft_bound", "tpot_bound"])
+    planners = systems.planner_systems(["planner"], ["float32"], ["ttft_bound", "tpot_bound"])
     assert [(s.name, s.regime) for s in planners] == [("pdserve-planner-ttft_bound@float32", "ttft_bound"),
                                                       ("pdserve-planner-tpot_bound@float32", "tpot_bound")]
-    flags = run.planner_flags({"ttft_ms": 240.0, "tpot_ms": 30.0}, {"planner_interval_s": 3})
+    flags = systems.planner_flags({"ttft_ms": 240.0, "tpot_ms": 30.0}, {"planner_interval_s": 3})
     assert flags[:6] == ["--planner", "slo", "--slo-ttft-ms", "240.0", "--slo-tpot-ms", "30.0"]
     assert flags[-2:] == ["--planner-interval-s", "3"]
 
@@ -105,12 +107,13 @@ def test_a_run_measures_unloaded_first_then_interleaves_every_rate(monkeypatch, 
         return {"request_rate": rate, "duration": 1.0,
                 "by_regime": {r: judge.attainment_under(recs, regimes[r], 1.0) for r in own}}, recs
 
-    monkeypatch.setattr(run, "start", fake_start)
-    monkeypatch.setattr(run, "unloaded", fake_unloaded)
-    monkeypatch.setattr(run, "point", fake_point)
+    monkeypatch.setattr(systems, "start", fake_start)
+    monkeypatch.setattr(systems, "unloaded", fake_unloaded)
+    monkeypatch.setattr(sweep, "point", fake_point)
     monkeypatch.setattr(run, "vllm_version", lambda python: "0.0")
     monkeypatch.setattr(run, "best_bf16_dtype", lambda: "float32")
-    monkeypatch.setattr(run, "machine_load", lambda **kw: {"loadavg": [0.0], "busy_other_processes": 0})
+    for module in (run, sweep):
+        monkeypatch.setattr(module, "machine_load", lambda **kw: {"loadavg": [0.0], "busy_other_processes": 0})
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"vocab_size": 100}')
