@@ -34,8 +34,19 @@ def knee_text(knee: dict | None) -> str:
         return f"{sign}{k['rate']:.2f}"
 
     ends = knee.get("interval_ends")
-    spread = f" ({one(ends['from_lower'])} to {one(ends['from_upper'])})" if ends else ""
-    return one(knee) + spread
+    lo, hi = (one(ends["from_lower"]), one(ends["from_upper"])) if ends else (one(knee), one(knee))
+    return one(knee) + ("" if lo == hi == one(knee) else f" ({lo} to {hi})")
+
+
+def attainment_text(points: list[dict], regime: str) -> str:
+    """Each rate's attainment and its 95% interval, `0.5: 65% (55-74)`, joined by `<br>`."""
+    cells = []
+    for p in points:
+        a = p.get("by_regime", {}).get(regime)
+        if a:
+            lo, hi = a["slo_attainment_ci95"]
+            cells.append(f"{p['request_rate']:g}: {a['slo_attainment']:.0%} ({lo:.0%}-{hi:.0%})")
+    return "<br>".join(cells) or "-"
 
 
 def render(report: dict, source: str) -> str:
@@ -46,24 +57,30 @@ def render(report: dict, source: str) -> str:
     chip = report["host"]["cpu"].get("model", "?")
     simd = ", ".join(report["host"]["cpu"].get("simd", []))
     cols = [f"{name}: TTFT <= {r['ttft_ms']:g} ms, TPOT <= {r['tpot_ms']:g} ms" for name, r in regimes.items()]
-    lines = [f"Source: `{source}` (`{report['command']}`, commit {report['code']['commit']}), {chip} ({simd}), "
+    dirty = " with uncommitted changes" if report["code"].get("dirty") else ""
+    lines = [f"Source: `{source}` (`{report['command']}`, commit {report['code']['commit']}{dirty}), {chip} ({simd}), "
              f"{report['workload']['num_prompts']} requests a point x {report['workload']['repeats']} pass(es), "
              f"rates {', '.join(f'{r:g}' for r in report['workload']['rates'])} req/s, "
              f"{report['workload']['input_len']} in / {report['workload']['output_len']} out. "
              f"vLLM's best dtype here: {report['dtypes']['vllm_best_for_chip']} ({report['dtypes']['why']}). "
              f"{report.get('shared_machine_note') or ''}",
              "",
-             "| system | dtype | unloaded TTFT / TPOT (ms) | " + " | ".join(f"knee, req/s ({c})" for c in cols) + " |",
+             "| system | dtype | unloaded TTFT / TPOT (ms) | " + " | ".join(f"{c}: knee (req/s); attainment by rate (95% CI)"
+                                                                    for c in cols) + " |",
              "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |"]
     for name, system in report["systems"].items():
         u = report["unloaded"].get(name, {})
-        cells = [knee_text(knees.get(regime, {}).get(name)) if system.get("regime") in (None, regime) else "n/a"
-                 for regime in regimes]
+        pts = report.get("points", {}).get(name, [])
+        cells = [f"{knee_text(knees.get(regime, {}).get(name))}; {attainment_text(pts, regime)}"
+                 if system.get("regime") in (None, regime) else "n/a" for regime in regimes]
         lines.append(f"| {name} | {system['dtype']} | {u.get('ttft_ms', float('nan')):.1f} / "
                      f"{u.get('tpot_ms', float('nan')):.2f} | " + " | ".join(cells) + " |")
+    skipped = report.get("skipped") or []
     lines += ["", "Knee: the highest rate with >= 90% of requests meeting both SLOs there and at every lower rate, "
                   "interpolated; in brackets the same from the points' 95% interval ends; `>=` / `<`: censored "
-                  "(the sweep does not bracket it); n/a: a planner is judged under its own regime only."]
+                  "(the sweep does not bracket it); n/a: a planner is judged under its own regime only."
+              + (f" Not measured ({len(skipped)} points, the run's time bound): "
+                 + ", ".join(f"{k['system']} at {k['rate']:g}" for k in skipped) + "." if skipped else "")]
     return "\n".join(lines) + "\n"
 
 

@@ -99,10 +99,18 @@ def machine_load(sample_s: float = 0.5, top: int = 5) -> dict:
             "busy_other_processes": len(busy), "busiest": busy[:top]}
 
 
+def command_line() -> str:
+    """This process's command as typed: `python -m benchmarks.x.y ...` for a module run with -m."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name.removesuffix(".__main__")] if spec and spec.name else \
+        [Path(sys.executable).name, sys.argv[0]]
+    return " ".join([*head, *sys.argv[1:]])
+
+
 def run_facts(threads: int | None = None) -> dict:
     """When, how (the command line), which code and where (CPU model, SIMD flags, caches,
     platform, load) it ran; `threads`: the torch threads the measured engine used."""
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(),
             "code": code_facts(), "threads": threads,
             "host": {"cpus": os.cpu_count(), "cpu": cpu_facts(), "platform": platform.platform(),
                      "loadavg": os.getloadavg()}}
