@@ -144,3 +144,6 @@ def test_the_table_says_censored_knees_and_their_interval_ends():
     assert table.knee_text(knee) == ">= 2.00 (1.50 to >= 2.00)"
     assert table.knee_text({"rate": 1.0, "censored": "below"}) == "< 1.00"
     assert table.knee_text(None) == "-"
+    pts = [{"request_rate": 0.5, "by_regime": {"r": {"slo_attainment": 0.65, "slo_attainment_ci95": [0.55, 0.74]}}},
+           {"request_rate": 1.0, "by_regime": {}}]
+    assert table.attainment_text(pts, "r") == "0.5: 65% (55%-74%)" and table.attainment_text(pts, "x") == "-"
