@@ -37,7 +37,7 @@ from gpu_check_elastic import check_elastic  # noqa: E402
 from gpu_check_features import check_features  # noqa: E402
 from gpu_check_models import ARCHS, given_model, hf_greedy, make_models, prompts_for  # noqa: E402
 from gpu_check_transfer import check_cuda_ipc, check_nccl, on_gpu, sync, timed  # noqa: E402
-from servers import log, repo_pythonpath, start_pdserve  # noqa: E402
+from benchmarks.harness.servers import log, repo_pythonpath, start_pdserve  # noqa: E402
 
 MAX_NEW = 16
 SEEDED = [dict(temperature=1.0, seed=11), dict(temperature=0.8, top_p=0.9, seed=12),
@@ -296,7 +296,7 @@ def check_serving(args, models) -> dict:
                 for i, rate in enumerate(rates):
                     reqs = random_workload(args.num_prompts, 256, 64, 0.0, vocab, seed=100 + i)
                     times = arrival_times(args.num_prompts, rate, 1.0, seed=i)
-                    recs, dur = asyncio.run(run_workload(reqs, "http", s.url, times, None, 0.0, True, False, 0, False))
+                    recs, dur = asyncio.run(run_workload(reqs, "http", s.url, times, None, 0.0, True, False, (), False))
                     m = summarize(recs, dur, 1.0, 0.05, (50, 99))
                     keep = ("completed", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
                             "output_throughput", "request_goodput", "slo_attainment")

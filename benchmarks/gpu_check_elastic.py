@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from servers import REPO, log, repo_pythonpath, start_pdserve
+from benchmarks.harness.servers import REPO, log, repo_pythonpath, start_pdserve
 
 STREAMS = 2
 PER_PHASE = 8  # requests each layout must finish before the next change

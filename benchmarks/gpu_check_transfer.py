@@ -10,7 +10,7 @@ import time
 import msgpack
 import torch
 
-from servers import log
+from benchmarks.harness.servers import log
 
 
 def on_gpu(device: str) -> bool:

@@ -43,7 +43,7 @@ _ERRORS = {1: "bad arguments (a token id or position outside its table, a contex
               "or a slot or block id outside the cache)", 2: "out of memory"}
 _KIND_DTYPES = {0: torch.float32, 1: torch.bfloat16, **{c: torch.uint8 for c in quant.KIND_CODES.values()}}
 # The parts of a step `DecodeStack.parts` times (decode_layers_cpu.c's PD_PART_*, in order),
-# then the calls' whole time and their count: benchmarks/decode_parts.py
+# then the calls' whole time and their count: benchmarks/decode/parts.py
 PARTS = ("embed", "norms", "qkv", "rope_store", "attention", "o", "gate_up", "down", "lm_head", "argmax")
 PART_TOTAL, PART_CALLS = len(PARTS), len(PARTS) + 1
 

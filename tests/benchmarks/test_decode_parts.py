@@ -1,4 +1,4 @@
-"""benchmarks/decode_parts.py on a tiny model: every decode step times its parts in the
+"""benchmarks/decode/parts.py on a tiny model: every decode step times its parts in the
 native call, the parts add up to that call, the call fits in the step, and each product
 part is set against the bytes its packed matrices hold."""
 from __future__ import annotations
@@ -12,8 +12,7 @@ from tests.support.bench_scripts import script
 
 @pytest.fixture(scope="module")
 def decode_parts():
-    with script("decode_parts") as module:
-        yield module
+    yield script("decode.parts")
 
 
 def test_a_run_times_each_part_of_every_decode_step(decode_parts, model_dirs, tmp_path):

@@ -1,10 +1,12 @@
-"""benchmarks/native_ab.py with this tree as its own baseline: the two builds are one
+"""benchmarks/cpu_kernels/native_ab.py with this tree as its own baseline: the two builds are one
 library, so every case's outputs agree bit for bit and every ratio is reported."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import native_ab
+from tests.support.bench_scripts import script
+
+native_ab = script("cpu_kernels.native_ab")
 
 ROOT = Path(__file__).resolve().parents[2]
 

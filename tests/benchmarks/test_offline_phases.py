@@ -1,4 +1,4 @@
-"""benchmarks/offline_phases.py on a tiny model: every output token is one decode step's or
+"""benchmarks/offline/phases.py on a tiny model: every output token is one decode step's or
 a prefill's, and the phases' seconds fit in the wall time."""
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from tests.support.bench_scripts import script
 
 @pytest.fixture(scope="module")
 def offline_phases():
-    with script("offline_phases") as module:
-        yield module
+    yield script("offline.phases")
 
 
 def test_a_run_splits_each_dtype_into_prefill_and_decode_steps(offline_phases, model_dirs, tmp_path):

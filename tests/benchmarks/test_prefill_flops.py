@@ -1,4 +1,4 @@
-"""benchmarks/prefill_flops.py on a tiny model at tiny sizes: its FLOP count of a prefill
+"""benchmarks/offline/prefill_flops.py on a tiny model at tiny sizes: its FLOP count of a prefill
 against one made by hand from the model's config, and a whole run's report."""
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import prefill_flops as pf
+from tests.support.bench_scripts import script
+
+pf = script("offline.prefill_flops")
 
 
 def hand_count(cfg: dict, tokens: int) -> float:

@@ -1,4 +1,4 @@
-"""benchmarks/servers.py: a benchmark stopped by SIGTERM stops the servers it started (they
+"""benchmarks/harness/servers.py: a benchmark stopped by SIGTERM stops the servers it started (they
 run in sessions of their own, so the signal does not reach them)."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_sigterm_to_a_benchmark_stops_its_servers(tmp_path):
     bench = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from benchmarks.servers import Server
+        from benchmarks.harness.servers import Server
         server = Server("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], {{}},
                         __import__("pathlib").Path({str(tmp_path / "server.log")!r}))
         open({str(pid_file)!r}, "w").write(str(server.proc.pid))

@@ -1,4 +1,4 @@
-"""benchmarks/simulate_validate.py's per-request agreement, without servers: which
+"""benchmarks/slo/simulate_validate.py's per-request agreement, without servers: which
 requests missed a TPOT SLO in a simulated (or repeated) run, in the first served run,
 and in both -- counted by position, None (a one-token output) never a miss."""
 from __future__ import annotations
@@ -10,8 +10,7 @@ from tests.support.bench_scripts import script
 
 @pytest.fixture(scope="module")
 def sv():
-    with script("simulate_validate") as module:
-        yield module
+    yield script("slo.simulate_validate")
 
 
 def fig(*tpot_ms: float | None) -> dict:

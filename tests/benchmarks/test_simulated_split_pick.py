@@ -1,4 +1,4 @@
-"""benchmarks/simulated_split_pick.py's --validation ranking, without servers: the
+"""benchmarks/slo/simulated_split_pick.py's --validation ranking, without servers: the
 simulated pick per SLO pair against each served run's best, a later report's deployment
 replacing an earlier one's."""
 from __future__ import annotations
@@ -12,8 +12,7 @@ from tests.support.bench_scripts import script
 
 @pytest.fixture(scope="module")
 def ssp():
-    with script("simulated_split_pick") as module:
-        yield module
+    yield script("slo.simulated_split_pick")
 
 
 def dep(sim: float, *served: float) -> dict:

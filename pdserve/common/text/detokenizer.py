@@ -22,7 +22,7 @@ ending in U+FFFD and exposes neither its buffered ids nor a flush, so the end of
 whose final text does end in U+FFFD cannot be produced from it; it raises InvalidPrefix
 where a window is not prefix-stable; and stop strings need the settled text per token
 anyway (which token completed a stop string). Two decodes of a few tokens per token are
-cheap (benchmarks/output_path.py).
+cheap.
 """
 from __future__ import annotations
 

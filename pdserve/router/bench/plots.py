@@ -17,23 +17,61 @@ _COLORS = {"prefill_queue": "#c7c7c7", "prefill": "#1f77b4", "kv_transfer": "#ff
            "decode_queue": "#9edae5", "decode": "#2ca02c"}
 
 
+def _knee_label(res: dict) -> str:
+    knee = res.get("goodput_knee") or {}
+    if knee.get("rate") is None:
+        return "no knee"
+    if knee.get("censored") == "above":
+        return f"knee >= {knee['rate']:.2f} req/s, censored"
+    if knee.get("censored") == "below":
+        return f"knee < {knee['rate']:.2f} req/s, censored"
+    return f"knee {knee['rate']:.2f} req/s"
+
+
 def plot_attainment(results: list[dict], labels: list[str], out: str | Path, target: float = 0.9) -> Path:
-    """One line per sweep result (as written by `pdserve bench --request-rates`)."""
+    """One line per sweep result (as written by `pdserve bench --request-rates`), each point
+    with its 95% interval as an error bar; the legend gives the knee, marked when censored."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for res, label in zip(results, labels):
-        pts = sorted((p["request_rate"], p["slo_attainment"]) for p in res["sweep"])
-        gr = res.get("goodput_rate")
-        ax.plot([r for r, _ in pts], [a * 100 for _, a in pts], marker="o",
-                label=f"{label} (goodput rate {gr:.2f} req/s)" if gr else f"{label} (below target at all rates)")
+        pts = sorted(res["sweep"], key=lambda p: p["request_rate"])
+        rates = [p["request_rate"] for p in pts]
+        att = np.asarray([p["slo_attainment"] for p in pts]) * 100
+        ci = np.asarray([p.get("slo_attainment_ci95") or [p["slo_attainment"]] * 2 for p in pts]) * 100
+        ax.errorbar(rates, att, yerr=[att - ci[:, 0], ci[:, 1] - att], marker="o", capsize=3,
+                    label=f"{label} ({_knee_label(res)})")
     ax.axhline(target * 100, color="gray", linestyle="--", linewidth=1)
     slo = results[0].get("config", {}) if results else {}
-    ax.set_title(f"SLO attainment vs request rate (TTFT <= {slo.get('slo_ttft_ms')} ms, TPOT <= {slo.get('slo_tpot_ms')} ms)",
-                 fontsize=9)
+    ax.set_title(f"SLO attainment vs request rate, 95% intervals (TTFT <= {slo.get('slo_ttft_ms')} ms, "
+                 f"TPOT <= {slo.get('slo_tpot_ms')} ms)", fontsize=9)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(0, 105)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def plot_latency_vs_rate(results: list[dict], labels: list[str], out: str | Path) -> Path:
+    """TTFT and TPOT median and p99 against the request rate, each with its bootstrap 95%
+    interval as an error bar."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, metric, name in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
+        for res, label in zip(results, labels):
+            pts = sorted(res["sweep"], key=lambda p: p["request_rate"])
+            rates = [p["request_rate"] for p in pts]
+            for stat, style in (("median", "-"), ("p99", "--")):
+                key = f"{stat}_{metric}_ms"
+                if not all(key in p for p in pts):
+                    continue
+                v = np.asarray([p[key] for p in pts])
+                ci = np.asarray([p.get(f"{key}_ci95") or [p[key]] * 2 for p in pts])
+                ax.errorbar(rates, v, yerr=[v - ci[:, 0], ci[:, 1] - v], linestyle=style, marker="o", capsize=3,
+                            label=f"{label} {stat}")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(f"{name}, 95% bootstrap intervals", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     return _save(fig, out)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
@@ -106,10 +107,13 @@ async def _one_http(http, url: str, model: str | None, req: BenchRequest, rec: R
 
 async def run_workload(reqs: list[BenchRequest], backend: str, url: str, send_times: list[float],
                        max_concurrency: int | None = None, temperature: float = 0.0, ignore_eos: bool = True,
-                       return_timeline: bool = True, warmup: int = 0, progress: bool = True
+                       return_timeline: bool = True, warmup: Sequence[BenchRequest] = (), progress: bool = True
                        ) -> tuple[list[RequestRecord], float]:
     """Send reqs[i] at send_times[i] seconds after start; returns records and the duration
-    from the first send to the last token."""
+    from the first send to the last token. The `warmup` requests go first, one at a time, and
+    are not recorded: they are not in `reqs` (prompts of their own, so that the measured
+    requests do not find their own prefixes cached by the warm-up), and a warm-up that fails
+    fails the run (a server that cannot answer one request is not measured)."""
     if backend == "zmq":
         from pdserve.router.client import AsyncClient
         client = AsyncClient(url)
@@ -124,8 +128,11 @@ async def run_workload(reqs: list[BenchRequest], backend: str, url: str, send_ti
         raise ValueError(f"backend must be 'zmq' or 'http', got {backend!r}")
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     try:
-        for r in reqs[:warmup]:  # warm-up, one at a time, not recorded
-            await one(r, RequestRecord(time.perf_counter()))
+        for r in warmup:
+            rec = RequestRecord(time.perf_counter())
+            await one(r, rec)
+            if not rec.token_times:
+                raise RuntimeError("a warm-up request got no tokens")
         bar = tqdm(total=len(reqs), desc="bench", disable=not progress, dynamic_ncols=True)
         records = [RequestRecord(0.0, prompt_len=r.prompt_len) for r in reqs]
         start = time.perf_counter()

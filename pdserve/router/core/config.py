@@ -50,11 +50,11 @@ class RouterConfig:
                                   "(role changes, new workers, core sharing) to meet the SLOs; 'none': never")
     slo_ttft_ms: float = option(0.0, "planner: the time-to-first-token SLO (ms)")
     slo_tpot_ms: float = option(0.0, "planner: the time-per-output-token SLO (ms)")
-    planner_interval_s: float = option(5.0, "planner: the window (s): one decision per window")
+    planner_interval_s: float = option(3.0, "planner: the window (s): one decision per window")
     planner_max_workers: int = option(0, "planner: workers it may grow the deployment to (0: role changes only)")
     planner_target: float = option(0.9, "planner: the share of a window's requests that must meet each SLO")
-    planner_sustain: int = option(3, "planner: consecutive windows a condition must hold before a change")
-    planner_cooldown_s: float = option(30.0, "planner: no change this soon (s) after the last")
+    planner_sustain: int = option(2, "planner: consecutive windows a condition must hold before a change")
+    planner_cooldown_s: float = option(15.0, "planner: no change this soon (s) after the last")
     planner_host_cores: int = option(0, "planner: one host's cores the workers share; with it the planner also "
                                         "trades one colocated worker on all of them for 1P+1D on half each "
                                         "(0: it does not plan core sharing)")

@@ -76,7 +76,7 @@ class Planner(Background):
     """Samples the router owned by `control`, decides, applies. `step()` is one window
     (what a test drives); `start()` runs it every `interval_s` of the router's clock."""
 
-    def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 5.0, swap_timeout_s: float = 300.0,
+    def __init__(self, control: ControlPlane, cfg: PlannerConfig, interval_s: float = 3.0, swap_timeout_s: float = 300.0,
                  predictor: Predictor | None = None, cpu_seconds: Callable[[], float] = time.process_time) -> None:
         if not interval_s > 0:
             raise ValueError(f"planner interval must be > 0 s, got {interval_s}")

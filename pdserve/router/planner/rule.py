@@ -72,8 +72,8 @@ class PlannerConfig:
     target: float = 0.9
     margin: float = 0.05      # dead band: the donor pool's attainment must exceed target + margin
     kv_high: float = 0.9      # decode KV use above this asks for decode capacity
-    sustain: int = 3          # consecutive windows a wish must hold
-    cooldown_s: float = 30.0  # no plan this soon after the last
+    sustain: int = 2          # consecutive windows a wish must hold
+    cooldown_s: float = 15.0  # no plan this soon after the last
     max_workers: int = 0      # workers the planner may grow the deployment to (0: role changes only)
     host_cores: int = 0       # one host: the cores its workers share (0: core sharing is not planned)
     memory_s: float = 1800.0  # one host: the longest a layout's observed score is trusted

@@ -3,13 +3,16 @@
 Definitions (DESIGN.md): TTFT = first token - send; TPOT = (E2E - TTFT) / (out - 1);
 ITL = every gap between streamed tokens, pooled; E2E = last token - send.
 SLO attainment = share of requests meeting every given SLO; goodput = requests meeting
-all SLOs per second of the run.
+all SLOs per second of the run. Intervals: stats/intervals.py; the sweep's knee: stats/knee.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pdserve.router.stats.intervals import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_percentiles,
+                                            wilson_interval)
 
 
 @dataclass
@@ -65,21 +68,30 @@ def attainment(records: list[RequestRecord], slo_ttft_s: float | None, slo_tpot_
     return sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records) / len(records)
 
 
-def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[str, float]:
-    """vLLM-style mean/median/std/pNN in milliseconds."""
+def _stats(name: str, values_s: list[float], percentiles: list[float], ci: bool) -> dict:
+    """vLLM-style mean/median/std/pNN in milliseconds, and beside each percentile (the median
+    included) its bootstrap 95% interval as `<key>_ci95`: [low, high]."""
     arr = np.asarray(values_s, dtype=float) * 1000.0
-    if arr.size == 0:
+    empty = arr.size == 0
+    if empty:
         arr = np.zeros(1)
-    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
-           f"std_{name}_ms": float(arr.std())}
+    out: dict = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+                 f"std_{name}_ms": float(arr.std())}
     for p in percentiles:
         out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
+    if ci and not empty:
+        pcts = sorted({50.0, *percentiles})
+        for p, (lo, hi) in bootstrap_percentiles(arr, pcts).items():
+            out[f"{'median' if p == 50 else f'p{p:g}'}_{name}_ms_ci95"] = [lo, hi]
     return out
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_s: float | None = None,
-              slo_tpot_s: float | None = None, percentiles: tuple[float, ...] = (90, 99)) -> dict:
-    """The aggregate result with vLLM `bench serve` key names (plus SLO attainment)."""
+              slo_tpot_s: float | None = None, percentiles: tuple[float, ...] = (90, 99), ci: bool = True) -> dict:
+    """The aggregate result with vLLM `bench serve` key names, plus SLO attainment with its
+    Wilson 95% interval (`slo_attainment_ci95`, over `slo_requests` requests of which `slo_met`
+    met every SLO; a failed request counts as a miss) and, with `ci`, bootstrap 95% intervals
+    of the latency percentiles (`p99_ttft_ms_ci95`, ...)."""
     ok = [r for r in records if r.success and r.output_len > 0]
     good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records)
     total_in = sum(r.prompt_len for r in ok)
@@ -95,28 +107,26 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_s: float
         "output_throughput": total_out / duration_s if duration_s > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration_s if duration_s > 0 else 0.0,
         "slo_attainment": good / len(records) if records else 0.0,
+        "slo_attainment_ci95": list(wilson_interval(good, len(records))),
+        "slo_met": good,
+        "slo_requests": len(records),
     }
     pct = list(percentiles)
     if 50 not in pct:
         pct = [50, *pct]
-    res.update(_stats("ttft", [r.ttft for r in ok], pct))
-    res.update(_stats("tpot", [r.tpot for r in ok if r.tpot is not None], pct))
-    res.update(_stats("itl", [x for r in ok for x in r.itls], pct))
-    res.update(_stats("e2el", [r.e2e for r in ok], pct))
+    res.update(_stats("ttft", [r.ttft for r in ok], pct, ci))
+    res.update(_stats("tpot", [r.tpot for r in ok if r.tpot is not None], pct, ci))
+    res.update(_stats("itl", [x for r in ok for x in r.itls], pct, ci))
+    res.update(_stats("e2el", [r.e2e for r in ok], pct, ci))
+    if ci:
+        res["intervals"] = INTERVALS
     return res
 
 
-def goodput_rate(rates: list[float], attainments: list[float], target: float = 0.9) -> float | None:
-    """The highest request rate at which attainment stays >= target, linearly interpolated
-    between the last sweep point at or above target and the next one below (DistServe).
-    None if even the lowest rate misses the target; the highest rate if none misses it."""
-    pts = sorted(zip(rates, attainments))
-    if not pts or pts[0][1] < target:
-        return None
-    for (r0, a0), (r1, a1) in zip(pts, pts[1:]):
-        if a1 < target:
-            return r0 + (a0 - target) * (r1 - r0) / (a0 - a1)
-    return pts[-1][0]
+# How the intervals in a summary were made (written into the JSON beside them).
+INTERVALS = {"slo_attainment_ci95": "Wilson score interval, 95%",
+             "percentile_ci95": f"percentile bootstrap over requests (ITL: over pooled gaps), {BOOTSTRAP_RESAMPLES} "
+                                f"resamples, seed {BOOTSTRAP_SEED}, 95%"}
 
 
 # Phases of the server timeline, in request order; each is (name, start key, end key).

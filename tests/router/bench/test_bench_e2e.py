@@ -47,8 +47,11 @@ def test_bench_sweep_and_detailed_run(server, model_dirs, tmp_path):
         assert SUMMARY_KEYS <= set(point)
         assert point["completed"] == NUM_PROMPTS and point["failed"] == 0
         assert point["total_output_tokens"] == NUM_PROMPTS * 6
-    assert "goodput_rate" in sweep
-    assert _is_png(plots / "attainment_vs_rate.png")
+    # generous SLOs on 8 requests: nothing misses, so the knee is censored at the top rate
+    assert sweep["goodput_knee"]["censored"] == "above" and sweep["goodput_knee"]["rate"] == 16.0
+    assert sweep["warmup"]["excluded"] and sweep["warmup"]["requests_per_point"] == 1
+    assert all(p["slo_attainment_ci95"][0] < 1.0 == p["slo_attainment_ci95"][1] for p in sweep["sweep"])
+    assert _is_png(plots / "attainment_vs_rate.png") and _is_png(plots / "latency_vs_rate.png")
 
     single = _bench(server, model_dirs["qwen3"], tmp_path / "single.json", "--request-rate", "8",
                     "--save-detailed", "--plot-dir", str(plots))

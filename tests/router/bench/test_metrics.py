@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.stats.latency import (RequestRecord, attainment, goodput_rate, meets_slo, phase_breakdown,
-                                  summarize)
+from pdserve.router.stats.latency import RequestRecord, attainment, meets_slo, phase_breakdown, summarize
 
 MS = 1e-3
 
@@ -118,20 +117,6 @@ def test_one_token_request_is_judged_on_ttft_only():
 
 def test_attainment_of_nothing_is_zero():
     assert attainment([], 1.0, 1.0) == 0.0
-
-
-def test_goodput_rate_interpolates_between_last_pass_and_first_miss():
-    expected = 2 + (0.95 - 0.9) * (4 - 2) / (0.95 - 0.5)
-    assert goodput_rate([1, 2, 4], [1.0, 0.95, 0.5]) == pytest.approx(expected)
-    assert goodput_rate([4, 1, 2], [0.5, 1.0, 0.95]) == pytest.approx(expected)  # sweep order does not matter
-
-
-def test_goodput_rate_edges():
-    assert goodput_rate([1, 2, 4], [0.8, 0.7, 0.1]) is None  # below target even at the lowest rate
-    assert goodput_rate([1, 2, 4], [1.0, 0.99, 0.91]) == 4  # never below target: the highest rate
-    assert goodput_rate([1, 2], [0.9, 0.5]) == pytest.approx(1.0)  # exactly at target counts as meeting it
-    assert goodput_rate([1, 2, 4], [1.0, 0.8, 0.2], target=0.5) == pytest.approx(2 + 0.3 * 2 / 0.6)
-    assert goodput_rate([], []) is None
 
 
 def test_phase_breakdown_means_per_phase():

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.router.cli import bench as cli
-from pdserve.router.stats.latency import RequestRecord, goodput_rate
+from pdserve.router.stats.intervals import wilson_interval
+from pdserve.router.stats.latency import RequestRecord
 from tests.support.bench_result_keys import DETAIL_KEYS, SUMMARY_KEYS
 
 TRACE = "/work/shared/data/mooncake/conversation_trace.jsonl"
@@ -24,9 +25,14 @@ class FakeRunner:
     def __init__(self, ttft_s=lambda rate, i: 0.050):
         self.ttft_s = ttft_s
         self.calls: list[list[float]] = []
+        self.prompts: list[list[list[int]]] = []  # each call's measured prompts
+        self.warmups: list[list] = []  # each call's warm-up requests
 
-    async def __call__(self, reqs, backend, url, send_times, *args, **kwargs):
+    async def __call__(self, reqs, backend, url, send_times, max_concurrency=None, temperature=0.0, ignore_eos=True,
+                       return_timeline=True, warmup=(), progress=True):
         self.calls.append(list(send_times))
+        self.prompts.append([r.prompt_token_ids for r in reqs])
+        self.warmups.append(list(warmup))
         rate = len(reqs) / send_times[-1] if send_times[-1] > 0 else float("inf")
         records = []
         for i, (r, t) in enumerate(zip(reqs, send_times)):
@@ -71,7 +77,7 @@ def test_single_run_json_has_the_documented_keys(model_dirs, fake, tmp_path):
     assert len(fake.calls) == 1 and fake.calls[0][0] == 0.0
 
 
-def test_sweep_json_carries_every_point_and_the_goodput_rate(model_dirs, tmp_path, monkeypatch):
+def test_sweep_json_carries_every_point_and_the_goodput_knee(model_dirs, tmp_path, monkeypatch):
     # attainment 1.0 at 1 req/s, 0.95 at 2 req/s, 0.5 at 4 req/s: requests past a share miss TTFT
     share = {1: 20, 2: 19, 4: 10}
     runner = FakeRunner(lambda rate, i: 0.050 if i < share[min(share, key=lambda r: abs(r - rate))] else 0.500)
@@ -84,8 +90,36 @@ def test_sweep_json_carries_every_point_and_the_goodput_rate(model_dirs, tmp_pat
     assert [p["request_rate"] for p in res["sweep"]] == [1.0, 2.0, 4.0]
     assert [p["slo_attainment"] for p in res["sweep"]] == pytest.approx([1.0, 0.95, 0.5])
     assert all(SUMMARY_KEYS <= set(p) for p in res["sweep"])
-    assert res["goodput_rate"] == pytest.approx(goodput_rate([1, 2, 4], [1.0, 0.95, 0.5]))
+    assert [x for p in res["sweep"] for x in p["slo_attainment_ci95"]] == pytest.approx(
+        [x for k in (20, 19, 10) for x in wilson_interval(k, 20)])
+    expected = 2 + (0.95 - 0.9) * (4 - 2) / (0.95 - 0.5)
+    assert res["goodput_knee"]["rate"] == pytest.approx(expected) and res["goodput_knee"]["censored"] is None
     assert (tmp_path / "plots" / "attainment_vs_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_that_never_misses_reports_a_censored_knee(model_dirs, fake, tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert cli.main(_args(model_dirs["qwen3"], out, "--request-rates", "1,2", "--burstiness", "1000",
+                          "--slo-ttft-ms", "100")) == 0
+    res = json.loads(out.read_text())
+    assert res["goodput_knee"]["censored"] == "above" and res["goodput_knee"]["rate"] == res["sweep"][-1]["request_rate"]
+    printed = capsys.readouterr().out
+    assert "goodput knee" in printed and ">= " in printed and "censored" in printed
+    assert "95% Wilson (20/20)" in printed
+
+
+def test_each_point_gets_fresh_prompts_and_a_warmup_of_its_own(model_dirs, fake, tmp_path):
+    """No point may find its prompts in the server's prefix cache: not from an earlier point,
+    not from the warm-up; the warm-up is said in the JSON and in no figure."""
+    out = tmp_path / "sweep.json"
+    assert cli.main(_args(model_dirs["qwen3"], out, "--request-rates", "1,2", "--warmup", "3")) == 0
+    res = json.loads(out.read_text())
+    first, second = (set(map(tuple, ps)) for ps in fake.prompts)
+    warm = {tuple(w.prompt_token_ids) for ws in fake.warmups for w in ws}
+    assert len(fake.warmups[0]) == len(fake.warmups[1]) == 3
+    assert not first & second and not warm & (first | second)
+    assert res["warmup"] == {**res["warmup"], "requests_per_point": 3, "excluded": True}
+    assert all(p["completed"] == 20 for p in res["sweep"])  # the warm-up is not among them
 
 
 def test_trace_sweep_rescales_the_trace_clock(model_dirs, fake, tmp_path):

@@ -1,0 +1,1 @@
+"""benchmarks.cpu_kernels: see benchmarks/__init__.py."""

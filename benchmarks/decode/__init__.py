@@ -1,0 +1,1 @@
+"""benchmarks.decode: see benchmarks/__init__.py."""

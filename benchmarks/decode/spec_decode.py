@@ -1,0 +1,226 @@
+"""Speculative decoding against none, side by side in one process (issue 51).
+
+    python -m benchmarks.decode.spec_decode [--model DIR] [--threads 2] [--tokens 96] [--rounds 3]
+        [--k 4] [--streams 8] [--out results/spec_decode.json]
+
+One engine per configuration, all on the same model (default: the embedded
+SmolLM2-135M-Instruct at float32, `--quantization none`), taking turns request by request:
+
+- off: no speculation;
+- self_int4: `{"method": "draft_model", "model": "self", "quantization": "int4"}`, the
+  model's own int4 copy drafting;
+- ngram: `{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}`;
+
+each with `num_speculative_tokens` = --k and the adaptive policy on (the default); with
+`--configs` also the same two with `"adaptive": false` (every step verifies what the
+proposer has: self_int4_fixed, ngram_fixed).
+
+Two prompt sets, chat-templated: `repeat`, asks whose answer repeats much of the prompt
+(edit this code, repeat this text with one change); `chat`, open questions. Single
+stream: each prompt alone, greedy, up to --tokens tokens; its per-token time is (last
+token - first token) / (tokens - 1) from the engine's own steps (the prompt's prefill is
+not counted), and a set's figure is its total decode time over its total tokens, the
+median of --rounds rounds, in wall time and in CPU time of the engine's thread (on a host
+whose cores other jobs share, the second says what the steps cost without the time the
+cores were taken away). Every configuration's output must equal off's token for token
+(greedy, float32: speculation changes no token); a difference is reported and fails the
+run. Acceptance length: 1 + accepted / verifications (vLLM's mean acceptance length), and
+the share of steps that verified drafts.
+
+Concurrent: --streams chat prompts at once in one engine (continuous batching): per-stream
+time per token, the mean over the streams, and the batch's tokens per second.
+
+Targets (issue 51): self_int4 >= 2x off's speed on chat; ngram >= 1.5x on repeat and >= 0.95x
+on chat; every configuration >= 0.95x off at --streams streams. llama.cpp's prompt-lookup
+decoding is not compared: llama-cpp-python is not installed here.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+from benchmarks.harness.facts import run_facts
+from benchmarks.harness.output import write_report
+from benchmarks.harness.paths import RESULTS
+from pdserve.common import LLM, SamplingParams
+
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item["price"] * item["quantity"]
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def average_price(items):
+    if not items:
+        return 0
+    return sum(item["price"] for item in items) / len(items)
+'''
+TEXT = ("The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to "
+        "five books at a time for three weeks. Books can be renewed once online or at the front desk. Late "
+        "returns cost ten cents per day per book. The reading room on the second floor is quiet and has free "
+        "wireless internet.")
+PROMPTS = {
+    "repeat": [
+        f"Rename the function total_price to compute_total in this code and return the whole code:\n\n{CODE}",
+        f"Add a docstring to each function in this code and return the whole code:\n\n{CODE}",
+        f"Repeat the following text exactly, but write 'ten' instead of 'nine':\n\n{TEXT}",
+        f"Copy this text, word for word:\n\n{TEXT}",
+    ],
+    "chat": [
+        "Tell me a short story about a dragon who learns to cook.",
+        "Explain how a rainbow forms.",
+        "What are three tips for learning a new language?",
+        "Describe a perfect day at the beach.",
+    ],
+}
+CHAT_MORE = ["Why is the sky blue?", "Write a poem about autumn leaves.", "How do airplanes stay in the air?",
+             "Give me a recipe for pancakes."]  # with PROMPTS["chat"], the concurrent streams
+
+
+def configs(k: int) -> dict[str, dict | None]:
+    draft = {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": k}
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {"off": None, "self_int4": draft, "ngram": ngram,  # the default set
+            "self_int4_fixed": {**draft, "adaptive": False}, "ngram_fixed": {**ngram, "adaptive": False}}
+
+
+DEFAULT_CONFIGS = "off,self_int4,ngram"  # each engine holds its weights (and a draft its own): ~1.5 GB apiece
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All `prompts` at once, greedy: each one's tokens and the times of its first and last
+    token, and the engine's steps and verification counts over the run."""
+    engine = llm.engine
+    spec = engine.speculator
+    before = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
+    seqs = [engine.new_sequence(p, SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    seen = {s.seq_id: 0 for s in seqs}
+    first: dict[int, tuple[float, float]] = {}  # (wall, CPU) seconds
+    last: dict[int, tuple[float, float]] = {}
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        now = (time.perf_counter(), time.thread_time())
+        steps += 1
+        for seq in seqs:
+            n = len(seq.output_token_ids)
+            if n != seen[seq.seq_id]:
+                first.setdefault(seq.seq_id, now)
+                last[seq.seq_id], seen[seq.seq_id] = now, n
+    return {"tokens": [s.output_token_ids for s in seqs], "n": [len(s.output_token_ids) for s in seqs],
+            "decode_s": [last[s.seq_id][0] - first[s.seq_id][0] for s in seqs],
+            "cpu_s": [last[s.seq_id][1] - first[s.seq_id][1] for s in seqs], "steps": steps,
+            "drafts": spec.stats.num_drafts - before[0] if spec else 0,
+            "accepted": spec.stats.num_accepted_tokens - before[1] if spec else 0}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batch part (0: none)")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="comma-separated configurations, off first (also self_int4_fixed, ngram_fixed: adaptive off)")
+    ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from pdserve.common.loading.default_model import resolve_model_dir
+        model = resolve_model_dir(None)
+    chosen = {name: configs(args.k)[name] for name in args.configs.split(",")}
+    assert next(iter(chosen)) == "off", "off first: the others are compared with it"
+    llms = {name: LLM(model, dtype="float32", quantization="none", num_threads=args.threads, num_kv_blocks=128,
+                      max_model_len=1024, **({"speculative_config": spec} if spec else {}))
+            for name, spec in chosen.items()}
+    tok = next(iter(llms.values())).tokenizer
+    chat = {s: [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ps]
+            for s, ps in {**PROMPTS, "streams": (PROMPTS["chat"] + CHAT_MORE)[:args.streams]}.items()}
+    for llm in llms.values():  # warm-up: kernels, packed weights, the policies' first costs
+        run(llm, chat["chat"][:1], 16)
+    single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in llms} for s in PROMPTS}
+    batch: dict[str, list[dict]] = {name: [] for name in llms}
+    mismatches: list[str] = []
+    for rnd in range(args.rounds):
+        for s in PROMPTS:
+            for i, prompt in enumerate(chat[s]):
+                outs = {name: run(llm, [prompt], args.tokens) for name, llm in llms.items()}  # taking turns
+                for name, out in outs.items():
+                    single[s][name].append(out)
+                    if out["tokens"] != outs["off"]["tokens"]:
+                        mismatches.append(f"{name} {s}[{i}] round {rnd}")
+        if args.streams:
+            outs = {name: run(llm, chat["streams"], args.tokens) for name, llm in llms.items()}
+            for name, out in outs.items():
+                batch[name].append(out)
+                if out["tokens"] != outs["off"]["tokens"]:
+                    mismatches.append(f"{name} streams round {rnd}")
+        print(f"round {rnd + 1} of {args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
+    report = {**run_facts(), "model": str(model), "threads": args.threads, "tokens": args.tokens, "k": args.k,
+              "rounds": args.rounds, "configs": chosen, "single": {}, "streams": {}, "mismatches": mismatches}
+    for s in PROMPTS:
+        per = len(chat[s])
+        wall = {name: _per_round(outs, per, "decode_s") for name, outs in single[s].items()}
+        cpu = {name: _per_round(outs, per, "cpu_s") for name, outs in single[s].items()}
+        off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
+        report["single"][s] = {}
+        print(f"\n{s} (single stream, {per} prompts, {args.rounds} rounds): ms/token wall (by round) and CPU")
+        for name in llms:
+            outs = single[s][name]
+            drafts, accepted = sum(o["drafts"] for o in outs), sum(o["accepted"] for o in outs)
+            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "speedup_wall": off_wall / statistics.median(wall[name]),
+                   "speedup_cpu": off_cpu / statistics.median(cpu[name]),
+                   "acceptance_length": 1 + accepted / drafts if drafts else None,
+                   "verify_share": drafts / sum(o["steps"] for o in outs),
+                   "tokens_per_round": sum(sum(o["n"]) for o in outs) // args.rounds}
+            report["single"][s][name] = row
+            acc = f"{row['acceptance_length']:.2f}" if drafts else "-"
+            print(f"  {name:16s} wall {statistics.median(wall[name]):6.1f} x{row['speedup_wall']:4.2f} "
+                  f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
+                  f"x{row['speedup_cpu']:4.2f}  acceptance length {acc:>5s}, verifying {row['verify_share']:4.0%} of steps")
+    if args.streams:
+        print(f"\n{args.streams} concurrent chat streams ({args.rounds} rounds): ms/token per stream, wall and CPU")
+        wall = {name: [_per_stream(o, "decode_s") for o in outs] for name, outs in batch.items()}
+        cpu = {name: [_per_stream(o, "cpu_s") for o in outs] for name, outs in batch.items()}
+        off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
+        for name, outs in batch.items():
+            drafts, accepted = sum(o["drafts"] for o in outs), sum(o["accepted"] for o in outs)
+            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "speedup_wall": off_wall / statistics.median(wall[name]),
+                   "speedup_cpu": off_cpu / statistics.median(cpu[name]),
+                   "acceptance_length": 1 + accepted / drafts if drafts else None}
+            report["streams"][name] = row
+            print(f"  {name:16s} wall {statistics.median(wall[name]):6.1f} x{row['speedup_wall']:4.2f} "
+                  f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
+                  f"x{row['speedup_cpu']:4.2f}")
+    if mismatches:
+        print(f"\nOUTPUT DIFFERS from off: {mismatches}")
+    write_report(report, args.out)
+    return 1 if mismatches else 0
+
+
+def _per_stream(out: dict, key: str) -> float:
+    """ms per token of a concurrent run: the streams' mean of (last - first token) / (tokens - 1)."""
+    return 1000 * statistics.mean(d / (n - 1) for d, n in zip(out[key], out["n"]) if n > 1)
+
+
+def _per_round(outs: list[dict], per: int, key: str) -> list[float]:
+    """ms per token of each round: its prompts' decode time (`key`: wall or CPU) over their
+    tokens after the first."""
+    rounds = [outs[i:i + per] for i in range(0, len(outs), per)]
+    return [1000 * sum(sum(o[key]) for o in r) / sum(sum(n - 1 for n in o["n"]) for o in r) for r in rounds]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""benchmarks.kv_transfer: see benchmarks/__init__.py."""

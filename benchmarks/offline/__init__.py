@@ -1,0 +1,1 @@
+"""benchmarks.offline: see benchmarks/__init__.py."""

@@ -1,0 +1,1 @@
+"""benchmarks.routing: see benchmarks/__init__.py."""

@@ -1,0 +1,1 @@
+"""benchmarks.serving: see benchmarks/__init__.py."""

@@ -1,0 +1,1 @@
+"""benchmarks.slo: see benchmarks/__init__.py."""

@@ -1,0 +1,63 @@
+"""benchmarks/slo/planner_heldout.py's guards and traffic, without servers: an evaluation that
+shares rows or seeds with the tuning is refused, an uncommitted frozen file is not frozen,
+a trace window replays at the asked rate with fresh prompts per point, and tuning picks the
+candidate that met the SLOs most."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+import pytest
+
+from tests.support.bench_scripts import script
+
+ho = script("slo.planner_heldout")
+
+
+def test_windows_parse_and_overlap_is_found():
+    assert ho.parse_windows("0:0,1500:1") == [(0, 0), (1500, 1)]
+    tune = ho.window_facts(ho.SYNTHETIC, [(0, 0), (1500, 1)], 100)
+    assert ho.overlap(tune, ho.window_facts(ho.CONVERSATION, [(3000, 100)], 100)) == []
+    assert ho.overlap(tune, ho.window_facts(ho.CONVERSATION, [(0, 0)], 100)) == ["seeds [0] were the tuning's"]
+    same = ho.overlap(tune, ho.window_facts(ho.SYNTHETIC, [(1550, 7)], 100))
+    assert same == ["rows [1550, 1650] overlap the tuning's [1500, 1600] of the same trace"]
+    assert ho.overlap(tune, ho.window_facts(ho.SYNTHETIC, [(1600, 7)], 100)) == []  # adjacent, not shared
+
+
+def test_a_file_is_frozen_only_once_committed_and_unchanged(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    monkeypatch.setattr(ho, "REPO", repo)
+    f = repo / "frozen.json"
+    f.write_text("{}")
+    assert ho.frozen_state(f) == {"frozen": False, "why": "frozen.json is not committed"}
+    subprocess.run([*git, "add", "frozen.json"], check=True)
+    subprocess.run([*git, "commit", "-qm", "freeze"], check=True)
+    state = ho.frozen_state(f)
+    assert state["frozen"] and state["file"] == "frozen.json" and len(state["commit"]) == 40
+    f.write_text('{"changed": 1}')
+    assert ho.frozen_state(f) == {"frozen": False, "why": "frozen.json has uncommitted changes"}
+
+
+def test_a_trace_window_replays_at_the_rate_with_fresh_prompts_per_point():
+    args = argparse.Namespace(max_output=64, max_input=768)
+    load = ho.trace_load(ho.CONVERSATION, 3000, 100, args, vocab=1000)
+    reqs, times = load(0, 2.0, 50)
+    assert len(reqs) == len(times) == 50 and times[0] == 0.0
+    assert len(times) / times[-1] == pytest.approx(2.0, rel=0.05)  # the mean rate asked (ties spread)
+    assert all(a <= b for a, b in zip(times, times[1:]))
+    assert all(r.prompt_len <= 768 and 1 <= r.output_len <= 64 for r in reqs)
+    again, _ = load(1, 2.0, 50)
+    assert [r.prompt_len for r in again] == [r.prompt_len for r in reqs]  # the same rows...
+    assert again[0].prompt_token_ids != reqs[0].prompt_token_ids  # ...with other tokens: no cache across points
+
+
+def test_tuning_picks_the_candidate_that_met_the_slos_most():
+    def pts(a):
+        return [{"by_regime": {"r": {"slo_attainment": a}}}]
+    report = {"points": {"pdserve-planner-r-fast@float32": pts(0.9), "pdserve-planner-r-slow@float32": pts(0.6),
+                         "pdserve-colocated@float32": pts(1.0)}}
+    choice = ho.pick(report, [{"name": "fast", "flags": {"planner_sustain": 2}}, {"name": "slow", "flags": {}}])
+    assert choice == {"scores": {"fast": 0.9, "slow": 0.6}, "chosen": "fast", "flags": {"planner_sustain": 2}}
