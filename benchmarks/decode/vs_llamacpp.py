@@ -133,7 +133,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "results" / "vs_llamacpp.json"))
     args = ap.parse_args()
-    from benchmarks.report import run_facts, write_report
+    from benchmarks.harness.facts import run_facts
+    from benchmarks.harness.output import write_report
     from pdserve.common import LLM
     from pdserve.common.loading.default_model import default_gguf
     gguf = Path(args.gguf) if args.gguf else default_gguf()

@@ -42,7 +42,8 @@ import torch
 from benchmarks.gpu import engine_runs as runs
 from benchmarks.gpu import limits
 from benchmarks.gpu import attention_ab
-from benchmarks.report import run_facts, write_report
+from benchmarks.harness.facts import run_facts
+from benchmarks.harness.output import write_report
 
 # What a run does by default on each kind of device: the sizes on a GPU; on the CPU
 # a stand-in small enough for CI (seconds), the same sections and JSON.
