@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+
+from benchmarks.gpu.exactness import hf_greedy  # noqa: F401  (gpu_check.py takes it from here)
 
 ARCHS = ("qwen3", "qwen2", "llama")
 
@@ -23,19 +24,6 @@ def given_model(model: str) -> dict[str, str]:
     from pdserve.common.loading.default_model import resolve_model
     d = resolve_model(None if model == "default" else model)
     return {Path(model).stem if model != "default" else "default": d}
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: str) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
-            outs.append(out[0, len(p):].tolist())
-    del model
-    return outs
 
 
 def prompts_for(model_dir: str) -> list[list[int]]:

@@ -1,7 +1,7 @@
 """Speculative decoding against none, side by side in one process (issue 51).
 
     python -m benchmarks.decode.spec_decode [--model DIR] [--threads 2] [--tokens 96] [--rounds 3]
-        [--k 4] [--streams 8] [--out results/spec_decode.json]
+        [--k 4] [--streams 8] [--gguf] [--llama-python PY] [--out results/spec_decode.json]
 
 One engine per configuration, all on the same model (default: the embedded
 SmolLM2-135M-Instruct at float32, `--quantization none`), taking turns request by request:
@@ -30,9 +30,17 @@ the share of steps that verified drafts.
 Concurrent: --streams chat prompts at once in one engine (continuous batching): per-stream
 time per token, the mean over the streams, and the batch's tokens per second.
 
+The same GGUF (`--gguf`, implied by `--llama-python`; the embedded SmolLM2's Q4_1 file):
+pdserve with its quantized linears kept (`--quantization auto`) plain (gguf_off) and with
+`ngram` (gguf_ngram), compared with gguf_off; and with `--llama-python` (the python of a venv
+with `llama-cpp-python`), llama.cpp on that file in a child process, single stream, plain
+(llamacpp_off) and with its prompt-lookup decoding (llamacpp_lookup:
+`LlamaPromptLookupDecoding(max_ngram_size=4, num_pred_tokens=--k)`), greedy, the same
+prompt token ids, the same per-token rule (first to last generated token), compared with
+llamacpp_off; its lookup output must equal its plain output.
+
 Targets (issue 51): self_int4 >= 2x off's speed on chat; ngram >= 1.5x on repeat and >= 0.95x
-on chat; every configuration >= 0.95x off at --streams streams. llama.cpp's prompt-lookup
-decoding is not compared: llama-cpp-python is not installed here.
+on chat; every configuration >= 0.95x off at --streams streams.
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+from benchmarks.harness.child import JsonChild
 from benchmarks.harness.facts import run_facts
 from benchmarks.harness.output import write_report
 from benchmarks.harness.paths import RESULTS
@@ -95,6 +104,47 @@ def configs(k: int) -> dict[str, dict | None]:
 DEFAULT_CONFIGS = "off,self_int4,ngram"  # each engine holds its weights (and a draft its own): ~1.5 GB apiece
 
 
+LLAMA_CHILD = r"""
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+path, threads, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+opts = dict(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
+llms = {"llamacpp_off": Llama(**opts),
+        "llamacpp_lookup": Llama(**opts, draft_model=LlamaPromptLookupDecoding(max_ngram_size=4, num_pred_tokens=k))}
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    llm = llms[job["name"]]
+    llm.reset()
+    out, stamps = [], []
+    for tok in llm.generate(job["prompt"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        stamps.append((time.perf_counter(), time.process_time()))
+        if tok == llm.token_eos() or len(out) == job["tokens"]:
+            break
+        out.append(tok)
+    print(json.dumps({"tokens": [out], "n": [len(out)], "decode_s": [stamps[len(out) - 1][0] - stamps[0][0]],
+                      "cpu_s": [stamps[len(out) - 1][1] - stamps[0][1]], "steps": 0, "drafts": 0,
+                      "accepted": 0}), flush=True)
+"""
+
+
+class LlamaCpp(JsonChild):
+    """llama.cpp plain and with its prompt-lookup decoding; `run` has the in-process
+    engines' result shape."""
+
+    def __init__(self, python: str, gguf: str, threads: int, k: int) -> None:
+        super().__init__(python, LLAMA_CHILD, [gguf, str(threads), str(k)], threads)
+
+    def run(self, name: str, prompt: list[int], max_tokens: int) -> dict:
+        return self.ask({"name": name, "prompt": prompt, "tokens": max_tokens})
+
+
+def baseline(name: str) -> str:
+    """The configuration `name` is compared with (its output must equal that one's)."""
+    return "llamacpp_off" if name.startswith("llamacpp") else "gguf_off" if name.startswith("gguf") else "off"
+
+
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     """All `prompts` at once, greedy: each one's tokens and the times of its first and last
     token, and the engine's steps and verification counts over the run."""
@@ -134,56 +184,81 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batch part (0: none)")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help="comma-separated configurations, off first (also self_int4_fixed, ngram_fixed: adaptive off)")
+    ap.add_argument("--gguf", action="store_true",
+                    help="also pdserve on the default model's GGUF (Q4_1 kept), plain and ngram")
+    ap.add_argument("--llama-python", default=None,
+                    help="python of a venv with llama-cpp-python: also llama.cpp on the same GGUF, plain and prompt lookup")
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from pdserve.common.loading.default_model import resolve_model_dir
-        model = resolve_model_dir(None)
+    from pdserve.common.loading.default_model import default_gguf, resolve_model_dir
+    model = args.model or resolve_model_dir(None)
     chosen = {name: configs(args.k)[name] for name in args.configs.split(",")}
     assert next(iter(chosen)) == "off", "off first: the others are compared with it"
     llms = {name: LLM(model, dtype="float32", quantization="none", num_threads=args.threads, num_kv_blocks=128,
                       max_model_len=1024, **({"speculative_config": spec} if spec else {}))
             for name, spec in chosen.items()}
+    gguf = str(default_gguf()) if args.gguf or args.llama_python else None
+    if gguf:
+        chosen |= {"gguf_off": None, "gguf_ngram": configs(args.k)["ngram"]}
+        for name in ("gguf_off", "gguf_ngram"):
+            llms[name] = LLM(gguf, quantization="auto", num_threads=args.threads, num_kv_blocks=128, max_model_len=1024,
+                             **({"speculative_config": chosen[name]} if chosen[name] else {}))
+    llama = LlamaCpp(args.llama_python, gguf, args.threads, args.k) if args.llama_python else None
+    single_names = [*llms, *(("llamacpp_off", "llamacpp_lookup") if llama else ())]
     tok = next(iter(llms.values())).tokenizer
     chat = {s: [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ps]
             for s, ps in {**PROMPTS, "streams": (PROMPTS["chat"] + CHAT_MORE)[:args.streams]}.items()}
-    for llm in llms.values():  # warm-up: kernels, packed weights, the policies' first costs
-        run(llm, chat["chat"][:1], 16)
-    single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in llms} for s in PROMPTS}
+
+    def one(name: str, prompts: list[list[int]]) -> dict:
+        return llama.run(name, prompts[0], args.tokens) if name.startswith("llamacpp") else run(llms[name], prompts,
+                                                                                              args.tokens)
+
+    for name in single_names:  # warm-up: kernels, packed weights, the policies' first costs
+        one(name, chat["chat"][:1])
+    single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in single_names} for s in PROMPTS}
     batch: dict[str, list[dict]] = {name: [] for name in llms}
     mismatches: list[str] = []
-    for rnd in range(args.rounds):
-        for s in PROMPTS:
-            for i, prompt in enumerate(chat[s]):
-                outs = {name: run(llm, [prompt], args.tokens) for name, llm in llms.items()}  # taking turns
+    try:
+        for rnd in range(args.rounds):
+            for s in PROMPTS:
+                for i, prompt in enumerate(chat[s]):
+                    outs = {name: one(name, [prompt]) for name in single_names}  # taking turns
+                    for name, out in outs.items():
+                        single[s][name].append(out)
+                        if out["tokens"] != outs[baseline(name)]["tokens"]:
+                            mismatches.append(f"{name} {s}[{i}] round {rnd}")
+            if args.streams:
+                outs = {name: run(llm, chat["streams"], args.tokens) for name, llm in llms.items()}
                 for name, out in outs.items():
-                    single[s][name].append(out)
-                    if out["tokens"] != outs["off"]["tokens"]:
-                        mismatches.append(f"{name} {s}[{i}] round {rnd}")
-        if args.streams:
-            outs = {name: run(llm, chat["streams"], args.tokens) for name, llm in llms.items()}
-            for name, out in outs.items():
-                batch[name].append(out)
-                if out["tokens"] != outs["off"]["tokens"]:
-                    mismatches.append(f"{name} streams round {rnd}")
-        print(f"round {rnd + 1} of {args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
-    report = {**run_facts(), "model": str(model), "threads": args.threads, "tokens": args.tokens, "k": args.k,
-              "rounds": args.rounds, "configs": chosen, "single": {}, "streams": {}, "mismatches": mismatches}
+                    batch[name].append(out)
+                    if out["tokens"] != outs[baseline(name)]["tokens"]:
+                        mismatches.append(f"{name} streams round {rnd}")
+            print(f"round {rnd + 1} of {args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        if llama:
+            llama.close()
+    report = {**run_facts(args.threads), "model": str(model), "gguf": gguf, "threads": args.threads,
+              "tokens": args.tokens, "k": args.k, "rounds": args.rounds, "configs": chosen,
+              "llamacpp": {"package": "llama-cpp-python", "python": args.llama_python,
+                           "lookup": {"max_ngram_size": 4, "num_pred_tokens": args.k},
+                           "cpu_ms": "the child process's CPU time, all its threads"} if llama else None,
+              "baselines": {name: baseline(name) for name in single_names},
+              "single": {}, "streams": {}, "mismatches": mismatches}
     for s in PROMPTS:
         per = len(chat[s])
         wall = {name: _per_round(outs, per, "decode_s") for name, outs in single[s].items()}
         cpu = {name: _per_round(outs, per, "cpu_s") for name, outs in single[s].items()}
-        off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
         report["single"][s] = {}
-        print(f"\n{s} (single stream, {per} prompts, {args.rounds} rounds): ms/token wall (by round) and CPU")
-        for name in llms:
-            outs = single[s][name]
+        print(f"\n{s} (single stream, {per} prompts, {args.rounds} rounds): ms/token wall (by round) and CPU;"
+              " speed-up against each one's baseline")
+        for name in single_names:
+            outs, base = single[s][name], baseline(name)
             drafts, accepted = sum(o["drafts"] for o in outs), sum(o["accepted"] for o in outs)
-            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "speedup_wall": off_wall / statistics.median(wall[name]),
-                   "speedup_cpu": off_cpu / statistics.median(cpu[name]),
+            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "baseline": base,
+                   "speedup_wall": statistics.median(wall[base]) / statistics.median(wall[name]),
+                   "speedup_cpu": statistics.median(cpu[base]) / statistics.median(cpu[name]),
                    "acceptance_length": 1 + accepted / drafts if drafts else None,
-                   "verify_share": drafts / sum(o["steps"] for o in outs),
+                   "verify_share": drafts / sum(o["steps"] for o in outs) if drafts else 0.0,
                    "tokens_per_round": sum(sum(o["n"]) for o in outs) // args.rounds}
             report["single"][s][name] = row
             acc = f"{row['acceptance_length']:.2f}" if drafts else "-"
@@ -194,18 +269,19 @@ def main() -> int:
         print(f"\n{args.streams} concurrent chat streams ({args.rounds} rounds): ms/token per stream, wall and CPU")
         wall = {name: [_per_stream(o, "decode_s") for o in outs] for name, outs in batch.items()}
         cpu = {name: [_per_stream(o, "cpu_s") for o in outs] for name, outs in batch.items()}
-        off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
         for name, outs in batch.items():
+            base = baseline(name)
             drafts, accepted = sum(o["drafts"] for o in outs), sum(o["accepted"] for o in outs)
-            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "speedup_wall": off_wall / statistics.median(wall[name]),
-                   "speedup_cpu": off_cpu / statistics.median(cpu[name]),
+            row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "baseline": base,
+                   "speedup_wall": statistics.median(wall[base]) / statistics.median(wall[name]),
+                   "speedup_cpu": statistics.median(cpu[base]) / statistics.median(cpu[name]),
                    "acceptance_length": 1 + accepted / drafts if drafts else None}
             report["streams"][name] = row
             print(f"  {name:16s} wall {statistics.median(wall[name]):6.1f} x{row['speedup_wall']:4.2f} "
                   f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
                   f"x{row['speedup_cpu']:4.2f}")
     if mismatches:
-        print(f"\nOUTPUT DIFFERS from off: {mismatches}")
+        print(f"\nOUTPUT DIFFERS from the baseline: {mismatches}")
     write_report(report, args.out)
     return 1 if mismatches else 0
 

@@ -21,16 +21,15 @@ Reported: each engine's median over rounds, and llama.cpp's step time over pdser
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.harness.child import JsonChild
 from benchmarks.harness.paths import REPO
 
 BATCHES = (1, 8)
@@ -79,29 +78,14 @@ for line in sys.stdin:
 """
 
 
-class LlamaCpp:
+class LlamaCpp(JsonChild):
     """llama.cpp in a child process of the venv that has llama-cpp-python."""
 
     def __init__(self, python: str, gguf: Path, threads: int) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        self.proc = subprocess.Popen([python, "-c", LLAMA_CHILD, str(gguf), str(threads)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.read()
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"llama.cpp process ended (exit {self.proc.wait()})")
-        return json.loads(line)
+        super().__init__(python, LLAMA_CHILD, [str(gguf), str(threads)], threads)
 
     def step_ms(self, prompts: list[list[int]], tokens: int) -> float:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "tokens": tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self.read()["step_ms"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        return self.ask({"prompts": prompts, "tokens": tokens})["step_ms"]
 
 
 def pdserve_step_ms(llm, prompts: list[list[int]], tokens: int) -> float:

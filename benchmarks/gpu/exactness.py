@@ -28,15 +28,18 @@ def prompts(vocab: int, seed: int = 7) -> list[list[int]]:
     return out + [base + ids(9), base + ids(30), base[:48] + ids(5)]
 
 
-def hf_greedy(model_dir: str, device: torch.device, batch: list[list[int]]) -> list[list[int]]:
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: str | torch.device) -> list[list[int]]:
+    """transformers' greedy `generate` at float32 on `device`, one prompt at a time: the
+    reference every GPU check compares with (gpu_check*.py use this one too)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     outs = []
     with torch.inference_mode():
-        for p in batch:
+        for p in prompts:
             ids = torch.tensor([p], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
             outs.append(out[0, len(p):].tolist())
+    del model
     return outs
 
 
@@ -52,7 +55,7 @@ def check(device: torch.device, archs: tuple[str, ...] = ARCHS, limit: int | Non
                       max_num_batched_tokens=64, decode_graphs=True, seed=0)
             got = [o["token_ids"] for o in llm.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
                                                         use_tqdm=False)]
-            want = hf_greedy(d, device, batch)
+            want = hf_greedy(d, batch, NEW_TOKENS, device)
             rows[arch] = {"prompts": len(batch), "equal": got == want,
                           "mismatched": [i for i, (a, b) in enumerate(zip(got, want)) if a != b],
                           "graph_replays": getattr(llm.engine.runner, "replays", None)}
