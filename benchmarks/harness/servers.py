@@ -166,11 +166,12 @@ class Server:
 
 
 def start_pdserve(cfg: str, model: str, logdir: Path, extra: list[str] = (), *, repo: Path = REPO,
-                  name: str = "", dtype: str = "float32") -> Server:
+                  name: str = "", dtype: str = "float32", module: str = "pdserve") -> Server:
     """`pdserve serve` in one of PDSERVE_CONFIGS, plus `extra` flags (devices, say), from the
-    checkout `repo` (another commit's worktree: an A/B of two commits in one run)."""
+    checkout `repo` (another commit's worktree: an A/B of two commits in one run; `module`:
+    its command's module, `router.cli` before the code moved under pdserve/)."""
     ready = logdir / f"pdserve-{cfg}-{time.time_ns()}.json"
-    cmd = [sys.executable, "-m", "pdserve", "serve", model, *PDSERVE_CONFIGS[cfg], "--http-port", "0",
+    cmd = [sys.executable, "-m", module, "serve", model, *PDSERVE_CONFIGS[cfg], "--http-port", "0",
            "--zmq-port", "0", "--ready-file", str(ready), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED), "--num-kv-blocks", "2048",
            *extra]
