@@ -37,7 +37,8 @@ with `llama-cpp-python`), llama.cpp on that file in a child process, single stre
 (llamacpp_off) and with its prompt-lookup decoding (llamacpp_lookup:
 `LlamaPromptLookupDecoding(max_ngram_size=4, num_pred_tokens=--k)`), greedy, the same
 prompt token ids, the same per-token rule (first to last generated token), compared with
-llamacpp_off; its lookup output must equal its plain output.
+llamacpp_off. Where its lookup output differs from its plain output (llama.cpp's own batch
+numerics), that is recorded (`peer_mismatches`), not a failure of the run.
 
 Targets (issue 51): self_int4 >= 2x off's speed on chat; ngram >= 1.5x on repeat and >= 0.95x
 on chat; every configuration >= 0.95x off at --streams streams.
@@ -217,7 +218,8 @@ def main() -> int:
         one(name, chat["chat"][:1])
     single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in single_names} for s in PROMPTS}
     batch: dict[str, list[dict]] = {name: [] for name in llms}
-    mismatches: list[str] = []
+    mismatches: list[str] = []  # ours: a failure
+    peer_mismatches: list[str] = []  # llama.cpp's lookup against its own plain decoding: recorded
     try:
         for rnd in range(args.rounds):
             for s in PROMPTS:
@@ -226,7 +228,8 @@ def main() -> int:
                     for name, out in outs.items():
                         single[s][name].append(out)
                         if out["tokens"] != outs[baseline(name)]["tokens"]:
-                            mismatches.append(f"{name} {s}[{i}] round {rnd}")
+                            (peer_mismatches if name.startswith("llamacpp") else mismatches).append(
+                                f"{name} {s}[{i}] round {rnd}")
             if args.streams:
                 outs = {name: run(llm, chat["streams"], args.tokens) for name, llm in llms.items()}
                 for name, out in outs.items():
@@ -243,7 +246,8 @@ def main() -> int:
                            "lookup": {"max_ngram_size": 4, "num_pred_tokens": args.k},
                            "cpu_ms": "the child process's CPU time, all its threads"} if llama else None,
               "baselines": {name: baseline(name) for name in single_names},
-              "single": {}, "streams": {}, "mismatches": mismatches}
+              "single": {}, "streams": {}, "mismatches": mismatches,
+              "peer_mismatches": peer_mismatches}
     for s in PROMPTS:
         per = len(chat[s])
         wall = {name: _per_round(outs, per, "decode_s") for name, outs in single[s].items()}
@@ -280,6 +284,8 @@ def main() -> int:
             print(f"  {name:16s} wall {statistics.median(wall[name]):6.1f} x{row['speedup_wall']:4.2f} "
                   f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
                   f"x{row['speedup_cpu']:4.2f}")
+    if peer_mismatches:
+        print(f"\nllama.cpp's prompt lookup differs from its plain decoding: {peer_mismatches}")
     if mismatches:
         print(f"\nOUTPUT DIFFERS from the baseline: {mismatches}")
     write_report(report, args.out)

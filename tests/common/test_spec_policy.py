@@ -11,7 +11,7 @@ from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.spec.ngram import lookup
-from pdserve.common.engine.spec.policy import PROBE_EVERY, AdaptivePolicy, LinearCost, expected_tokens
+from pdserve.common.engine.spec.policy import PROBE_EVERY, PROBE_SHARE, AdaptivePolicy, LinearCost, expected_tokens
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -146,3 +146,19 @@ def test_rejected_drafts_room_is_taken_back():
     # 5 computed + 1 uncomputed + 2 of room: 8 positions, two blocks; the third went back
     assert seq.num_computed_tokens == 5 and len(seq.block_table) == 2 and bm.num_free_blocks == 6
     bm.check_invariants()
+
+
+def test_probes_in_a_compute_bound_batch_cost_at_most_their_share():
+    # 8 sequences whose drafts are all refused, in a batch where a row costs what it computes
+    policy = _policy(0.001, 0.010)
+    for seq in range(8):
+        _record(policy, seq, rate=0.0)
+    steps = 40 * PROBE_EVERY
+    extra = sum(sum(policy.choose(list(range(8)), [4] * 8, base_rows=8, base_tokens=8)) for _ in range(steps))
+    share = extra * 0.010 / (steps * policy.target.predict(8))
+    assert 0 < share <= PROBE_SHARE * 1.15, share  # it still probes, within its budget (of predicted time)
+    # where rows are nearly free (a weight-bound single stream) every PROBE_EVERY steps, as before
+    cheap = _policy(0.050, 0.0025)
+    _record(cheap, 1, rate=0.0)
+    picks = [cheap.choose([1], [4], base_rows=1, base_tokens=1)[0] for _ in range(3 * PROBE_EVERY)]
+    assert sum(1 for k in picks if k) == 3

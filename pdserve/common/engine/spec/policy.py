@@ -12,7 +12,9 @@ that give the most tokens per second, none when nothing beats not speculating: o
 weight-bound single stream a few more rows cost little, in a compute-bound batch they
 cost what they compute, and a draft that is mostly rejected costs its rows for nothing.
 A sequence that has not verified anything for PROBE_EVERY steps verifies once, so its
-estimate follows the text it is writing now.
+estimate follows the text it is writing now; such probes are paid from a budget of
+PROBE_SHARE of the steps' predicted time, so that in a batch whose rows cost what they
+compute (where the probes' rows are not free) exploring costs at most that share.
 
 Costs are measured in CPU seconds of the engine's thread (`time.thread_time`), not wall
 time: on a host whose cores are shared, the time other processes take the cores away
@@ -28,6 +30,7 @@ POOLED_DECAY = 0.97  # the same over every sequence's verifications (what a new 
 START_WEIGHT = 4.0  # verifications' worth of that pooled estimate a new sequence starts with
 PROBE_EVERY = 16  # steps a sequence goes without speculating before it verifies once
 PROBE_TOKENS = 2  # drafts such a probe verifies
+PROBE_SHARE = 0.02  # of the steps' predicted time, what probes may cost at most
 
 
 def expected_tokens(beta: float, k: int) -> float:
@@ -107,6 +110,7 @@ class AdaptivePolicy:
         self.pooled = Acceptance(*prior, decay=POOLED_DECAY)  # every sequence's verifications
         self.adaptive = adaptive
         self._seqs: dict[int, Acceptance] = {}
+        self._probe_credit = 0.0  # seconds of predicted step time probes may still take
 
     def acceptance(self, seq_id: int) -> Acceptance:
         """A sequence's estimate; a new one starts from the pooled estimate (the same model
@@ -143,13 +147,20 @@ class AdaptivePolicy:
                 if rate > best_rate:
                     best_rate, best_k, best_m = rate, k, m
         chosen = set(order[:best_m])
+        rows = base_rows + sum(min(best_k, caps[i]) for i in chosen)
+        self._probe_credit = min(self._probe_credit + PROBE_SHARE * t_base, t_base)
         out = []
         for i, st in enumerate(stats):
             if i in chosen:
                 out.append(min(best_k, caps[i]))
-            elif caps[i] > 0 and st.idle + 1 >= PROBE_EVERY:
-                st.idle = 0
-                out.append(min(PROBE_TOKENS, caps[i]))  # a probe: what does this text accept now?
+                continue
+            k = min(PROBE_TOKENS, caps[i])
+            cost = self.target.predict(rows + k) - self.target.predict(rows) if k else 0.0
+            if k and st.idle + 1 >= PROBE_EVERY and cost <= self._probe_credit:
+                st.idle = 0  # a probe: what does this text accept now?
+                self._probe_credit -= cost
+                rows += k
+                out.append(k)
             else:
                 st.idle += 1
                 out.append(0)
