@@ -48,8 +48,8 @@ PROMPTS = ("The capital of France is", "Once upon a time, in a small village,", 
            "The three primary colors are", "Water boils at", "My favourite book is")
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama.cpp's, for a row length not a multiple of 256
 
-# The fixed text perplexity is scored on: the paragraph the precision tests score
-# (tests/support/engines.py), kept here because benchmarks import nothing from tests.
+# The fixed text perplexity is scored on, here and by the precision tests (tests/support/engines.py
+# imports it: benchmarks import nothing from tests).
 TEXT = ("pdserve is a prefill/decode disaggregated LLM serving system in Python. Prefill workers, batched and "
         "compute-bound, and decode workers, continuously batched and bound by memory bandwidth, run as separate "
         "processes, each on its own device, each with its own paged KV block manager. A finished prefill's KV "

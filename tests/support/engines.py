@@ -8,6 +8,7 @@ from pdserve.common import LLM, SamplingParams
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import LLMEngine
 from pdserve.common.engine.scoring import divergence
+from benchmarks.decode.gguf_kquant import TEXT as TEXT  # the one text perplexity is scored on (the benchmark's too)
 
 PROMPTS = ([5, 6, 7, 8, 9, 10], list(range(100, 140)))
 BLOCK = 16
@@ -52,12 +53,3 @@ def greedy(llm: LLM, prompt: list[int], n: int = 16) -> list[int]:
     return llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
 
 
-TEXT = ("pdserve is a prefill/decode disaggregated LLM serving system in Python. Prefill workers, batched and "
-        "compute-bound, and decode workers, continuously batched and bound by memory bandwidth, run as separate "
-        "processes, each on its own device, each with its own paged KV block manager. A finished prefill's KV "
-        "blocks move to a decode worker through the transfer layer. A router sends each request to a prefill "
-        "worker by prefix overlap and load, and to a decode worker by load. Clients submit over ZeroMQ or HTTP. "
-        "Its users launch prefill and decode processes on separate GPUs, submit traffic, and run latency "
-        "experiments comparing configurations, including the same workers run colocated as a baseline. The "
-        "correctness oracle is transformers' own generate, token for token, in float32 on the CPU; below float32 "
-        "the standard is vLLM's: where the two greedy streams first differ, each token is in the other's top five.")
