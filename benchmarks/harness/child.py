@@ -9,11 +9,13 @@ import subprocess
 
 
 class JsonChild:
-    """`python -c code *args` with OMP_NUM_THREADS=threads; `ask(job)` -> the child's answer."""
+    """`python -c code *args` with OMP_NUM_THREADS=threads (in `cwd`, `env` added); `ask(job)` ->
+    the child's answer."""
 
-    def __init__(self, python: str, code: str, args: list[str], threads: int) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        self.proc = subprocess.Popen([python, "-c", code, *args], env=env, stdin=subprocess.PIPE,
+    def __init__(self, python: str, code: str, args: list[str], threads: int, cwd: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen([python, "-c", code, *args], env=env, cwd=cwd, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self.read()
 

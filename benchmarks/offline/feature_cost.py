@@ -20,13 +20,11 @@ temperature, ignore_eos)`: any commit since the engine sub-package (b925007) doe
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.harness.child import JsonChild
 from benchmarks.harness.paths import REPO
 
 from benchmarks.harness.facts import run_facts
@@ -75,29 +73,15 @@ for line in sys.stdin:
 """
 
 
-class Engine:
+class Engine(JsonChild):
     """One checkout's engine process, driven a turn at a time over stdin/stdout."""
 
     def __init__(self, checkout: Path, model: str, prompts: int, tokens: int) -> None:
-        env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, model, str(prompts), str(tokens)],
-                                     cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.read()  # ready
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"engine process ended (exit {self.proc.wait()})")
-        return json.loads(line)
+        super().__init__(sys.executable, CHILD, [model, str(prompts), str(tokens)], 1, cwd=str(checkout),
+                         env={"PYTHONPATH": str(checkout)})
 
     def turn(self, extra: dict) -> dict:
-        self.proc.stdin.write(json.dumps(extra) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        return self.ask(extra)
 
 
 def cpu_ms_per_token(turns: list[dict]) -> float:
