@@ -53,13 +53,15 @@ def _cached_default() -> bool:
 #   real_model    it needs the default SmolLM2 model (the `real_model_dir` fixture, or a
 #                 param in REAL_MODEL_PARAMS)
 #   unit          everything else: in-process
-#   slow          > ~10 s on a 2-core machine (SLOW, from a `--durations=0` run), any tier
+#   slow          the tests in SLOW (from a `--durations=0` run on 2 cores): those of ~10 s or
+#                 more, and in-process ones of ~2 s or more beyond one case of their family
 
 PROCESS_STARTERS = {"subprocess", "multiprocessing", "pdserve.router.launch.local.Launcher"}
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Parametrized fixtures that load the real model for one param only: (file, fixture) -> param.
-REAL_MODEL_PARAMS = {("tests/common/test_detokenizer.py", "tok"): "real"}
+REAL_MODEL_PARAMS = {("tests/common/test_detokenizer.py", "tok"): "real",
+                     ("tests/common/test_engine_text_free.py", "which"): "real"}
 
 # Tests whose own run (not a shared fixture's start-up) takes ~10 s or more on a 2-core
 # machine, by node-id prefix: these start processes, but for one unit test run through Triton's interpreter.
@@ -74,7 +76,23 @@ SLOW = (
     "tests/common/test_gguf.py::test_convert_gguf_cli_and_bad_input",
     "tests/common/test_cuda_attention_path.py::",  # Triton's interpreter: ~0.5 s a kernel call
     "tests/kernels/test_triton_compile_sm90.py::",  # ~20 s of ptxas with a cold Triton cache
-    "tests/benchmarks/test_gpu_at_size.py::",  # ~10 s each: the benchmark's CPU stand-in, transformers beside
+    "tests/kernels/test_cpu_native_attention.py::test_build_is_cached_and_keyed",  # a C build, ~17 s
+    "tests/kernels/test_cpu_native_attention.py::test_extra_compiler_flags_reach_the_compiler_and_the_key",
+    "tests/benchmarks/test_gpu_at_size.py::",
+    # in-process, ~2 s or more each (Triton's interpreter, transformers' GGUF reading, sampling
+    # statistics): the inner loop keeps one case of each family, CI runs them all
+    "tests/kernels/test_triton_kernels.py::test_paged_decode_triton_context_splits[4-4-128-",
+    "tests/kernels/test_triton_kernels.py::test_paged_decode_triton_context_splits[8-2-64-3]",
+    "tests/kernels/test_triton_kernels.py::test_paged_decode_triton_context_splits[8-2-64-8]",
+    "tests/kernels/test_triton_prefill_attention.py::test_triton_matches_reference_and_sdpa[4-4-64-16]",
+    "tests/kernels/test_triton_prefill_attention.py::test_triton_matches_reference_and_sdpa[8-4-64-16]",
+    "tests/kernels/test_triton_prefill_attention.py::test_triton_matches_reference_and_sdpa[8-2-128-16]",
+    "tests/common/test_spec_verify.py::test_rejection_sampler_keeps_each_rows_distribution[top_k]",
+    "tests/common/test_spec_verify.py::test_rejection_sampler_keeps_each_rows_distribution[top_p]",
+    "tests/common/test_gguf.py::test_gguf_quant_types_dequantize_and_match_transformers[F16]",
+    "tests/common/test_gguf.py::test_gguf_quant_types_dequantize_and_match_transformers[BF16]",
+    "tests/common/test_gguf.py::test_gguf_quant_types_dequantize_and_match_transformers[Q5_0]",
+    "tests/common/test_gguf.py::test_gguf_quant_types_dequantize_and_match_transformers[Q5_1]",  # ~10 s each: the benchmark's CPU stand-in, transformers beside
 )
 
 
@@ -124,15 +142,30 @@ def _starts_processes(obj: object, seen: set[int]) -> bool:
     return False
 
 
+def _fixtures(item: pytest.Item, params: dict) -> dict[str, object]:
+    """Every fixture the test uses, transitively, by name -> its function; with those a
+    fixture asks for by a param's name (`request.getfixturevalue(request.param)`) and theirs."""
+    out = {name: defs[-1].func for name, defs in item._fixtureinfo.name2fixturedefs.items()}
+    todo = [v for v in params.values() if isinstance(v, str) and v not in out]
+    manager = item.session._fixturemanager
+    while todo:
+        name = todo.pop()
+        defs = manager.getfixturedefs(name, item) if name not in out else None
+        if defs:
+            out[name] = defs[-1].func
+            todo += [a for a in defs[-1].argnames if a not in out]
+    return out
+
+
 def _tiers(item: pytest.Item) -> set[str]:
     path = item.nodeid.split("::")[0]
-    fixtures = item._fixtureinfo.name2fixturedefs  # every fixture the test uses, transitively
-    funcs = [getattr(item, "function", None)] + [defs[-1].func for defs in fixtures.values()]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    fixtures = _fixtures(item, params)
+    funcs = [getattr(item, "function", None), *fixtures.values()]
     seen: set[int] = set()
     tiers = set()
     if any(f is not None and _starts_processes(f, seen) for f in funcs):
         tiers.add("multiprocess")
-    params = getattr(getattr(item, "callspec", None), "params", {})
     if "real_model_dir" in fixtures or any(params.get(name) == value for (file, name), value
                                            in REAL_MODEL_PARAMS.items() if file == path):
         tiers.add("real_model")
