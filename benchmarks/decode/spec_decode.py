@@ -1,7 +1,7 @@
 """Speculative decoding against none, side by side in one process (issue 51).
 
     python -m benchmarks.decode.spec_decode [--model DIR] [--threads 2] [--tokens 96] [--rounds 3]
-        [--k 4] [--streams 8] [--gguf] [--llama-python PY] [--out results/spec_decode.json]
+        [--k 4] [--streams 8] [--stream-rounds 9] [--gguf] [--llama-python PY] [--out results/spec_decode.json]
 
 One engine per configuration, all on the same model (default: the embedded
 SmolLM2-135M-Instruct at float32, `--quantization none`), taking turns request by request:
@@ -28,7 +28,12 @@ run. Acceptance length: 1 + accepted / verifications (vLLM's mean acceptance len
 the share of steps that verified drafts.
 
 Concurrent: --streams chat prompts at once in one engine (continuous batching): per-stream
-time per token, the mean over the streams, and the batch's tokens per second.
+time per token, the mean over the streams, over --stream-rounds rounds after the single-stream
+ones (each round runs every configuration once, the order rotated round by round so that no
+configuration always follows the same one). A step of 8 rows costs what it computes, and
+this VM's rounds vary by ~10% (CPU time too), so besides the ratio of medians each
+configuration gets its rounds' paired ratios (off's ms over its ms in the same round): their
+median and a 95% percentile-bootstrap interval of that median.
 
 The same GGUF (`--gguf`, implied by `--llama-python`; the embedded SmolLM2's Q4_1 file):
 pdserve with its quantized linears kept (`--quantization auto`) plain (gguf_off) and with
@@ -59,6 +64,7 @@ from benchmarks.harness.facts import run_facts
 from benchmarks.harness.output import write_report
 from benchmarks.harness.paths import RESULTS
 from pdserve.common import LLM, SamplingParams
+from pdserve.router.stats.intervals import bootstrap_percentiles
 
 CODE = '''def total_price(items, tax_rate):
     subtotal = 0
@@ -183,6 +189,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batch part (0: none)")
+    ap.add_argument("--stream-rounds", type=int, default=9, help="rounds of the concurrent part")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help="comma-separated configurations, off first (also self_int4_fixed, ngram_fixed: adaptive off)")
     ap.add_argument("--gguf", action="store_true",
@@ -230,18 +237,23 @@ def main() -> int:
                         if out["tokens"] != outs[baseline(name)]["tokens"]:
                             (peer_mismatches if name.startswith("llamacpp") else mismatches).append(
                                 f"{name} {s}[{i}] round {rnd}")
-            if args.streams:
-                outs = {name: run(llm, chat["streams"], args.tokens) for name, llm in llms.items()}
-                for name, out in outs.items():
-                    batch[name].append(out)
-                    if out["tokens"] != outs[baseline(name)]["tokens"]:
-                        mismatches.append(f"{name} streams round {rnd}")
             print(f"round {rnd + 1} of {args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
+        names = list(llms)
+        for rnd in range(args.stream_rounds if args.streams else 0):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            outs = {name: run(llms[name], chat["streams"], args.tokens) for name in order}
+            for name, out in outs.items():
+                batch[name].append(out)
+                if out["tokens"] != outs[baseline(name)]["tokens"]:
+                    mismatches.append(f"{name} streams round {rnd}")
+            print(f"streams round {rnd + 1} of {args.stream_rounds} done (load average {os.getloadavg()[0]:.1f})",
+                  flush=True)
     finally:
         if llama:
             llama.close()
     report = {**run_facts(args.threads), "model": str(model), "gguf": gguf, "threads": args.threads,
-              "tokens": args.tokens, "k": args.k, "rounds": args.rounds, "configs": chosen,
+              "tokens": args.tokens, "k": args.k, "rounds": args.rounds, "stream_rounds": args.stream_rounds,
+              "configs": chosen,
               "llamacpp": {"package": "llama-cpp-python", "python": args.llama_python,
                            "lookup": {"max_ngram_size": 4, "num_pred_tokens": args.k},
                            "cpu_ms": "the child process's CPU time, all its threads"} if llama else None,
@@ -270,7 +282,8 @@ def main() -> int:
                   f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
                   f"x{row['speedup_cpu']:4.2f}  acceptance length {acc:>5s}, verifying {row['verify_share']:4.0%} of steps")
     if args.streams:
-        print(f"\n{args.streams} concurrent chat streams ({args.rounds} rounds): ms/token per stream, wall and CPU")
+        print(f"\n{args.streams} concurrent chat streams ({args.stream_rounds} rounds): ms/token per stream, wall and"
+              " CPU; paired: the median of the rounds' ratios to off [95% interval]")
         wall = {name: [_per_stream(o, "decode_s") for o in outs] for name, outs in batch.items()}
         cpu = {name: [_per_stream(o, "cpu_s") for o in outs] for name, outs in batch.items()}
         for name, outs in batch.items():
@@ -279,17 +292,27 @@ def main() -> int:
             row = {"wall_ms": wall[name], "cpu_ms": cpu[name], "baseline": base,
                    "speedup_wall": statistics.median(wall[base]) / statistics.median(wall[name]),
                    "speedup_cpu": statistics.median(cpu[base]) / statistics.median(cpu[name]),
-                   "acceptance_length": 1 + accepted / drafts if drafts else None}
+                   "acceptance_length": 1 + accepted / drafts if drafts else None,
+                   **paired(wall[base], wall[name], "wall"), **paired(cpu[base], cpu[name], "cpu")}
             report["streams"][name] = row
             print(f"  {name:16s} wall {statistics.median(wall[name]):6.1f} x{row['speedup_wall']:4.2f} "
-                  f"({' '.join(f'{m:.1f}' for m in wall[name])})  CPU {statistics.median(cpu[name]):6.1f} "
-                  f"x{row['speedup_cpu']:4.2f}")
+                  f"paired x{row['paired_wall']:4.2f} [{row['paired_wall_ci95'][0]:.2f}, {row['paired_wall_ci95'][1]:.2f}]"
+                  f"  CPU {statistics.median(cpu[name]):6.1f} x{row['speedup_cpu']:4.2f} paired x{row['paired_cpu']:4.2f} "
+                  f"[{row['paired_cpu_ci95'][0]:.2f}, {row['paired_cpu_ci95'][1]:.2f}]")
     if peer_mismatches:
         print(f"\nllama.cpp's prompt lookup differs from its plain decoding: {peer_mismatches}")
     if mismatches:
         print(f"\nOUTPUT DIFFERS from the baseline: {mismatches}")
     write_report(report, args.out)
     return 1 if mismatches else 0
+
+
+def paired(base_ms: list[float], ms: list[float], key: str) -> dict:
+    """Each round's speed-up (base's ms over ms in the same round), their median, and a 95%
+    percentile-bootstrap interval of that median."""
+    ratios = [b / m for b, m in zip(base_ms, ms)]
+    lo, hi = bootstrap_percentiles(ratios, [50])[50]
+    return {f"paired_{key}_ratios": ratios, f"paired_{key}": statistics.median(ratios), f"paired_{key}_ci95": [lo, hi]}
 
 
 def _per_stream(out: dict, key: str) -> float:
