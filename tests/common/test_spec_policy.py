@@ -5,6 +5,8 @@ preempted, their room taken back)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.common.config import SchedulerConfig
 from pdserve.common.engine.block_manager import BlockManager
@@ -26,6 +28,25 @@ from pdserve.common.sampling_params import SamplingParams
 ])
 def test_prompt_lookup(tokens, k, lo, hi, want):
     assert lookup(tokens, k, lo, hi) == want
+
+
+def _lookup_reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The definition, by brute force."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from([0, 1, 2, 256, 257, 65536, 2**24 + 1, 2**31 - 1]), max_size=40),
+       st.integers(1, 6), st.integers(1, 3), st.integers(1, 5))
+def test_prompt_lookup_equals_its_definition(tokens, k, lo, span):
+    """Few distinct ids (many repeats), and ids whose bytes make unaligned matches in the
+    4-byte search buffer (256 = 00 01 00 00 next to 1 = 01 00 00 00, ...)."""
+    assert lookup(tokens, k, lo, lo + span - 1) == _lookup_reference(tokens, k, lo, lo + span - 1)
 
 
 def test_expected_tokens():

@@ -135,7 +135,11 @@ class AdaptivePolicy:
             return list(caps)
         stats = [self.acceptance(i) for i in seq_ids]
         order = sorted((i for i in range(len(seq_ids)) if caps[i] > 0), key=lambda i: -stats[i].beta)
-        t_base = self.target.predict(base_rows)
+        a, b = self.target.fit()  # once: the loops below ask for it ~k x sequences times
+
+        def step_s(rows: float) -> float:
+            return a + b * rows
+        t_base = step_s(base_rows)
         best_rate, best_k, best_m = base_tokens / t_base, 0, 0
         for k in range(1, max(caps, default=0) + 1):
             rows = tokens = 0.0
@@ -143,7 +147,7 @@ class AdaptivePolicy:
                 ki = min(k, caps[i])
                 rows += ki
                 tokens += expected_tokens(stats[i].beta, ki) - 1.0
-                rate = (base_tokens + tokens) / (self.target.predict(base_rows + int(rows)) + self._drafting(k, m))
+                rate = (base_tokens + tokens) / (step_s(base_rows + int(rows)) + self._drafting(k, m))
                 if rate > best_rate:
                     best_rate, best_k, best_m = rate, k, m
         chosen = set(order[:best_m])
@@ -155,7 +159,7 @@ class AdaptivePolicy:
                 out.append(min(best_k, caps[i]))
                 continue
             k = min(PROBE_TOKENS, caps[i])
-            cost = self.target.predict(rows + k) - self.target.predict(rows) if k else 0.0
+            cost = step_s(rows + k) - step_s(rows) if k else 0.0
             if k and st.idle + 1 >= PROBE_EVERY and cost <= self._probe_credit:
                 st.idle = 0  # a probe: what does this text accept now?
                 self._probe_credit -= cost
