@@ -25,12 +25,18 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def json_object(text: str | bytes, what: str, hint: str = "") -> dict:
+    """`text` as a JSON object, or ConfigError naming `what` it is (a file, a flag, an
+    option), with `hint` (e.g. an example) after "must be a JSON object"."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} must be a JSON object{hint}; it is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} must be a JSON object{hint}, got {type(data).__name__}")
+    return data
+
+
 def read_json(path: Path) -> dict:
     """A JSON object from a model file, or ConfigError naming the file."""
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return data
+    return json_object(path.read_bytes(), str(path))

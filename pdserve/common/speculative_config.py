@@ -2,13 +2,12 @@
 the edge like the rest of config.py, which re-exports it."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.common import schema
-from pdserve.common.config_base import ConfigError
+from pdserve.common.config_base import ConfigError, json_object
 from pdserve.common.quantization import QUANTIZATIONS
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -66,10 +65,7 @@ class SpeculativeConfig:
         (`LLM(speculative_config=...)`). Without a method, a model means draft_model.
         ConfigError names what is wrong."""
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+            value = json_object(value, "speculative_config")
         if not isinstance(value, dict):
             raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))

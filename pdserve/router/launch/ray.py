@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.config import ConfigError
+from pdserve.common.config_base import json_object
 from pdserve.common.worker.spec import WorkerSpec
 from pdserve.router.launch.deployment import DeploymentConfig, RayPlacement
 from pdserve.router.launch.local import LaunchError
@@ -54,12 +54,7 @@ def import_ray() -> Any:
 def parse_resources(text: str, flag: str) -> dict[str, float]:
     """`--prefill-resources '{"prefill_pool": 1, "CPU": 2}'`: the Ray resources one worker
     needs, each a number >= 0."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag} must be a JSON object of Ray resources, e.g. '{{\"prefill_pool\": 1}}': {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{flag} must be a JSON object of Ray resources, e.g. '{{\"prefill_pool\": 1}}', got {text!r}")
+    data = json_object(text, flag, """ of Ray resources, e.g. '{"prefill_pool": 1}'""")
     for name, amount in data.items():
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount) or amount < 0:
             raise ConfigError(f"{flag}: resource {name!r} must be a number >= 0, got {amount!r}")
