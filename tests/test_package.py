@@ -1,12 +1,14 @@
 """The package as users install and import it: one top-level `pdserve`, no import circles
-(function-level imports included), a docstring on every router sub-package, and every
-router module in docs/architecture.md's concern table."""
+(function-level imports included), a docstring on every router sub-package, every router
+module in docs/architecture.md's concern table, and a router process free of torch."""
 from __future__ import annotations
 
 import ast
 import importlib.metadata
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import grimp
@@ -96,3 +98,20 @@ def test_architecture_table_lists_every_router_module():
     modules = {str(p.relative_to(PACKAGE / "router")) for p in (PACKAGE / "router").rglob("*.py")
                if p.name != "__init__.py"}
     assert modules - listed == set()
+
+
+# The modules a router process runs: every command's parser, `serve` / `router`, the router
+# core, the OpenAI server and the pools. torch is a worker's import (~3 s of start-up, ~185 MB
+# resident); a router never computes with it.
+ROUTER_PROCESS = ("pdserve.router.cli.main", "pdserve.router.cli.serve", "pdserve.router.deploy.local",
+                  "pdserve.router.core.router", "pdserve.router.core.zmq_frontend", "pdserve.router.openai.server",
+                  "pdserve.router.pools.control", "pdserve.router.planner")
+
+
+def test_a_router_process_does_not_import_torch():
+    code = ("import importlib, sys\n"
+            f"for name in {ROUTER_PROCESS!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    assert 'torch' not in sys.modules, name + ' imports torch'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

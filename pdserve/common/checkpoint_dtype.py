@@ -13,16 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from pdserve.common.config_base import ConfigError, parse_dtype, read_json
+from pdserve.common.config_base import ConfigError, dtype_name, read_json
 
 AUTO = "auto"
-
-
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """The one spelling of a dtype ("bf16" -> "bfloat16"), as fingerprints compare it."""
-    return str(parse_dtype(dtype)).removeprefix("torch.")
 
 
 def stored_dtype(model_dir: str | Path) -> str | None:

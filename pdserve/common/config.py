@@ -11,18 +11,24 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdserve.common import schema
 from pdserve.common.checkpoint_dtype import resolve_dtype
-from pdserve.common.config_base import DTYPES, ConfigError, parse_dtype, read_json
+from pdserve.common.config_base import DTYPES, ConfigError, dtype_name, parse_dtype, read_json
 from pdserve.common.quantization import QUANTIZATIONS, resolve_quantization
 from pdserve.common.rope_config import RopeConfig, parse_rope
 from pdserve.common.speculative_config import MAX_SPECULATIVE_TOKENS as MAX_SPECULATIVE_TOKENS  # re-exported
 from pdserve.common.speculative_config import SPECULATIVE_METHODS as SPECULATIVE_METHODS  # re-exported
 from pdserve.common.speculative_config import SpeculativeConfig as SpeculativeConfig  # re-exported
+
+if TYPE_CHECKING:  # torch is imported where a config is used to compute, not to validate (the router)
+    import torch
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
 
 # The names other parts choose from, defined once (CLI choices, validation, launcher).
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
@@ -199,7 +205,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":  # resolved against the checkpoint by EngineConfig
-            parse_dtype(self.dtype)
+            dtype_name(self.dtype)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -208,7 +214,7 @@ class DeviceConfig:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
         return parse_dtype(self.dtype)
 
 
@@ -347,7 +353,7 @@ class EngineConfig(EngineOptions):
             raise ConfigError(
                 f"max_model_len {self.scheduler.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model.max_position_embeddings}")
-        if self.device.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device.device.startswith("cuda") and not _cuda_available():
             raise ConfigError(f"device {self.device.device!r} requested but CUDA is not available")
 
     @classmethod

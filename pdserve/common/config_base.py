@@ -5,24 +5,36 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
+# Every spelling of a dtype a user may write -> its one name (torch's, without "torch.").
+# Names, not torch dtypes: the router and the CLI validate dtypes without importing torch.
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 class ConfigError(ValueError):
     """A user-supplied setting or model file is unusable; the message says which and why."""
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {name!r} is not supported (choose from {sorted(set(DTYPES))})")
-    return DTYPES[name]
+def dtype_name(dtype: "str | torch.dtype") -> str:
+    """The one spelling of a dtype ("bf16" -> "bfloat16", torch.bfloat16 -> "bfloat16"), as
+    fingerprints and the wire compare it; ConfigError for a name pdserve does not serve."""
+    if not isinstance(dtype, str):  # a torch dtype
+        return str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported (choose from {sorted(set(DTYPES))})")
+    return DTYPES[dtype]
+
+
+def parse_dtype(name: "str | torch.dtype") -> "torch.dtype":
+    """`name` as a torch dtype (torch is imported here, on first use, not by the modules
+    that only validate names)."""
+    import torch
+    return name if isinstance(name, torch.dtype) else getattr(torch, dtype_name(name))
 
 
 def json_object(text: str | bytes, what: str, hint: str = "") -> dict:

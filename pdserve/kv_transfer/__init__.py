@@ -6,7 +6,7 @@ import torch
 
 from pdserve.common.config import BACKENDS, ConfigError, WorkerConfig
 from pdserve.common.engine.kv_layout import kv_cache_tensor
-from pdserve.common.worker.host import pair_transport
+from pdserve.common.worker.host import resolve_backend  # re-exported: its home is common.worker.host (the router names backends without torch)
 from pdserve.common.engine.kv_layout import layout_mismatch, layout_of  # re-exported: their home is common.engine.kv_layout
 from pdserve.kv_transfer.base import KVReceiver, KVSender, PendingReceive, TransferError
 from pdserve.kv_transfer.peer_check import check_block_ids, check_peer_info, shm_name_hint
@@ -14,22 +14,6 @@ from pdserve.kv_transfer.peer_check import check_block_ids, check_peer_info, shm
 __all__ = ["BACKENDS", "KVReceiver", "KVSender", "PendingReceive", "TransferError", "check_block_ids",
            "check_peer_info", "init_transfer_group", "shm_name_hint",
            "layout_mismatch", "layout_of", "make_receiver", "make_sender", "resolve_backend"]
-
-
-def resolve_backend(name: str, device: str) -> str:
-    """`auto` picks the same-host fast path for the device: cuda_ipc on GPU, shm on CPU
-    (every worker of `pdserve serve` is on one host; a joined worker resolves `auto` with
-    common.worker.host.pair_transport before it gets here)."""
-    if name == "auto":
-        return pair_transport(name, device, same=True)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown kv transfer backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
-    gpu_only = {"cuda_ipc", "nccl"}
-    if name in gpu_only and not device.startswith("cuda"):
-        raise ValueError(f"kv transfer backend {name!r} needs a CUDA device, workers run on {device!r}")
-    if name == "shm" and device.startswith("cuda"):
-        raise ValueError("kv transfer backend 'shm' is for CPU workers; use cuda_ipc on GPUs")
-    return name
 
 
 def init_transfer_group(worker_config: WorkerConfig, device: str = "cpu") -> None:

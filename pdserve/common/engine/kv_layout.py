@@ -7,14 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.common.checkpoint_dtype import dtype_name
 from pdserve.common.config import EngineConfig
 from pdserve.common.quantization import precision
 from pdserve.common.wire.messages import KVLayout
-from pdserve.kernels import huge_pages
+
+if TYPE_CHECKING:  # the router checks fingerprints without torch: only kv_cache_tensor imports it
+    import torch
 
 _CHUNK = 1 << 20  # bytes hashed from each end of a weight file
 
@@ -63,8 +64,8 @@ def layout_mismatch(ours: KVLayout, theirs: KVLayout) -> str | None:
     return "; ".join(diffs) if diffs else None
 
 
-def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
-                    storage: torch.Tensor | None = None) -> torch.Tensor:
+def kv_cache_tensor(shape: tuple[int, ...], dtype: "torch.dtype", device: "str | torch.device",
+                    storage: "torch.Tensor | None" = None) -> "torch.Tensor":
     """The KV cache `shape` = [2, layers, num_blocks, block_size, kv_heads, head_dim],
     the order every reader indexes it by. On the CPU each block is laid out head-major in
     memory ([kv_heads, block_size, head_dim]; the tensor is a transposed view of it): decode
@@ -74,6 +75,9 @@ def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str | to
     `storage`: a flat tensor of exactly the right size to lay it in (shared memory; both
     sides of a mapping build their view here, so they agree), taken as it is; else the
     cache is allocated, zeroed (on huge pages on the CPU)."""
+    import torch
+
+    from pdserve.kernels import huge_pages
     two, layers, blocks, block_size, heads, head_dim = shape
     cpu = torch.device(device).type == "cpu"
     physical = (two, layers, blocks, heads, block_size, head_dim) if cpu else shape

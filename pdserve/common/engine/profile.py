@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdserve.common.config import ConfigError
-from pdserve.common.engine.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # `pdserve profile`'s flags are read from ProfilePlan without importing torch
+    from pdserve.common.engine.engine import LLMEngine
 
 FIRST_ORDINARY_TOKEN = 3  # random prompts avoid the lowest ids, special tokens in made models
 

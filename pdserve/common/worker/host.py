@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import socket
 
+from pdserve.common.config import BACKENDS
+
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 NET_NS = "/proc/self/ns/net"
 
@@ -42,6 +44,22 @@ def pair_transport(requested: str, device: str, same: bool | None) -> str:
     if same:
         return "cuda_ipc" if device.startswith("cuda") else "shm"
     return "tcp"
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """`auto` picks the same-host fast path for the device: cuda_ipc on GPU, shm on CPU
+    (every worker of `pdserve serve` is on one host; a joined worker resolves `auto` with
+    common.worker.host.pair_transport before it gets here)."""
+    if name == "auto":
+        return pair_transport(name, device, same=True)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kv transfer backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
+    gpu_only = {"cuda_ipc", "nccl"}
+    if name in gpu_only and not device.startswith("cuda"):
+        raise ValueError(f"kv transfer backend {name!r} needs a CUDA device, workers run on {device!r}")
+    if name == "shm" and device.startswith("cuda"):
+        raise ValueError("kv transfer backend 'shm' is for CPU workers; use cuda_ipc on GPUs")
+    return name
 
 
 def cross_host_refusal(backend: str, mine: str, theirs: object) -> str | None:

@@ -7,7 +7,7 @@ import sys
 from pdserve.common.config import (KV_TRANSFER_CHOICES, SUPPORTED_ARCHS, ConfigError, WorkerConfig,
                                    options_of)
 from pdserve.common.loading.default_model import resolve_model
-from pdserve.common.loading.model_factory import SIZES as MODEL_SIZES
+from pdserve.common.loading.model_sizes import SIZES as MODEL_SIZES
 from pdserve.router.cli.flags import (JOIN_WORKER_FIELDS, ROUTER_ALONE_FIELDS, WORKER_DEST, add_config_flags, add_engine_args,
                                       add_router_args, engine_options)
 from pdserve.router.cli.offline import CHAT_PROMPTS, PLAIN_PROMPTS, cmd_convert_gguf, cmd_generate, cmd_make_model  # noqa: F401

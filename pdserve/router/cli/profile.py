@@ -22,20 +22,21 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from pdserve.common.config import ConfigError, EngineOptions
-from pdserve.common.engine.engine import LLMEngine
 from pdserve.common.engine.profile import ProfilePlan, measure_decode, measure_prefill
 from pdserve.common.latency_model import Curve, DecodeFit, LatencyModel
 from pdserve.common.worker.spec import role_engine
-from pdserve.kv_transfer import resolve_backend
-from pdserve.kv_transfer.profile import MEASURED_BACKENDS, measure_transfer
+from pdserve.common.worker.host import resolve_backend
 
 
 def run_profile(model_dir: str, options: EngineOptions, plan: ProfilePlan, kv_transfer: str = "auto",
                 log: Callable[[str], None] = lambda _: None) -> LatencyModel:
     """Measure and fit; the engine's KV cache holds what the plan needs unless the options size it."""
+    import torch  # here, not at the top: every `pdserve` command's parser reads this module
+
+    from pdserve.common.engine.engine import LLMEngine
+    from pdserve.kv_transfer.profile import MEASURED_BACKENDS, measure_transfer
     options = role_engine(options, "decode")  # on a GPU, decode steps through CUDA graphs: 3-4x faster (docs/gpu.md)
     engine_config = options.engine_config(model_dir)
     plan = plan.fitted_to(engine_config.scheduler.max_model_len, engine_config.scheduler.max_num_seqs)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import ConfigError, EngineOptions, WorkerConfig
 from pdserve.common.worker.spec import WorkerSpec
-from pdserve.kv_transfer import resolve_backend
+from pdserve.common.worker.host import resolve_backend
 from pdserve.router.core.config import RouterConfig
 from pdserve.router.launch.local import free_port
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from pdserve.common.config import ConfigError
 from pdserve.common.worker.spec import WorkerSpec
-from pdserve.kv_transfer import resolve_backend
+from pdserve.common.worker.host import resolve_backend
 from pdserve.router.launch.deployment import DeploymentConfig
 from pdserve.router.launch.local import Launcher
 from pdserve.router.core.registry import PoolError
