@@ -127,12 +127,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The weight comes from the checkpoint (build_model): given here, nn.Embedding skips
+        # its random init, whose normal_ under the meta device imports torch._dynamo (~3 s
+        # of every worker's start-up on the AVX2 EPYC).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = rotary_embedding(cfg, max_positions)
+        self.rope = rope
 
 
 def rotary_embedding(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
@@ -146,10 +150,10 @@ class DecoderForCausalLM(nn.Module):
     """The whole model. `kv_caches[i]` is layer i's (k_cache, v_cache) pair, each
     [num_blocks, block_size, Hkv, D]; the runner binds them before the first forward."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.model = DecoderModel(cfg, rope)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -290,9 +294,12 @@ def build_model(cfg: ModelConfig, max_positions: int, device: torch.device, dtyp
     is not first drawn at random, in float32, on the CPU. The modules are made on the meta
     device, then each parameter is given storage (a tied lm_head keeps sharing the
     embedding's); the rotary tables, which are computed rather than loaded, are computed
-    as in `DecoderModel` (on the CPU: the cast to the model's device moves them)."""
+    first, on the CPU (the cast to the model's device moves them): computed under the meta
+    device, their ops would go through torch's reference implementations, which import
+    torch._dynamo (~1.4 s of every worker's start-up on the AVX2 EPYC)."""
+    rope = rotary_embedding(cfg, max_positions)
     with torch.device("meta"):
-        model = DecoderForCausalLM(cfg, max_positions)
+        model = DecoderForCausalLM(cfg, rope)
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
@@ -303,5 +310,4 @@ def build_model(cfg: ModelConfig, max_positions: int, device: torch.device, dtyp
                 new.__dict__.update(p.__dict__)  # shard_sizes (mark_shards), which load_weights reads
                 made[id(p)] = new
             module._parameters[name] = made[id(p)]
-    model.model.rope = rotary_embedding(cfg, max_positions)
     return model
