@@ -219,6 +219,26 @@ def test_generate_answers_and_exits_0(model_dir, capsys):
     assert out.startswith("'hello' -> ") and "[4 tokens, length]" in out
 
 
+def test_generate_sizes_its_kv_cache_to_its_prompts(model_dir, capsys, monkeypatch):
+    """Without --num-kv-blocks, an offline job's cache holds each prompt's sequence up to
+    max_model_len (3 prompts x 256 / 16 blocks), not memory_fraction of the host; with it,
+    what was asked."""
+    from pdserve.common.engine import llm as llm_module
+    from pdserve.router.cli.main import main
+    made = []
+    real = llm_module.LLM.__init__
+
+    def spy(self, model, **options):
+        made.append(options["num_kv_blocks"])
+        real(self, model, **options)
+    monkeypatch.setattr(llm_module.LLM, "__init__", spy)
+    flags = ["--max-tokens", "2", "--max-model-len", "256", "--num-threads", "1"]
+    assert main(["generate", model_dir, *[a for p in "abc" for a in ("--prompt", p)], *flags]) == 0
+    assert main(["generate", model_dir, "--prompt", "a", "--num-kv-blocks", "40", *flags]) == 0
+    assert made == [3 * 256 // 16, 40]
+    capsys.readouterr()
+
+
 def test_generate_exits_1_naming_the_cause_when_a_prompt_fails(model_dir, capsys, monkeypatch):
     """An answer that is an error (here every step's forward raises) fails the job."""
     from pdserve.common.engine.model_runner import ModelRunner
