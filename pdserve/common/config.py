@@ -25,6 +25,7 @@ from pdserve.common.speculative_config import SpeculativeConfig as SpeculativeCo
 if TYPE_CHECKING:  # torch is imported where a config is used to compute, not to validate (the router)
     import torch
 
+
 def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()
