@@ -106,6 +106,62 @@ def test_gguf_linears_stay_quantized_as_stored(model_dirs, tmp_path, qtype, arch
     assert (out / GGUF_SOURCE).is_file()
 
 
+def test_gguf_linears_cached_in_the_converted_folder(model_dirs, tmp_path, monkeypatch):
+    """The repacked linears are kept in the folder (`gguf_linears.cache`) and read back
+    equal; a changed GGUF file, other model shapes or a damaged cache remake them; a folder
+    that cannot be written still loads; the folder's own loader never takes the cache for
+    weights."""
+    import dataclasses
+    import os
+
+    from pdserve.common.loading import gguf_quant
+    gguf = write_gguf(model_dirs["llama"], tmp_path / "m.gguf", "Q4_1")
+    out = convert_gguf(gguf, tmp_path / "conv", quiet=True)
+    cfg = EngineConfig.build(out).model
+    made = []
+    real = gguf_quant.gguf_linears
+    monkeypatch.setattr(gguf_quant, "gguf_linears", lambda *a: made.append(a) or real(*a))
+
+    def same(a, b):
+        assert a.keys() == b.keys() and a
+        for name in a:
+            assert (a[name].kind, a[name].n, a[name].k) == (b[name].kind, b[name].n, b[name].k), name
+            assert torch.equal(a[name].data, b[name].data), name
+
+    want = real(gguf, cfg)
+    same(gguf_quant.cached_gguf_linears(gguf, cfg, out), want)
+    assert len(made) == 1 and (out / gguf_quant.CACHE_FILE).is_file()
+    same(gguf_quant.cached_gguf_linears(gguf, cfg, out), want)
+    assert len(made) == 1  # read from the cache
+    ours, plain = make(out, "auto"), make(out, "none")  # both load the folder with the cache in it
+    assert len(made) == 1
+    assert greedy(ours, [5, 9, 2, 7], 8) == greedy(make(out, "auto"), [5, 9, 2, 7], 8)
+    assert plain.engine.config.device.quantization == "none"
+
+    other = dataclasses.replace(cfg, num_layers=cfg.num_layers - 1)
+    gguf_quant.cached_gguf_linears(gguf, other, out)
+    assert len(made) == 2  # other shapes: remade (and the cache now holds those)
+    same(gguf_quant.cached_gguf_linears(gguf, cfg, out), want)
+    assert len(made) == 3
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the file changed (or looks so)
+    same(gguf_quant.cached_gguf_linears(gguf, cfg, out), want)
+    assert len(made) == 4
+    (out / gguf_quant.CACHE_FILE).write_bytes(b"\x00" * 64)  # damaged
+    same(gguf_quant.cached_gguf_linears(gguf, cfg, out), want)
+    assert len(made) == 5
+    same(gguf_quant.cached_gguf_linears(gguf, cfg, out), want)
+    assert len(made) == 5
+
+    def refuse(*_):
+        raise PermissionError("read-only folder")
+    (out / gguf_quant.CACHE_FILE).unlink()
+    monkeypatch.setattr(gguf_quant, "_write_cache", refuse)
+    same(gguf_quant.cached_gguf_linears(gguf, cfg, out), want)
+    assert len(made) == 6 and not (out / gguf_quant.CACHE_FILE).exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
 def test_real_model_quantized_against_float32(real_model_dir):
     """SmolLM2 (its GGUF's Q4_1 linears and Q8_0 lm_head) by vLLM's rule against its float32
     conversion: run as stored (`gguf`: the same weights, decode by int8 dot products) and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -25,7 +26,7 @@ from pdserve.common.engine.sampler import Sampled, Sampler, make_generator
 from pdserve.common.engine.scheduler import ScheduledBatch
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.spec.verify import verify
-from pdserve.common.loading.gguf_quant import gguf_linears
+from pdserve.common.loading.gguf_quant import cached_gguf_linears
 from pdserve.common.loading.weights import load_weights
 from pdserve.common.models.quantize import quantize_linears, set_quantized
 from pdserve.common.quantization import gguf_source
@@ -82,7 +83,7 @@ def quantize(model: DecoderForCausalLM, config: EngineConfig) -> None:
         if source is None:
             raise ConfigError(f"quantization 'gguf': the GGUF file {config.model.model_dir} was converted from "
                               "is gone or changed")
-        set_quantized(model, gguf_linears(source, config.model))
+        set_quantized(model, cached_gguf_linears(source, config.model, Path(config.model.model_dir)))
 
 
 def padded_tables(tables: list[list[int]], width: int | None = None) -> np.ndarray:

@@ -1,6 +1,7 @@
 """GGUF -> HuggingFace-format folder (float32 safetensors, config.json,
 generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, and
-gguf_source.json naming the file, whose quantized linears `--quantization gguf` reads).
+gguf_source.json naming the file, whose quantized linears `--quantization gguf` reads and
+keeps repacked in gguf_linears.cache).
 
 Reading, dequantizing and un-permuting GGUF tensors, and rebuilding the fast tokenizer
 from GGUF metadata, are transformers' GGUF loader's job (backed by the `gguf` package);
