@@ -48,8 +48,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # A KV cache as large as the job can fill (each prompt's sequence up to max_model_len),
         # not `memory_fraction` of the host: the cache's pages are faulted in at start-up
         # (kernels/huge_pages.py), 5.5 s for the 4.8 GB default on 24 GiB; the default job
-        # (4 prompts, 1024 blocks) took 12.5 s from a cold process with this, 18.5 s without
-        # (5.5 s since the repacked GGUF linears are cached, common/loading/gguf_quant.py).
+        # (4 prompts, 1024 blocks) took 18.5 s from a cold process without this, 12.5 s with
+        # it, and 5.5 s once the repacked GGUF linears were cached (loading/gguf_quant.py).
         config = options.engine_config(model)
         per_sequence = -(-config.scheduler.max_model_len // config.cache.block_size)
         options = options.replace(num_kv_blocks=min(decide_num_blocks(config, config.speculative is not None),
