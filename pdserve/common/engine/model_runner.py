@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -83,7 +82,7 @@ def quantize(model: DecoderForCausalLM, config: EngineConfig) -> None:
         if source is None:
             raise ConfigError(f"quantization 'gguf': the GGUF file {config.model.model_dir} was converted from "
                               "is gone or changed")
-        set_quantized(model, cached_gguf_linears(source, config.model, Path(config.model.model_dir)))
+        set_quantized(model, cached_gguf_linears(source, config.model, config.model.model_dir))
 
 
 def padded_tables(tables: list[list[int]], width: int | None = None) -> np.ndarray:

@@ -52,7 +52,7 @@ CACHE_FORMAT = "1"  # change it whenever what `gguf_linears` makes for a file ch
 log = logging.getLogger(__name__)
 
 
-def cached_gguf_linears(path: Path, cfg: ModelConfig, folder: Path) -> dict[str, QuantWeight]:
+def cached_gguf_linears(path: Path, cfg: ModelConfig, folder: str | Path) -> dict[str, QuantWeight]:
     """`gguf_linears(path, cfg)`, read from `folder`'s cache where it holds this file's
     (same path, size, mtime, model shapes, format), else made and written there (atomically;
     a folder we cannot write to is only not cached)."""
