@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -69,7 +70,31 @@ SHIPPED = {f.name: f.default for f in dataclasses.fields(RouterConfig) if f.name
 DEFAULT_CANDIDATES = [
     {"name": "shipped", "flags": SHIPPED},  # window 3 s, sustain 2, cooldown 15 s, ...
     {"name": "slow", "flags": {**SHIPPED, "planner_interval_s": 5.0, "planner_sustain": 3, "planner_cooldown_s": 30.0}},
+    # the shipped settings with latency models (`pdserve profile` of this machine, made by the run)
+    {"name": "models", "flags": SHIPPED, "latency_models": True},
 ]
+
+
+def profile_models(model: str, logdir: Path, report: dict) -> str:
+    """`pdserve profile` of `model` at this host's cores and half of them (the planner's
+    colocated and split layouts; float32, unquantized, as the systems are served), written
+    under `logdir`; the comma-joined paths `--planner-latency-models` takes. The commands,
+    their seconds and each model's figures go into `report["latency_models"]`."""
+    cores = os.cpu_count() or 2
+    paths, made = [], []
+    for threads in (cores, cores // 2):
+        out = logdir / f"latency_model_t{threads}.json"
+        cmd = [sys.executable, "-m", "pdserve", "profile", model, "--dtype", "float32", "--quantization", "none",
+               "--num-threads", str(threads), "--out", str(out)]
+        t = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"planner_heldout: {' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
+        made.append({"num_threads": threads, "command": " ".join(cmd[1:]), "seconds": round(time.monotonic() - t, 1),
+                     "model": json.loads(out.read_text())})
+        paths.append(str(out))
+    report["latency_models"] = made
+    return ",".join(paths)
 
 
 def parse_windows(text: str) -> list[tuple[int, int]]:
@@ -94,6 +119,13 @@ def trace_load(path: Path, start: int, seed: int, args: argparse.Namespace, voca
         t0 = min(arrivals)
         return reqs, [(a - t0) / scale for a in arrivals]
     return load
+
+
+def candidate_flags(candidate: dict, models: str) -> tuple[tuple[str, str], ...]:
+    """A candidate's planner flags as (name, value) pairs; with `latency_models`, the profiled
+    models' paths (`models`) as `--planner-latency-models`."""
+    extra = {"planner_latency_models": models} if candidate.get("latency_models") else {}
+    return tuple((k, str(v)) for k, v in {**candidate["flags"], **extra}.items())
 
 
 def window_facts(path: Path, windows: list[tuple[int, int]], n: int) -> dict:
@@ -138,7 +170,8 @@ def pick(report: dict, candidates: list[dict]) -> dict:
                 for p in pts for r in p.get("by_regime", {})]
         scores[c["name"]] = sum(vals) / len(vals) if vals else -1.0
     best = max(candidates, key=lambda c: scores[c["name"]])
-    return {"scores": scores, "chosen": best["name"], "flags": best["flags"]}
+    return {"scores": scores, "chosen": best["name"], "flags": best["flags"],
+            "latency_models": bool(best.get("latency_models"))}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -153,7 +186,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-input", type=int, default=768, help="prompt tokens at most (after / 32)")
     p.add_argument("--max-output", type=int, default=64, help="output tokens at most (after / 32)")
     p.add_argument("--unloaded-requests", type=int, default=10)
-    p.add_argument("--candidates", default=None, help="tune: a JSON list of {name, flags}")
+    p.add_argument("--candidates", default=None, help="tune: a JSON list of {name, flags[, latency_models: true]}")
     p.add_argument("--regimes", default="ttft_bound=3:10,tpot_bound=10:2", help="tune: the rule frozen with the flags")
     p.add_argument("--freeze", default=str(FROZEN), help="tune: where the chosen setting is written")
     p.add_argument("--frozen", default=str(FROZEN), help="evaluate: the committed frozen file")
@@ -188,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             sys.exit("planner_heldout evaluate: not held out: " + "; ".join(why))
         report["frozen"] = {**state, "settings": frozen}
-        candidates = [{"name": "frozen", "flags": frozen["flags"]}]
+        candidates = [{"name": "frozen", "flags": frozen["flags"],
+                       "latency_models": bool(frozen.get("latency_models"))}]
         rules = parse_rules(frozen["regimes"])
     else:
         candidates = json.loads(Path(args.candidates).read_text()) if args.candidates else DEFAULT_CANDIDATES
@@ -210,9 +244,14 @@ def main(argv: list[str] | None = None) -> int:
                   machine_load_before=machine_load(), shared_machine_note=None)
     fixed = fixed_systems(["colocated", "1p1d"], ["float32"])
 
+    # a candidate (or the frozen setting) with "latency_models": its planners get this machine's
+    # models, profiled now (before any server starts: the profile has the machine to itself)
+    models = profile_models(args.model, logdir, report) if any(c.get("latency_models") for c in candidates) else ""
+
     def planners(regimes: list[str]) -> list[System]:
         return [System(f"pdserve-planner-{r}-{c['name']}@float32", "pdserve", "planner", "float32", r,
-                       tuple((k, str(v)) for k, v in c["flags"].items())) for c in candidates for r in regimes]
+                       candidate_flags(c, models))
+                for c in candidates for r in regimes]
     servers: dict[str, Server] = {}
     try:
         systems, regimes = bring_up(fixed, planners, args, vocab, logdir, rules, report, servers)
@@ -225,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         report["choice"] = pick(report, candidates)
         frozen = {"about": "the SLO planner's settings, frozen before its held-out evaluation "
                            "(python -m benchmarks.slo.planner_heldout); commit before evaluating",
-                  "flags": report["choice"]["flags"], "regimes": args.regimes,
+                  "flags": report["choice"]["flags"], "latency_models": report["choice"]["latency_models"],
+                  "regimes": args.regimes,
                   "tuning": {"traffic": traffic, "run": str(out_path), "scores": report["choice"]["scores"],
                              "date": report["date"], "commit": report["code"]["commit"]}}
         write_report(frozen, args.freeze)

@@ -60,4 +60,35 @@ def test_tuning_picks_the_candidate_that_met_the_slos_most():
     report = {"points": {"pdserve-planner-r-fast@float32": pts(0.9), "pdserve-planner-r-slow@float32": pts(0.6),
                          "pdserve-colocated@float32": pts(1.0)}}
     choice = ho.pick(report, [{"name": "fast", "flags": {"planner_sustain": 2}}, {"name": "slow", "flags": {}}])
-    assert choice == {"scores": {"fast": 0.9, "slow": 0.6}, "chosen": "fast", "flags": {"planner_sustain": 2}}
+    assert choice == {"scores": {"fast": 0.9, "slow": 0.6}, "chosen": "fast", "flags": {"planner_sustain": 2},
+                      "latency_models": False}
+    report["points"]["pdserve-planner-r-models@float32"] = pts(0.95)
+    choice = ho.pick(report, [{"name": "fast", "flags": {}}, {"name": "models", "flags": {}, "latency_models": True}])
+    assert choice["chosen"] == "models" and choice["latency_models"] is True
+
+
+def test_a_models_candidate_is_served_with_this_machines_profiles(tmp_path, monkeypatch):
+    """`latency_models`: `pdserve profile` at the host's cores and half of them, float32 and
+    unquantized as served, and the planner flag naming both files; a failed profile stops the run."""
+    ran = []
+
+    def fake_run(cmd, **kw):
+        ran.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        with open(out, "w") as f:
+            f.write('{"meta": {"num_threads": %s}}' % cmd[cmd.index("--num-threads") + 1])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(ho.subprocess, "run", fake_run)
+    monkeypatch.setattr(ho.os, "cpu_count", lambda: 4)
+    report: dict = {}
+    models = ho.profile_models("/m", tmp_path, report)
+    assert [c[c.index("--num-threads") + 1] for c in ran] == ["4", "2"]
+    assert all(c[2:5] == ["pdserve", "profile", "/m"] and "float32" in c and "none" in c for c in ran)
+    assert models == f"{tmp_path}/latency_model_t4.json,{tmp_path}/latency_model_t2.json"
+    assert [m["model"]["meta"]["num_threads"] for m in report["latency_models"]] == [4, 2]
+    assert dict(ho.candidate_flags({"flags": {"planner_sustain": 2}, "latency_models": True}, models)) == \
+        {"planner_sustain": "2", "planner_latency_models": models}
+    assert dict(ho.candidate_flags({"flags": {"planner_sustain": 2}}, models)) == {"planner_sustain": "2"}
+    monkeypatch.setattr(ho.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "boom"))
+    with pytest.raises(SystemExit, match="boom"):
+        ho.profile_models("/m", tmp_path, {})
