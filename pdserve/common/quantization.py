@@ -21,11 +21,10 @@ chunk's by the float32 tile on the weights dequantized slice by slice
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from pdserve.common.config_base import ConfigError
+from pdserve.kernels.atomic_file import replaced
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 GGUF_SOURCE = "gguf_source.json"  # in a converted folder: the GGUF file it came from
@@ -35,11 +34,8 @@ def write_gguf_source(folder: Path, gguf: Path) -> None:
     """Record in `folder` the GGUF file its weights came from (path, size, mtime)."""
     st = gguf.stat()
     record = {"path": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{GGUF_SOURCE}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(record, indent=2))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, folder / GGUF_SOURCE)  # atomic: several workers may add it to one cached folder at once
+    with replaced(folder / GGUF_SOURCE) as tmp:  # several workers may add it to one cached folder at once
+        Path(tmp).write_text(json.dumps(record, indent=2))
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:

@@ -25,11 +25,11 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 import torch
 
 from . import huge_pages
+from .atomic_file import replaced
 
 log = logging.getLogger(__name__)
 
@@ -94,28 +94,26 @@ def build(cache_dir: Path | None = None) -> Path:
     if lib.is_file():
         return lib
     root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".build-", suffix=".so")
-    os.close(fd)
-    objs = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
-    try:
-        for compile_extra, link_extra in (VECTOR_EXP, ([], [])):
-            for src, obj in zip(SOURCES, objs):
-                res = subprocess.run([cc, *flags, *compile_extra, "-c", "-o", obj, str(src)], capture_output=True,
-                                     text=True, timeout=300)
-                if res.returncode:
+    with replaced(lib, mode=0o755) as tmp:  # a concurrent builder's identical file may be replaced
+        objs = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
+        try:
+            for compile_extra, link_extra in (VECTOR_EXP, ([], [])):
+                for src, obj in zip(SOURCES, objs):
+                    res = subprocess.run([cc, *flags, *compile_extra, "-c", "-o", obj, str(src)], capture_output=True,
+                                         text=True, timeout=300)
+                    if res.returncode:
+                        break
+                if res.returncode == 0:
+                    res = subprocess.run([cc, *LINK_FLAGS, "-o", tmp, *objs, *link_extra, "-lm"], capture_output=True,
+                                         text=True, timeout=300)
+                if res.returncode == 0:
                     break
-            if res.returncode == 0:
-                res = subprocess.run([cc, *LINK_FLAGS, "-o", tmp, *objs, *link_extra, "-lm"], capture_output=True,
-                                     text=True, timeout=300)
-            if res.returncode == 0:
-                break
-        else:
-            raise RuntimeError(f"{cc} failed to build {lib.name}:\n{res.stderr.strip()}")
-        os.replace(tmp, lib)  # atomic: a concurrent builder's identical file may be replaced
-    finally:
-        for path in (tmp, *objs):
-            if os.path.exists(path):
-                os.unlink(path)
+            else:
+                raise RuntimeError(f"{cc} failed to build {lib.name}:\n{res.stderr.strip()}")
+        finally:
+            for obj in objs:
+                if os.path.exists(obj):
+                    os.unlink(obj)
     return lib
 
 

@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_native
+from .atomic_file import replaced
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +182,8 @@ def _save(key: str, table: dict[str, int]) -> None:
     root = cache_dir()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=".crossover-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
+        with replaced(root / f"{key}.json") as tmp, open(tmp, "w") as f:
             json.dump({"cpu": _model_name(), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "rows": table}, f, indent=1, sort_keys=True)
-        os.replace(tmp, root / f"{key}.json")
     except OSError as e:
         log.warning("could not write the crossover cache under %s: %s", root, e)

@@ -28,8 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +35,7 @@ import torch
 
 from pdserve.common.config import ConfigError, ModelConfig
 from pdserve.kernels import quant
+from pdserve.kernels.atomic_file import replaced
 from pdserve.kernels.quant import QuantWeight
 
 # GGUF type -> the kind its linears are kept in
@@ -100,15 +99,8 @@ def _read_cache(cache: Path, key: str) -> dict[str, QuantWeight] | None:
 def _write_cache(cache: Path, key: str, weights: dict[str, QuantWeight]) -> None:
     from safetensors.torch import save_file
     meta = {"key": key, "weights": json.dumps({name: [w.kind, w.n, w.k] for name, w in weights.items()})}
-    fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.")
-    os.close(fd)
-    try:
+    with replaced(cache) as tmp:  # several workers may load one folder at once
         save_file({name: w.data.contiguous() for name, w in weights.items()}, tmp, metadata=meta)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, cache)  # atomic: several workers may load one folder at once
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def gguf_linears(path: Path, cfg: ModelConfig) -> dict[str, QuantWeight]:
