@@ -65,7 +65,7 @@ LEDGER = DOCS_RESULTS / "slo" / "planner_heldout" / "runs.jsonl"
 SCALE = 32  # trace tokens per model token (lengths and hash blocks)
 # The planner settings a candidate names (the rest stay pdserve's defaults).
 TUNED = ("planner_interval_s", "planner_sustain", "planner_cooldown_s", "planner_min_requests", "planner_memory_s",
-         "planner_load_band", "planner_target")
+         "planner_load_band", "planner_target", "planner_miss_z")
 SHIPPED = {f.name: f.default for f in dataclasses.fields(RouterConfig) if f.name in TUNED}
 DEFAULT_CANDIDATES = [
     {"name": "shipped", "flags": SHIPPED},  # window 3 s, sustain 2, cooldown 15 s, ...

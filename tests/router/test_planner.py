@@ -147,6 +147,27 @@ def test_one_host_colocated_with_tpot_low_splits_into_p_and_d_on_half_the_cores(
     assert {p.action for p in within} == {NONE}
 
 
+def test_with_miss_z_a_shortfall_within_the_noise_of_few_requests_starts_no_change():
+    """6 of 7 TPOTs met (86%) under a 90% target: a miss by the share, not by its Wilson
+    interval at z 1.28 (it reaches 96%); 6 of 10 is a miss either way (77% at most), and so
+    is 85 of 100 (89%). The judged counts are the snapshot's: TTFT over `judged`, TPOT over
+    `tpot_judged`."""
+    point, noisy = PlannerConfig(0.5, 0.05, sustain=2, host_cores=2), \
+        PlannerConfig(0.5, 0.05, sustain=2, host_cores=2, miss_z=1.28)
+
+    def window(t: float, tpot: float, n: int, n_tpot: int) -> Snapshot:
+        return replace(snap(t, tpot=tpot, pools=Pools(0, 0, 1), finished=n), judged=n, tpot_judged=n_tpot)
+    six_of_seven = [window(t * 5.0, 6 / 7, 10, 7) for t in range(3)]
+    assert run(six_of_seven, point)[0][-1].action == SPLIT
+    assert {p.action for p in run(six_of_seven, noisy)[0]} == {NONE}
+    assert run([window(t * 5.0, 0.6, 10, 10) for t in range(2)], noisy)[0][-1].action == SPLIT
+    assert run([window(t * 5.0, 0.85, 100, 100) for t in range(2)], noisy)[0][-1].action == SPLIT
+    # TTFT is judged over `judged` (the window's finished where not given): 8 of 10 is within the noise
+    ttft = [replace(snap(t * 5.0, ttft=0.8, pools=P1_D2, finished=10), judged=10) for t in range(4)]
+    assert {p.action for p in run(ttft, replace(CFG, miss_z=1.28))[0]} == {NONE}
+    assert run(ttft, CFG)[0][-1].action == REROLE
+
+
 def test_one_host_split_with_slow_unqueued_prompts_merges_onto_all_cores():
     cfg = PlannerConfig(0.5, 0.05, sustain=2, host_cores=2)
     plans, _ = run([snap(t * 5.0, ttft=0.3, pools=Pools(1, 1)) for t in range(2)], cfg)
@@ -289,6 +310,8 @@ def test_config_is_checked():
         PlannerConfig(0.0, 0.05)
     with pytest.raises(ValueError):
         PlannerConfig(0.5, 0.05, sustain=0)
+    with pytest.raises(ValueError, match="miss_z"):
+        PlannerConfig(0.5, 0.05, miss_z=-0.5)
 
 
 def test_router_config_checks_the_planner_flags():
@@ -299,7 +322,8 @@ def test_router_config_checks_the_planner_flags():
                        (dict(planner_interval_s=0.0), "planner_interval_s"),
                        (dict(planner_target=1.5), "planner_target"),
                        (dict(planner_min_requests=0), "planner_min_requests"),
-                       (dict(planner_load_band=0.5), "planner_load_band")):
+                       (dict(planner_load_band=0.5), "planner_load_band"),
+                       (dict(planner_miss_z=-1.0), "planner_miss_z")):
         with pytest.raises(ConfigError, match=field):
             RouterConfig("m", **bad)
 

@@ -37,7 +37,7 @@ SERVE_ROUTER_FIELDS = {  # RouterConfig fields with a flag of their own, by flag
                "disagg_tpot_guard_ms"),
     "planner": ("planner", "slo_ttft_ms", "slo_tpot_ms", "planner_interval_s", "planner_max_workers", "planner_target",
                 "planner_sustain", "planner_cooldown_s", "planner_host_cores", "planner_memory_s",
-                "planner_load_band", "planner_min_requests", "planner_latency_models"),
+                "planner_load_band", "planner_min_requests", "planner_miss_z", "planner_latency_models"),
 }
 ROUTER_ALONE_FIELDS = (*SERVE_ROUTER_FIELDS[""], "control_port")  # `pdserve router`: workers join on it
 

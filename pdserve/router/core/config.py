@@ -62,6 +62,9 @@ class RouterConfig:
                                            "requests (those sent since the pools last changed) where a window "
                                            "holds fewer; one host: a layout's measured score counts once it is "
                                            "over this many")
+    planner_miss_z: float = option(0.0, "planner: a window misses an SLO's target only where the upper end of its "
+                                        "attainment's Wilson interval at this z is below it, so that one late "
+                                        "request among few does not start a change (0: the share itself)")
     planner_latency_models: str = option("", "planner, one host: latency model files (`pdserve profile`) of a worker "
                                              "on all --planner-host-cores threads and on half of them, "
                                              "comma-separated; the latest requests are simulated on both layouts "
@@ -155,6 +158,8 @@ class RouterConfig:
                 or not 0 < self.planner_target <= 1 or self.planner_min_requests < 1:
             raise ConfigError("planner_max_workers, planner_host_cores and planner_memory_s must be >= 0, "
                               "planner_target in (0, 1], planner_min_requests >= 1")
+        if not self.planner_miss_z >= 0:
+            raise ConfigError(f"planner_miss_z must be >= 0, got {self.planner_miss_z}")
         if not self.planner_load_band >= 1:
             raise ConfigError(f"planner_load_band must be >= 1, got {self.planner_load_band}")
         if self.planner_latency_models and self.planner_host_cores < 2:

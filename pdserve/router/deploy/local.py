@@ -187,7 +187,7 @@ def start_planner(control: ControlPlane, models: LayoutModels | None = None) -> 
     cfg = PlannerConfig(c.slo_ttft_ms / 1000, c.slo_tpot_ms / 1000, target=c.planner_target, sustain=c.planner_sustain,
                         cooldown_s=c.planner_cooldown_s, max_workers=c.planner_max_workers,
                         host_cores=c.planner_host_cores, memory_s=c.planner_memory_s, load_band=c.planner_load_band,
-                        min_requests=c.planner_min_requests)
+                        min_requests=c.planner_min_requests, miss_z=c.planner_miss_z)
     predictor = Predictor(models, c, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.host_cores) if models else None
     planner = Planner(control, cfg, c.planner_interval_s, predictor=predictor)
     planner.start()

@@ -163,7 +163,7 @@ class Planner(Background):
                         len(judged), predicted, awaiting_prediction=self._predicted is None and self._due is not None,
                         router_cpu_ms_per_token=None if self.router_cpu_per_token_s is None
                         else round(self.router_cpu_per_token_s * 1e3, 3),
-                        load=self._load(log, now))
+                        load=self._load(log, now), tpot_judged=sum(r[2] is not None for r in judged))
 
     def _load(self, log, now: float) -> Load | None:
         """Requests sent a second over the last LOAD_S (or since the first the log holds,

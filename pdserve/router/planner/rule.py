@@ -57,6 +57,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from pdserve.router.stats.intervals import wilson_interval
+
 NONE, ADD, REROLE, SPLIT, MERGE = "none", "add", "re_role", "split", "merge"
 WISHES = ("prefill", "decode", "split", "merge")
 RATE_Z = 1.96  # two measured rates differ where their log ratio passes this many standard errors (and the band)
@@ -80,6 +82,7 @@ class PlannerConfig:
     load_band: float = 1.5    # ... and only while each figure of the load is within this factor of its own
     min_requests: int = 1     # attainment is judged, and a layout's score counts, over at least this many requests
     confidence_z: float = 1.28  # one host: a remembered score beats another by margin + this many standard errors
+    miss_z: float = 0.0       # a window misses the target only where its Wilson interval at this z lies below it (0: the share itself)
 
     def __post_init__(self) -> None:
         if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
@@ -88,9 +91,9 @@ class PlannerConfig:
             raise ValueError("planner target must be in (0, 1], margin >= 0, kv_high in (0, 1]")
         if self.sustain < 1 or min(self.cooldown_s, self.max_workers, self.host_cores, self.memory_s) < 0:
             raise ValueError("planner sustain must be >= 1; cooldown, max_workers, host_cores and memory_s >= 0")
-        if not self.load_band >= 1 or self.min_requests < 1 or self.confidence_z < 0:
-            raise ValueError(f"planner load_band must be >= 1, min_requests >= 1 and confidence_z >= 0, got "
-                             f"{self.load_band}, {self.min_requests}, {self.confidence_z}")
+        if not self.load_band >= 1 or self.min_requests < 1 or self.confidence_z < 0 or not self.miss_z >= 0:
+            raise ValueError(f"planner load_band must be >= 1, min_requests >= 1, confidence_z and miss_z >= 0, got "
+                             f"{self.load_band}, {self.min_requests}, {self.confidence_z}, {self.miss_z}")
 
 
 class Load(NamedTuple):
@@ -177,6 +180,7 @@ class Snapshot:
     awaiting_prediction: bool = False  # the first prediction is being made: no split or merge yet
     router_cpu_ms_per_token: float | None = None  # what the prediction priced the router's CPU at (None: not)
     load: Load | None = None  # the load of the latest minutes (None: too few requests to say)
+    tpot_judged: int | None = None  # the judged requests with a TPOT (None: as many as `judged`)
 
     def figures(self) -> dict[str, float]:
         """The numbers a decision is logged and exported with."""
@@ -256,8 +260,9 @@ def decide(snap: Snapshot, state: PlannerState, cfg: PlannerConfig) -> tuple[Pla
 
 def _wish(snap: Snapshot, cfg: PlannerConfig, memory: tuple = ()) -> tuple[str, str]:
     """What this window's figures ask for, and the reason's name."""
-    ttft_low = _below(snap.ttft_attainment, cfg.target)
-    tpot_low = _below(snap.tpot_attainment, cfg.target)
+    n = snap.judged if snap.judged is not None else snap.finished
+    ttft_low = _missed(snap.ttft_attainment, n, cfg)
+    tpot_low = _missed(snap.tpot_attainment, snap.tpot_judged if snap.tpot_judged is not None else n, cfg)
     kv_high = snap.decode_kv_use > cfg.kv_high
     p = snap.pools
     if snap.finished == 0 and not kv_high:
@@ -433,6 +438,18 @@ def _donor_has_slack(donor: str, snap: Snapshot, cfg: PlannerConfig) -> bool:
         kv_after = snap.decode_kv_use * n / (n - 1)
         return not _below(snap.tpot_attainment, good) and kv_after <= cfg.kv_high and snap.decode_queue == 0
     return not _below(snap.ttft_attainment, good) and snap.prefill_queue == 0
+
+
+def _missed(attainment: float | None, n: int, cfg: PlannerConfig) -> bool:
+    """Whether a window's attainment over `n` requests misses the target: the share itself
+    below it (`miss_z` 0), or the upper end of its Wilson interval at `miss_z` also below it
+    -- over 7 requests, 6 on time (86%) is one late request, not a layout that fails 90%
+    (the interval at z 1.28 reaches 96%); 6 of 10 is (77% at most)."""
+    if attainment is None:
+        return False
+    if cfg.miss_z <= 0 or n <= 0:
+        return attainment < cfg.target
+    return wilson_interval(round(attainment * n), n, cfg.miss_z)[1] < cfg.target
 
 
 def _below(attainment: float | None, bar: float) -> bool:
