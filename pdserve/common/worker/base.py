@@ -23,6 +23,7 @@ from pdserve.common.worker.liveness import process_alive
 from pdserve.common.worker.router_link import RouterLink, RouterLost
 from pdserve.common.wire.messages import WorkerDrain, WorkerHello, WorkerStatus
 from pdserve.common.wire.transport import Client, Incoming, Server
+from pdserve.kernels.atomic_file import replaced
 
 
 
@@ -145,10 +146,8 @@ class WorkerBase:
         info = {"worker_id": self.worker_id, "role": self.role, "address": self.server.address,
                 "pid": os.getpid(), "num_blocks": self.engine.block_manager.num_blocks,
                 "block_size": self.config.cache.block_size, **extra}
-        path = Path(self.wconfig.ready_file)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.rename(path)
+        with replaced(self.wconfig.ready_file) as tmp:  # whoever polls it reads it whole
+            Path(tmp).write_text(json.dumps(info))
 
     def request_stop(self, *_: object) -> None:
         """First SIGTERM: drain (refuse new work, finish what runs, up to `drain_s`);

@@ -24,6 +24,7 @@ from pdserve.common.config import ConfigError
 from pdserve.common.gc_tuning import freeze_startup_heap
 from pdserve.common.wire.curve import resolve as resolve_curve
 from pdserve.common.worker.spec import WorkerSpec
+from pdserve.kernels.atomic_file import replaced
 from pdserve.router.core.config import RouterConfig
 from pdserve.router.pools.control import ControlPlane
 from pdserve.router.core.router import Router
@@ -168,8 +169,8 @@ def ready_text(dep: DeploymentConfig, info: dict) -> str:
 
 def write_ready_file(path: str, info: dict) -> None:
     """`info` as JSON at `path`, whole or not at all (written aside, then renamed)."""
-    Path(path).with_suffix(".tmp").write_text(json.dumps(info))
-    Path(path).with_suffix(".tmp").rename(path)
+    with replaced(path) as tmp:
+        Path(tmp).write_text(json.dumps(info))
 
 
 def planner_models(c: RouterConfig) -> LayoutModels | None:
