@@ -62,9 +62,10 @@ class RouterConfig:
                                            "requests (those sent since the pools last changed) where a window "
                                            "holds fewer; one host: a layout's measured score counts once it is "
                                            "over this many")
-    planner_miss_z: float = option(0.0, "planner: a window misses an SLO's target only where the upper end of its "
+    planner_miss_z: float = option(1.28, "planner: a window misses an SLO's target only where the upper end of its "
                                         "attainment's Wilson interval at this z is below it, so that one late "
-                                        "request among few does not start a change (0: the share itself)")
+                                        "request among few does not start a change (0: the share itself; 1.28 won the "
+                                        "planner's tuning, docs/slo.md)")
     planner_latency_models: str = option("", "planner, one host: latency model files (`pdserve profile`) of a worker "
                                              "on all --planner-host-cores threads and on half of them, "
                                              "comma-separated; the latest requests are simulated on both layouts "
