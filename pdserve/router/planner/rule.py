@@ -18,6 +18,8 @@ Each window the rule names what the figures ask for (its wish):
   none       both within target, or no finished request to judge by, or fewer than
              `min_requests` sent since the pools last changed (`few_requests`; decode KV
              use above `kv_high` still asks for decode capacity)
+"Below target" is beyond the noise of the few requests a window holds where `miss_z` > 0:
+the upper end of the attainment's Wilson interval at that z is below the target (`_missed`).
 
 On one host the rule also remembers how each layout (colocated, split) did: a score per
 window (the lower of the TTFT and TPOT attainments of the requests sent after the layout
