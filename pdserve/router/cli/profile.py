@@ -15,6 +15,7 @@ size (prefill, transfer) and a least-squares fit of the decode step (docs/slo.md
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -67,6 +68,14 @@ def run_profile(model_dir: str, options: EngineOptions, plan: ProfilePlan, kv_tr
                         tuple(decode))
 
 
+def _engine_json(path: str) -> EngineOptions:
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--engine-json {path}: {e}") from None
+    return EngineOptions.from_dict(data, "--engine-json")
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -86,10 +95,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=_sizes, default=d.blocks, help=f"KV blocks per transfer (default {join(d.blocks)})")
     p.add_argument("--decode-steps", type=int, default=d.decode_steps, help="timed decode steps per batch and context")
     p.add_argument("--reps", type=int, default=d.reps, help="timed repetitions per prefill and transfer size")
+    # dest not engine_*: that prefix marks the engine flags (router/cli/flags.py ENGINE_DEST)
+    p.add_argument("--engine-json", dest="options_json", default=None,
+                   help="the engine options as a JSON object of their flat names (a worker spec's \"engine\"), "
+                        "in place of the engine flags (serve's --planner-latency-models auto passes its own)")
 
 
 def main(args: argparse.Namespace, model_dir: str, options: EngineOptions) -> int:
     """Without --num-threads, the threads `serve --prefill 1 --decode 1` gives each worker."""
+    if args.options_json:
+        options = _engine_json(args.options_json)
     if options.device.num_threads is None:
         options = options.replace(num_threads=max(1, (os.cpu_count() or 1) // 2))
     plan = ProfilePlan(args.prefill_tokens, args.batches, args.contexts, args.blocks, args.decode_steps, args.reps)

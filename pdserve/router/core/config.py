@@ -70,7 +70,9 @@ class RouterConfig:
                                              "on all --planner-host-cores threads and on half of them, "
                                              "comma-separated; the latest requests are simulated on both layouts "
                                              "and no split or merge predicted to do worse is made while the other "
-                                             "layout's measured score is not remembered")
+                                             "layout's measured score is not remembered; auto: `serve` profiles "
+                                             "its engine on this host at start-up (cached per model, engine and "
+                                             "machine)")
     planner_memory_s: float = option(1800.0, "planner, one host: the longest (s) the observed attainment of a "
                                              "layout tried (colocated or split) is trusted to choose between them")
     planner_load_band: float = option(1.5, "planner, one host: a layout's observed attainment is trusted only "

@@ -25,6 +25,7 @@ from pdserve.common.gc_tuning import freeze_startup_heap
 from pdserve.common.wire.curve import resolve as resolve_curve
 from pdserve.common.worker.spec import WorkerSpec
 from pdserve.kernels.atomic_file import replaced
+from pdserve.router.deploy.latency_auto import profiled_models
 from pdserve.router.core.config import RouterConfig
 from pdserve.router.pools.control import ControlPlane
 from pdserve.router.core.router import Router
@@ -79,7 +80,7 @@ async def serve(dep: DeploymentConfig, ready_file: str = "", *, stop: asyncio.Ev
     printed). `adopt`: under Ray, take over the running worker actors instead of starting
     them (a router actor that Ray restarted)."""
     config = dep.router
-    models = planner_models(config)  # a bad latency model file: refused before any worker
+    models = planner_models(config, dep)  # a bad latency model file: refused before any worker
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -173,11 +174,18 @@ def write_ready_file(path: str, info: dict) -> None:
         Path(tmp).write_text(json.dumps(info))
 
 
-def planner_models(c: RouterConfig) -> LayoutModels | None:
-    """The planner's latency models per one-host layout, where given (ConfigError if unfit)."""
+def planner_models(c: RouterConfig, dep: DeploymentConfig | None = None) -> LayoutModels | None:
+    """The planner's latency models per one-host layout, where given (ConfigError if unfit);
+    `auto`: profiled on this host for `dep`'s engine, or read from the cache of an earlier one."""
     if c.planner != "slo" or not c.planner_latency_models:
         return None
-    return LayoutModels.load(c.planner_latency_models, c.planner_host_cores)
+    paths = c.planner_latency_models
+    if paths == "auto":
+        if dep is None or dep.ray is not None or not dep.workers:
+            raise ConfigError("--planner-latency-models auto profiles this host for `serve`'s own workers; "
+                              "under Ray, or for workers that join, give the files (`pdserve profile`)")
+        paths = profiled_models(dep.workers[0], c.planner_host_cores, dep.kv_transfer or "auto")
+    return LayoutModels.load(paths, c.planner_host_cores)
 
 
 def start_planner(control: ControlPlane, models: LayoutModels | None = None) -> Planner | None:
