@@ -74,6 +74,7 @@ SLOW = (
     "tests/router/test_serve_colocated.py::test_colocated_serves_greedy_and_stops_on_sigint",
     "tests/router/test_serve_overload.py::test_burst_gets_completions_or_429_and_health_stays_fast",
     "tests/common/test_gguf.py::test_convert_gguf_cli_and_bad_input",
+    "tests/router/test_latency_auto.py::test_the_profile_command_line_it_runs_on_a_tiny_model",  # two profiles, ~20 s
     "tests/common/test_cuda_attention_path.py::",  # Triton's interpreter: ~0.5 s a kernel call
     "tests/kernels/test_triton_compile_sm90.py::",  # ~20 s of ptxas with a cold Triton cache
     "tests/kernels/test_cpu_native_attention.py::test_build_is_cached_and_keyed",  # a C build, ~17 s
