@@ -76,6 +76,11 @@ def test_a_failed_profile_is_a_clear_error_and_caches_nothing(tmp_path, cache, m
     assert list(cache.iterdir()) == []
     with pytest.raises(ConfigError, match="host-cores >= 2"):
         latency_auto.profiled_models(spec(str(tmp_path)), 1, log=lambda _: None)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDSERVE_CACHE", str(blocker))  # a file where the cache folder should go
+    with pytest.raises(ConfigError, match="PDSERVE_CACHE"):
+        latency_auto.profiled_models(spec(str(tmp_path)), 2, log=lambda _: None)
 
 
 def test_serve_takes_auto_only_for_its_own_workers_on_this_host(tmp_path, cache, monkeypatch):

@@ -63,14 +63,18 @@ def profiled_models(spec: WorkerSpec, host_cores: int, kv_transfer: str = "auto"
     if host_cores < 2:
         raise ConfigError("--planner-latency-models auto needs --planner-host-cores >= 2 (the layouts it prices)")
     root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--planner-latency-models auto: cannot make its cache {root} ({e.strerror}); "
+                          "set PDSERVE_CACHE to a writable folder, or give the files") from None
     paths = []
     for threads in (host_cores, host_cores // 2):
         out = root / f"{profile_key(spec, threads, kv_transfer)}-t{threads}.json"
         if not out.is_file():
             log(f"pdserve: profiling {spec.model_dir} at {threads} thread(s) for the planner's latency models "
                 f"(once for this model, engine and machine; kept in {root})")
-            _profile(spec, threads, kv_transfer, out)
+            _profile(spec, threads, kv_transfer, out, log)
         paths.append(str(out))
     return ",".join(paths)
 
@@ -93,7 +97,7 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _profile(spec: WorkerSpec, threads: int, kv_transfer: str, out: Path) -> None:
+def _profile(spec: WorkerSpec, threads: int, kv_transfer: str, out: Path, log) -> None:
     """`pdserve profile` of `spec`'s engine at `threads` in a child process, written to `out` whole."""
     engine = {**spec.engine.to_dict(), "num_threads": threads}
     with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as tmp:
@@ -112,5 +116,4 @@ def _profile(spec: WorkerSpec, threads: int, kv_transfer: str, out: Path) -> Non
             if done.returncode != 0:
                 raise ConfigError(f"profiling for the planner's latency models failed ({' '.join(cmd[1:])}):\n"
                                   f"{done.stderr.strip()[-2000:]}")
-    print(f"pdserve: latency model at {threads} thread(s) in {time.monotonic() - t0:.0f} s: {out}",
-          file=sys.stderr, flush=True)
+    log(f"pdserve: latency model at {threads} thread(s) in {time.monotonic() - t0:.0f} s: {out}")
