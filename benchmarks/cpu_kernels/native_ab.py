@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import statistics
 import sys
 import time
@@ -40,7 +41,9 @@ def baseline_module(checkout: str) -> types.ModuleType:
         path = Path(checkout) / "kernels" / "cpu_native.py"
     mod = types.ModuleType("baseline_cpu_native")
     mod.__file__ = str(path)
-    source = path.read_text().replace("from . import huge_pages", "from pdserve.kernels import huge_pages")
+    # its relative imports (`from . import huge_pages`, `from .atomic_file import replaced`) from this tree's package
+    source = re.sub(r"^from \.(\w*) import", lambda m: f"from pdserve.kernels{'.' + m[1] if m[1] else ''} import",
+                    path.read_text(), flags=re.M)
     exec(compile(source, str(path), "exec"), mod.__dict__)
     return mod
 

@@ -24,7 +24,6 @@ import json
 from pathlib import Path
 
 from pdserve.common.config_base import ConfigError
-from pdserve.kernels.atomic_file import replaced
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 GGUF_SOURCE = "gguf_source.json"  # in a converted folder: the GGUF file it came from
@@ -34,6 +33,8 @@ def write_gguf_source(folder: Path, gguf: Path) -> None:
     """Record in `folder` the GGUF file its weights came from (path, size, mtime)."""
     st = gguf.stat()
     record = {"path": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    from pdserve.kernels.atomic_file import replaced  # here: importing pdserve.kernels imports torch, which
+    # the router (it reads QUANTIZATIONS from this module) never loads; converting a GGUF has it already
     with replaced(folder / GGUF_SOURCE) as tmp:  # several workers may add it to one cached folder at once
         Path(tmp).write_text(json.dumps(record, indent=2))
 

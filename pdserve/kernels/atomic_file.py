@@ -3,8 +3,9 @@ path beside `target` (same folder, so the rename is atomic); when the block ends
 error the file is renamed onto `target`, otherwise removed. Readers never see a half-written
 file, and several processes (workers loading one model folder, builders of one kernel) may
 write the same target at once: the last rename wins with a whole file. Used by the kernel
-build, the crossover table, the converted GGUF folder's records and caches, and the ready
-files that `serve` and each worker write for whoever polls them."""
+build, the crossover table, the converted GGUF folder's records and caches, and each worker's
+ready file. Not the router process's writes: importing `pdserve.kernels` imports torch, which
+the router never loads."""
 from __future__ import annotations
 
 import os

@@ -99,7 +99,8 @@ def test_serve_router_flags_come_from_router_config():
                                       "--planner-interval-s", "2", "--planner-max-workers", "4", "--planner-target",
                                       "0.95", "--planner-sustain", "2", "--planner-cooldown-s", "10",
                                       "--planner-host-cores", "2", "--planner-memory-s", "60",
-                                      "--planner-load-band", "2", "--planner-min-requests", "6", "--planner-latency-models", "a.json,b.json",
+                                      "--planner-load-band", "2", "--planner-min-requests", "6", "--planner-miss-z", "1.5",
+                                      "--planner-latency-models", "a.json,b.json",
                                       "--suspect-after", "0.75", "--worker-wait", "4"])
     assert given(args, ROUTER_DEST) == {"host": "10.0.0.1", "http_port": -1, "zmq_port": 0, "routing": "round_robin",
                                         "max_prompt_chars": 100, "max_body_bytes": 2048, "retries": 0,
@@ -113,7 +114,7 @@ def test_serve_router_flags_come_from_router_config():
                                         "planner_interval_s": 2.0, "planner_max_workers": 4, "planner_target": 0.95,
                                         "planner_sustain": 2, "planner_cooldown_s": 10.0, "planner_host_cores": 2,
                                         "planner_memory_s": 60.0, "planner_load_band": 2.0, "planner_min_requests": 6,
-                                        "planner_latency_models": "a.json,b.json", "suspect_after_s": 0.75,
+                                        "planner_miss_z": 1.5, "planner_latency_models": "a.json,b.json", "suspect_after_s": 0.75,
                                         "worker_wait_s": 4.0}
     assert sorted(given(args, ROUTER_DEST)) == sorted(names)
     for name in names:

@@ -27,8 +27,6 @@ from pathlib import Path
 
 from pdserve.common.config import ConfigError
 from pdserve.common.worker.spec import WorkerSpec
-from pdserve.kernels.atomic_file import replaced
-from pdserve.kernels.cpu_native import cpu_model
 
 PROFILE_TIMEOUT_S = 900.0  # one thread count's profile; a model too big for this would not serve here either
 
@@ -42,7 +40,9 @@ def profile_key(spec: WorkerSpec, threads: int, kv_transfer: str) -> str:
     `threads`, the transfer backend, the CPU, torch's and pdserve's versions."""
     from importlib.metadata import PackageNotFoundError, version
 
-    import torch
+    import torch  # here, not at the top: the router process does not import torch until it profiles
+
+    from pdserve.kernels.cpu_native import cpu_model
     try:
         ours = version("pdserve")
     except PackageNotFoundError:  # run from a checkout without installing
@@ -100,20 +100,23 @@ def _sigterm_exits() -> Iterator[None]:
 def _profile(spec: WorkerSpec, threads: int, kv_transfer: str, out: Path, log) -> None:
     """`pdserve profile` of `spec`'s engine at `threads` in a child process, written to `out` whole."""
     engine = {**spec.engine.to_dict(), "num_threads": threads}
+    partial = out.with_name(f".{out.name}.{os.getpid()}")  # renamed onto `out` once whole
     with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as tmp:
         options = Path(tmp) / "engine.json"
         options.write_text(json.dumps(engine))
-        with replaced(out) as target:
-            cmd = [sys.executable, "-m", "pdserve", "profile", spec.model_dir, "--engine-json", str(options),
-                   "--kv-transfer", kv_transfer, "--out", target]
-            t0 = time.monotonic()
-            try:
-                with _sigterm_exits():  # stopped while profiling: the child killed, the temp file removed
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise ConfigError(f"profiling for the planner's latency models took over {PROFILE_TIMEOUT_S:.0f} s: "
-                                  "give --planner-latency-models files (`pdserve profile`)") from None
+        cmd = [sys.executable, "-m", "pdserve", "profile", spec.model_dir, "--engine-json", str(options),
+               "--kv-transfer", kv_transfer, "--out", str(partial)]
+        t0 = time.monotonic()
+        try:
+            with _sigterm_exits():  # stopped while profiling: the child killed, the partial file removed
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S)
             if done.returncode != 0:
                 raise ConfigError(f"profiling for the planner's latency models failed ({' '.join(cmd[1:])}):\n"
                                   f"{done.stderr.strip()[-2000:]}")
+            os.replace(partial, out)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"profiling for the planner's latency models took over {PROFILE_TIMEOUT_S:.0f} s: "
+                              "give --planner-latency-models files (`pdserve profile`)") from None
+        finally:
+            partial.unlink(missing_ok=True)
     log(f"pdserve: latency model at {threads} thread(s) in {time.monotonic() - t0:.0f} s: {out}")

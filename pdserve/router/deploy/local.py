@@ -24,7 +24,6 @@ from pdserve.common.config import ConfigError
 from pdserve.common.gc_tuning import freeze_startup_heap
 from pdserve.common.wire.curve import resolve as resolve_curve
 from pdserve.common.worker.spec import WorkerSpec
-from pdserve.kernels.atomic_file import replaced
 from pdserve.router.deploy.latency_auto import profiled_models
 from pdserve.router.core.config import RouterConfig
 from pdserve.router.pools.control import ControlPlane
@@ -170,8 +169,8 @@ def ready_text(dep: DeploymentConfig, info: dict) -> str:
 
 def write_ready_file(path: str, info: dict) -> None:
     """`info` as JSON at `path`, whole or not at all (written aside, then renamed)."""
-    with replaced(path) as tmp:
-        Path(tmp).write_text(json.dumps(info))
+    Path(path).with_suffix(".tmp").write_text(json.dumps(info))
+    Path(path).with_suffix(".tmp").rename(path)
 
 
 def planner_models(c: RouterConfig, dep: DeploymentConfig | None = None) -> LayoutModels | None:
