@@ -21,6 +21,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def run_profile(model_dir: str, options: EngineOptions, plan: ProfilePlan, kv_tr
 
 def _engine_json(path: str) -> EngineOptions:
     try:
-        data = json.loads(open(path).read())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"--engine-json {path}: {e}") from None
     return EngineOptions.from_dict(data, "--engine-json")
