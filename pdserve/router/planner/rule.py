@@ -25,7 +25,7 @@ On one host the rule also remembers how each layout (colocated, split) did: a sc
 window (the lower of the TTFT and TPOT attainments of the requests sent after the layout
 was in place, so none that lived through the change), averaged over the windows the
 layout held (each weighted by those requests), outside cooldowns, with the load it was
-measured under (`Load`: arrival rate, mean prompt and output length). A score applies
+measured under (`Load`, router/planner/memory.py: arrival rate, mean prompt and output length). A score applies
 once it counts `min_requests` requests, while the load is like it (each figure within
 `load_band` x of the remembered one; the rates also within `RATE_Z` Poisson standard
 errors of each other) and for at most `memory_s` after the layout was last
@@ -55,15 +55,13 @@ pool (a role change) where it can, else from a new worker while the deployment h
 fewer than `max_workers`."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
+from pdserve.router.planner.memory import Load, Remembered
 from pdserve.router.stats.intervals import wilson_interval
 
 NONE, ADD, REROLE, SPLIT, MERGE = "none", "add", "re_role", "split", "merge"
 WISHES = ("prefill", "decode", "split", "merge")
-RATE_Z = 1.96  # two measured rates differ where their log ratio passes this many standard errors (and the band)
 
 
 @dataclass(frozen=True)
@@ -96,49 +94,6 @@ class PlannerConfig:
         if not self.load_band >= 1 or self.min_requests < 1 or self.confidence_z < 0 or not self.miss_z >= 0:
             raise ValueError(f"planner load_band must be >= 1, min_requests >= 1, confidence_z and miss_z >= 0, got "
                              f"{self.load_band}, {self.min_requests}, {self.confidence_z}, {self.miss_z}")
-
-
-class Load(NamedTuple):
-    """The load a window's figures were measured under: requests sent a second, and their
-    mean prompt and output lengths in tokens (router/planner/loop.py: the latest minutes),
-    over `requests` requests (0: not known)."""
-
-    rate: float
-    prompt_tokens: float
-    output_tokens: float
-    requests: int = 0
-
-    def like(self, other: Load, band: float) -> bool:
-        """Whether each figure is within `band` x of `other`'s; the rates, counts of Poisson
-        arrivals where both counts are known, also within `RATE_Z` standard errors of their
-        log ratio (sqrt(1/n1 + 1/n2)): at 0.125 req/s two minutes hold ~15 requests, and a
-        lull of 7 in one of them (0.058 req/s) is the same load, not one 2x lighter."""
-        rate_band = band
-        if self.requests and other.requests:
-            rate_band = max(band, math.exp(RATE_Z * math.sqrt(1 / self.requests + 1 / other.requests)))
-        return all(_within(a, b, f) for a, b, f in ((self.rate, other.rate, rate_band),
-                                                     (self.prompt_tokens, other.prompt_tokens, band),
-                                                     (self.output_tokens, other.output_tokens, band)))
-
-
-def _within(a: float, b: float, factor: float) -> bool:
-    return max(a, b) <= factor * min(a, b) if min(a, b) > 0 else a == b
-
-
-class Remembered(NamedTuple):
-    """One layout's measured score: the mean over `requests`, last updated at `seen`
-    (monotonic seconds), under `load` (None: not known)."""
-
-    layout: str
-    score: float
-    requests: int
-    seen: float
-    load: Load | None = None
-
-    def applies(self, now: float, load: Load | None, cfg: PlannerConfig) -> bool:
-        """Seen within `memory_s` and, where both loads are known, under a load like `load`."""
-        return now - self.seen <= cfg.memory_s and (self.load is None or load is None
-                                                    or self.load.like(load, cfg.load_band))
 
 
 @dataclass(frozen=True)
