@@ -26,13 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve.common.config import ConfigError
+from pdserve.common.loading.default_model import cache_root
 from pdserve.common.worker.spec import WorkerSpec
 
 PROFILE_TIMEOUT_S = 900.0  # one thread count's profile; a model too big for this would not serve here either
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "latency_models"
+    return cache_root() / "latency_models"
 
 
 def profile_key(spec: WorkerSpec, threads: int, kv_transfer: str) -> str:
